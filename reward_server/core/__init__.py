@@ -1,0 +1,46 @@
+"""The pure SD-E² reward core: parsing, answers, geometry, components, normalization.
+
+No I/O and no globals: every function takes what it needs and returns a value. The encoder is
+passed in (see :class:`reward_server.encoders.base.Encoder`).
+"""
+
+from reward_server.core.normalization import Aggregate, aggregate, group_advantages, zscore
+from reward_server.core.params import (
+    RECIPE_COMPONENTS,
+    AnswerType,
+    ComponentKey,
+    Recipe,
+    RewardParams,
+    Weights,
+)
+from reward_server.core.scoring import (
+    BatchScore,
+    InvalidBatch,
+    ItemResult,
+    PreparedBatch,
+    ScoreItem,
+    finish_batch,
+    prepare_batch,
+    score_batch,
+)
+
+__all__ = [
+    "RECIPE_COMPONENTS",
+    "Aggregate",
+    "AnswerType",
+    "BatchScore",
+    "ComponentKey",
+    "InvalidBatch",
+    "ItemResult",
+    "PreparedBatch",
+    "Recipe",
+    "RewardParams",
+    "ScoreItem",
+    "Weights",
+    "aggregate",
+    "finish_batch",
+    "group_advantages",
+    "prepare_batch",
+    "score_batch",
+    "zscore",
+]

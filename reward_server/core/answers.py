@@ -1,0 +1,164 @@
+"""Answer canonicalization ``N(·)`` and the matchers of SPEC §2.
+
+Predictions and gold answers go through the same ``N``; two answers match iff their canonical
+forms are equal. A matcher is chosen per request by ``answer_type``.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable
+from fractions import Fraction
+
+from reward_server.core.params import AnswerType
+from reward_server.core.text import field_text
+
+#: A canonical numeric answer: an exact rational, or a string when there is no usable number.
+Canonical = Fraction | str
+
+_FRAC = re.compile(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
+# Longest first, so that `\textbf` is not read as `\text` + "bf".
+_LATEX_WORDS = re.compile(r"\\(?:textbf|text|boxed|mathrm|left|right)")
+_DROP_CHARS = str.maketrans(dict.fromkeys("{}$€£¥%", None))
+_DIGIT_COMMA = re.compile(r"(?<=[0-9]),(?=[0-9])")
+_NUMBER = re.compile(r"-?[0-9]+(?:\.[0-9]+)?(?:/[0-9]+)?")
+_MAX_DIGITS = 1000
+
+
+def _strip_latex(text: str) -> str:
+    """Step 2 of numeric ``N``: fractions to ``a/b``, LaTeX words and currency marks removed."""
+    text = _FRAC.sub(r"\1/\2", text)
+    text = _LATEX_WORDS.sub("", text).translate(_DROP_CHARS)
+    return _DIGIT_COMMA.sub("", text)
+
+
+def _canonical_number(number: str) -> Canonical:
+    """Step 4 of numeric ``N``: strip redundant zeros, then read the exact rational."""
+    sign = "-" if number.startswith("-") else ""
+    numerator, _, denominator = number.lstrip("-").partition("/")
+    integer, _, decimals = numerator.partition(".")
+    text = integer.lstrip("0") or "0"
+    decimals = decimals.rstrip("0")
+    if decimals:
+        text += "." + decimals
+    if denominator:
+        denominator = denominator.lstrip("0") or "0"
+        text += "/" + denominator
+    text = sign + text
+    n_digits = sum(c.isdigit() for c in text)
+    if denominator == "0" or n_digits > _MAX_DIGITS:
+        return text
+    value = Fraction(numerator.partition(".")[0] + "." + (decimals or "0"))
+    if denominator:
+        value /= int(denominator)
+    return -value if sign else value
+
+
+def canonical_numeric(text: str) -> Canonical:
+    """``N`` for ``answer_type = "numeric"`` (GSM8K, AIME).
+
+    >>> canonical_numeric("$1,000.00") == canonical_numeric("1000")
+    True
+    >>> canonical_numeric("3/4") == canonical_numeric("0.75")
+    True
+    >>> canonical_numeric("\\\\boxed{18}"), canonical_numeric("17 or 18")
+    (Fraction(18, 1), Fraction(18, 1))
+    >>> canonical_numeric("The answer is Paris.")
+    'the answer is paris'
+    """
+    if "####" in text:
+        text = text.rsplit("####", 1)[1]
+    text = _strip_latex(text)
+    last = None
+    for last in _NUMBER.finditer(text):  # noqa: B007 - only the last match is wanted
+        pass
+    if last is None:
+        return field_text(text).lower().rstrip(". ")
+    return _canonical_number(last.group(0))
+
+
+# Option-letter patterns of the `choice` matcher, in priority order.
+_CHOICE_PATTERNS = (
+    re.compile(r"\(([A-E])\)"),
+    re.compile(r"\b([A-E])\)"),
+    re.compile(r"\b([A-E])\."),
+    re.compile(r"\b([A-E]):"),
+    re.compile(r"[oO][pP][tT][iI][oO][nN] ([a-eA-E])\b"),
+    re.compile(r"[aA][nN][sS][wW][eE][rR] [iI][sS] ([a-eA-E])\b"),
+)
+
+
+def canonical_choice(text: str) -> str | None:
+    """``N`` for ``answer_type = "choice"`` (MedMCQA): an option letter A–E, or ``None``.
+
+    >>> canonical_choice("I pick (C) because B) is wrong"), canonical_choice("the answer is b")
+    ('C', 'B')
+    >>> canonical_choice(" d "), canonical_choice("none")
+    ('D', None)
+    """
+    text = field_text(text)
+    for pattern in _CHOICE_PATTERNS:
+        match = pattern.search(text)
+        if match:
+            return match.group(1).upper()
+    if len(text) == 1 and text in "abcdeABCDE":
+        return text.upper()
+    return None
+
+
+def canonical_exact(text: str) -> str:
+    """``N`` for ``answer_type = "exact"``: the lower-cased field text."""
+    return field_text(text).lower()
+
+
+def math_equivalent(prediction: str, gold: str) -> bool:
+    """``answer_type = "math"``: equivalence by ``math-verify`` (optional extra), gold first."""
+    try:
+        from math_verify import parse, verify
+    except ImportError as exc:  # pragma: no cover - depends on the installed extras
+        raise RuntimeError("answer_type 'math' needs the optional extra: pip install sde2[math]") from exc
+    # Its signal-based timeouts only work on the main thread; elsewhere they must be disabled.
+    on_main = threading.current_thread() is threading.main_thread()
+    timeout = {} if on_main else {"parsing_timeout": None}
+    verify_timeout = {} if on_main else {"timeout_seconds": None}
+    gold_parsed = parse(gold, **timeout)
+    pred_parsed = parse(prediction, **timeout)
+    return bool(verify(gold_parsed, pred_parsed, **verify_timeout))
+
+
+def math_available() -> bool:
+    """Whether the ``math`` matcher can run (its optional extra is installed)."""
+    try:
+        import math_verify  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def make_matcher(answer_type: AnswerType, gold: str) -> Callable[[str], bool]:
+    """A predicate telling whether a predicted answer text matches ``gold`` (both preprocessed).
+
+    The gold side is canonicalized once, since one completion asks it for every strategy.
+
+    >>> matches = make_matcher("numeric", "#### 72")
+    >>> matches("72.0"), matches("73")
+    (True, False)
+    """
+    if answer_type == "numeric":
+        gold_numeric = canonical_numeric(gold)
+        return lambda prediction: _same(canonical_numeric(prediction), gold_numeric)
+    if answer_type == "choice":
+        gold_letter = canonical_choice(gold)
+        return lambda prediction: gold_letter is not None and canonical_choice(prediction) == gold_letter
+    if answer_type == "exact":
+        gold_exact = canonical_exact(gold)
+        return lambda prediction: canonical_exact(prediction) == gold_exact
+    if answer_type == "math":
+        return lambda prediction: math_equivalent(prediction, gold)
+    raise ValueError(f"unknown answer_type {answer_type!r}")
+
+
+def _same(a: Canonical, b: Canonical) -> bool:
+    # A rational never equals a string, even "3" vs Fraction(3).
+    return type(a) is type(b) and a == b

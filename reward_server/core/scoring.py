@@ -1,0 +1,222 @@
+"""Scoring a batch: parse, match answers, embed only what the reward needs, combine (SPEC §1–5).
+
+Scoring is split in two pure phases around the encoder so that a server can coalesce the encoder
+work of many concurrent requests into shared batches:
+
+1. :func:`prepare_batch` parses every completion and lists the distinct reasoning texts whose
+   embeddings the reward needs (``PreparedBatch.texts``);
+2. :func:`finish_batch` takes those embeddings (rows aligned with ``texts``) and computes every
+   component, the normalization and the advantages.
+
+:func:`score_batch` chains the two around an :class:`~reward_server.encoders.base.Encoder`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from reward_server.core import components as C
+from reward_server.core.answers import make_matcher
+from reward_server.core.geometry import semantic_gain
+from reward_server.core.normalization import Aggregate, aggregate
+from reward_server.core.params import RECIPE_COMPONENTS, AnswerType, Recipe, RewardParams
+from reward_server.core.parsing import ParsedCompletion, parse_completion
+from reward_server.core.text import preprocess
+from reward_server.encoders.base import EMBEDDING_DIM, Encoder
+
+
+class InvalidBatch(ValueError):
+    """A request the reward is not defined for; ``loc`` is the path of the offending field."""
+
+    def __init__(self, loc: tuple[str | int, ...], message: str) -> None:
+        super().__init__(f"{'.'.join(map(str, loc))}: {message}")
+        self.loc = loc
+        self.message = message
+
+
+@dataclass(frozen=True)
+class ScoreItem:
+    """One completion to score, with its gold answer (SPEC §6 ``items[]``)."""
+
+    completion: str
+    answer: str
+    prompt: str | None = None
+    group: str | None = None
+    num_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class ItemAnalysis:
+    """Everything about one item that does not need the encoder."""
+
+    parsed: ParsedCompletion
+    correct: bool
+    strategy_correct: bool
+    length: int
+    #: Whether ``g(H)`` (and so the encoder) is needed: ``sd`` in the recipe, ``χ = 0``, ``m ≥ 2``
+    #: (``m = 1`` gives ``g = 1`` without it), or diagnostics on with ``m ≥ 2``.
+    needs_geometry: bool
+
+
+@dataclass(frozen=True)
+class ItemResult:
+    """Per-item diagnostics of the response (SPEC §6 ``items[]``)."""
+
+    n_strat: int
+    final_answer: str | None
+    correct: bool
+    strategy_correct: bool
+    uniq: int | None
+    div: float | None
+
+
+@dataclass(frozen=True)
+class PreparedBatch:
+    """Output of :func:`prepare_batch`: the analyses and the texts to embed."""
+
+    recipe: Recipe
+    answer_type: AnswerType
+    params: RewardParams
+    analyses: list[ItemAnalysis]
+    groups: list[str] | None
+    #: Distinct reasoning texts to embed, in first-seen order.
+    texts: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class BatchScore:
+    """A scored batch: SPEC §6's response without the ``encoder`` field."""
+
+    recipe: Recipe
+    params: RewardParams
+    components: dict[str, list[float]]
+    aggregate: Aggregate
+    items: list[ItemResult]
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON shape of SPEC §6 (arrays in item order), minus ``encoder``."""
+        return {
+            "rewards": self.aggregate.rewards,
+            "components": self.components,
+            "normalized": self.aggregate.normalized,
+            "advantages": self.aggregate.advantages,
+            "items": [item.__dict__ for item in self.items],
+            "batch": {"mean": self.aggregate.mean, "std": self.aggregate.std},
+            "recipe": self.recipe,
+            "params": self.params.model_dump(),
+        }
+
+
+def _groups(items: Sequence[ScoreItem]) -> list[str] | None:
+    with_group = [item.group is not None for item in items]
+    if all(with_group):
+        return [item.group for item in items if item.group is not None]
+    if any(with_group):
+        missing = with_group.index(False)
+        raise InvalidBatch(
+            ("items", missing, "group"),
+            "either every item carries a group id or none does",
+        )
+    return None
+
+
+def analyze_item(
+    item: ScoreItem,
+    recipe: Recipe,
+    answer_type: AnswerType,
+    params: RewardParams,
+    diagnostics: bool,
+) -> ItemAnalysis:
+    """Parse one completion and match its answers; decide whether it needs the encoder."""
+    parsed = parse_completion(preprocess(item.completion), params.max_strategies)
+    matches = make_matcher(answer_type, preprocess(item.answer))
+    strategy_correct = any(matches(s.outcome) for s in parsed.strategies)
+    correct = parsed.final_answer is not None and matches(parsed.final_answer)
+    length = item.num_tokens if item.num_tokens is not None else len(item.completion.split())
+    m = parsed.n_strat
+    needs = m >= 2 and (diagnostics or ("sd" in RECIPE_COMPONENTS[recipe] and not strategy_correct))
+    return ItemAnalysis(parsed, correct, strategy_correct, length, needs)
+
+
+def prepare_batch(
+    items: Sequence[ScoreItem],
+    *,
+    recipe: Recipe = "sde2",
+    answer_type: AnswerType = "numeric",
+    params: RewardParams | None = None,
+    diagnostics: bool = False,
+) -> PreparedBatch:
+    """Phase 1: everything but the embeddings. Raises :class:`InvalidBatch` on a bad batch."""
+    params = params or RewardParams()
+    if not items:
+        raise InvalidBatch(("items",), "the batch is empty: send at least one item")
+    groups = _groups(items)
+    analyses = [analyze_item(it, recipe, answer_type, params, diagnostics) for it in items]
+    texts = dict.fromkeys(
+        s.reasoning for a in analyses if a.needs_geometry for s in a.parsed.strategies
+    )
+    return PreparedBatch(recipe, answer_type, params, analyses, groups, list(texts))
+
+
+def finish_batch(
+    prepared: PreparedBatch,
+    embeddings: npt.NDArray[np.floating],
+    *,
+    normalize: bool = True,
+) -> BatchScore:
+    """Phase 2: components, normalization and advantages from the embeddings of ``texts``."""
+    if embeddings.shape[0] != len(prepared.texts):
+        raise ValueError(f"got {embeddings.shape[0]} embeddings for {len(prepared.texts)} texts")
+    row = {text: i for i, text in enumerate(prepared.texts)}
+    p = prepared.params
+    keys = RECIPE_COMPONENTS[prepared.recipe]
+    values: dict[str, list[float]] = {k: [] for k in keys}
+    results: list[ItemResult] = []
+    for a in prepared.analyses:
+        m = a.parsed.n_strat
+        gain, uniq, div = (0.0, None, None) if m == 0 else (1.0, 1, 1.0)
+        if a.needs_geometry:
+            h = embeddings[[row[s.reasoning] for s in a.parsed.strategies]]
+            gain, uniq, div = semantic_gain(h, p.similarity_threshold)
+        row_values = {
+            "oc": lambda: C.outcome_correctness(a.correct, p),
+            "re": lambda: C.reasoning_exploitation(a.strategy_correct, p),
+            "fa": lambda: C.format_adherence(m, a.parsed.final_answer is not None, p),
+            "sd": lambda: C.semantic_exploration(a.strategy_correct, gain, p),
+            "rd": lambda: C.count_exploration(a.strategy_correct, m, p),
+            "len": lambda: C.length_penalty(a.length, p),
+        }
+        for k in keys:
+            values[k].append(row_values[k]())
+        results.append(
+            ItemResult(m, a.parsed.final_answer, a.correct, a.strategy_correct, uniq, div)
+        )
+    agg = aggregate(values, p, normalize=normalize, groups=prepared.groups)
+    return BatchScore(prepared.recipe, p, values, agg, results)
+
+
+def score_batch(
+    items: Sequence[ScoreItem],
+    encoder: Encoder,
+    *,
+    recipe: Recipe = "sde2",
+    answer_type: AnswerType = "numeric",
+    params: RewardParams | None = None,
+    normalize: bool = True,
+    diagnostics: bool = False,
+) -> BatchScore:
+    """Score a batch in process: :func:`prepare_batch`, encode, :func:`finish_batch`."""
+    prepared = prepare_batch(
+        items, recipe=recipe, answer_type=answer_type, params=params, diagnostics=diagnostics
+    )
+    embeddings = (
+        encoder.encode(prepared.texts)
+        if prepared.texts
+        else np.zeros((0, EMBEDDING_DIM), dtype=np.float32)
+    )
+    return finish_batch(prepared, embeddings, normalize=normalize)
