@@ -117,7 +117,9 @@ def math_equivalent(prediction: str, gold: str) -> bool:
     try:
         from math_verify import parse, verify
     except ImportError as exc:  # pragma: no cover - depends on the installed extras
-        raise RuntimeError("answer_type 'math' needs the optional extra: pip install sde2[math]") from exc
+        raise RuntimeError(
+            "answer_type 'math' needs the optional extra: pip install sde2[math]"
+        ) from exc
     # Its signal-based timeouts only work on the main thread; elsewhere they must be disabled.
     on_main = threading.current_thread() is threading.main_thread()
     timeout = {} if on_main else {"parsing_timeout": None}
@@ -150,7 +152,9 @@ def make_matcher(answer_type: AnswerType, gold: str) -> Callable[[str], bool]:
         return lambda prediction: _same(canonical_numeric(prediction), gold_numeric)
     if answer_type == "choice":
         gold_letter = canonical_choice(gold)
-        return lambda prediction: gold_letter is not None and canonical_choice(prediction) == gold_letter
+        return lambda prediction: (
+            gold_letter is not None and canonical_choice(prediction) == gold_letter
+        )
     if answer_type == "exact":
         gold_exact = canonical_exact(gold)
         return lambda prediction: canonical_exact(prediction) == gold_exact

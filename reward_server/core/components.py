@@ -49,7 +49,8 @@ def _explore_or_collapse(strategy_correct: bool, exploration: float, p: RewardPa
 def semantic_exploration(strategy_correct: bool, gain: float, p: RewardParams) -> float:
     """``R_sd = α · χ + (1 − χ) · min(β, ρ · g(H))`` with ``g = Uniq · Div``.
 
-    >>> semantic_exploration(False, 2.0, RewardParams()), semantic_exploration(True, 0.0, RewardParams())
+    >>> p = RewardParams()
+    >>> semantic_exploration(False, 2.0, p), semantic_exploration(True, 0.0, p)
     (0.2, 1.0)
     """
     return _explore_or_collapse(strategy_correct, gain, p)

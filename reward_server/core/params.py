@@ -71,13 +71,9 @@ class RewardParams(BaseModel):
         allow_inf_nan=False,
         description="delta: a strategy is unique iff its cosine to every kept one is <= delta",
     )
-    length_target: int = Field(
-        512, ge=1, description="token budget of the length term (GRPO-CFL)"
-    )
+    length_target: int = Field(512, ge=1, description="token budget of the length term (GRPO-CFL)")
     weights: Weights = Field(default_factory=Weights, description="aggregation weights w_k")
     eps: float = Field(
         1e-6, gt=0.0, le=1.0, allow_inf_nan=False, description="normalization epsilon"
     )
-    max_strategies: int = Field(
-        32, ge=1, le=256, description="strategy blocks kept per completion"
-    )
+    max_strategies: int = Field(32, ge=1, le=256, description="strategy blocks kept per completion")

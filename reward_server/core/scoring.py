@@ -163,6 +163,19 @@ def prepare_batch(
     return PreparedBatch(recipe, answer_type, params, analyses, groups, list(texts))
 
 
+def _component_values(a: ItemAnalysis, gain: float, p: RewardParams) -> dict[str, float]:
+    """Every component of SPEC §4 for one item (each is a few flops; recipes pick theirs)."""
+    m = a.parsed.n_strat
+    return {
+        "oc": C.outcome_correctness(a.correct, p),
+        "re": C.reasoning_exploitation(a.strategy_correct, p),
+        "fa": C.format_adherence(m, a.parsed.final_answer is not None, p),
+        "sd": C.semantic_exploration(a.strategy_correct, gain, p),
+        "rd": C.count_exploration(a.strategy_correct, m, p),
+        "len": C.length_penalty(a.length, p),
+    }
+
+
 def finish_batch(
     prepared: PreparedBatch,
     embeddings: npt.NDArray[np.floating],
@@ -183,16 +196,9 @@ def finish_batch(
         if a.needs_geometry:
             h = embeddings[[row[s.reasoning] for s in a.parsed.strategies]]
             gain, uniq, div = semantic_gain(h, p.similarity_threshold)
-        row_values = {
-            "oc": lambda: C.outcome_correctness(a.correct, p),
-            "re": lambda: C.reasoning_exploitation(a.strategy_correct, p),
-            "fa": lambda: C.format_adherence(m, a.parsed.final_answer is not None, p),
-            "sd": lambda: C.semantic_exploration(a.strategy_correct, gain, p),
-            "rd": lambda: C.count_exploration(a.strategy_correct, m, p),
-            "len": lambda: C.length_penalty(a.length, p),
-        }
+        item_values = _component_values(a, gain, p)
         for k in keys:
-            values[k].append(row_values[k]())
+            values[k].append(item_values[k])
         results.append(
             ItemResult(m, a.parsed.final_answer, a.correct, a.strategy_correct, uniq, div)
         )
