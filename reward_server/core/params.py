@@ -23,8 +23,6 @@ RECIPE_COMPONENTS: dict[str, tuple[ComponentKey, ...]] = {
     "cfl": ("oc", "fa", "len"),
 }
 
-_NONNEG = {"ge": 0.0, "allow_inf_nan": False}
-
 
 class Weights(BaseModel):
     """Aggregation weights ``w_k`` of SPEC §5 (ablations set some to 0)."""
@@ -48,21 +46,41 @@ class RewardParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    lambda_oc: float = Field(1.0, **_NONNEG, description="scale of outcome correctness R_oc")
-    lambda_re: float = Field(1.0, **_NONNEG, description="scale of reasoning exploitation R_re")
-    gamma_strategies: float = Field(
-        0.2, **_NONNEG, description="format reward per valid strategy (capped at 1)"
+    lambda_oc: float = Field(
+        1.0, ge=0.0, allow_inf_nan=False, description="scale of outcome correctness R_oc"
     )
-    gamma_answer: float = Field(0.3, **_NONNEG, description="format reward for a final answer")
+    lambda_re: float = Field(
+        1.0, ge=0.0, allow_inf_nan=False, description="scale of reasoning exploitation R_re"
+    )
+    gamma_strategies: float = Field(
+        0.2,
+        ge=0.0,
+        allow_inf_nan=False,
+        description="format reward per valid strategy (capped at 1)",
+    )
+    gamma_answer: float = Field(
+        0.3, ge=0.0, allow_inf_nan=False, description="format reward for a final answer"
+    )
     gamma_complete: float = Field(
-        0.1, **_NONNEG, description="format reward for strategies and a final answer together"
+        0.1,
+        ge=0.0,
+        allow_inf_nan=False,
+        description="format reward for strategies and a final answer together",
     )
     collapse_bonus: float = Field(
-        1.0, **_NONNEG, description="alpha: exploration reward once a strategy is correct"
+        1.0,
+        ge=0.0,
+        allow_inf_nan=False,
+        description="alpha: exploration reward once a strategy is correct",
     )
-    explore_cap: float = Field(0.5, **_NONNEG, description="beta: cap of the exploration reward")
+    explore_cap: float = Field(
+        0.5, ge=0.0, allow_inf_nan=False, description="beta: cap of the exploration reward"
+    )
     explore_rate: float = Field(
-        0.1, **_NONNEG, description="rho: exploration reward per unit of g(H) or per strategy"
+        0.1,
+        ge=0.0,
+        allow_inf_nan=False,
+        description="rho: exploration reward per unit of g(H) or per strategy",
     )
     similarity_threshold: float = Field(
         0.80,
