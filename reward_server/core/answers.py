@@ -35,24 +35,22 @@ def _strip_latex(text: str) -> str:
 
 def _canonical_number(number: str) -> Canonical:
     """Step 4 of numeric ``N``: strip redundant zeros, then read the exact rational."""
-    sign = "-" if number.startswith("-") else ""
+    negative = number.startswith("-")
     numerator, _, denominator = number.lstrip("-").partition("/")
     integer, _, decimals = numerator.partition(".")
-    text = integer.lstrip("0") or "0"
-    decimals = decimals.rstrip("0")
-    if decimals:
-        text += "." + decimals
+    integer, decimals = integer.lstrip("0") or "0", decimals.rstrip("0")
+    text = integer + ("." + decimals if decimals else "")
     if denominator:
         denominator = denominator.lstrip("0") or "0"
         text += "/" + denominator
-    text = sign + text
-    n_digits = sum(c.isdigit() for c in text)
-    if denominator == "0" or n_digits > _MAX_DIGITS:
+    text = ("-" if negative else "") + text
+    if denominator == "0" or sum(c.isdigit() for c in text) > _MAX_DIGITS:
         return text
-    value = Fraction(numerator.partition(".")[0] + "." + (decimals or "0"))
+    # Built from the canonical digits, so it stays within Python's int-conversion limit.
+    value = Fraction(int(integer + decimals), 10 ** len(decimals))
     if denominator:
         value /= int(denominator)
-    return -value if sign else value
+    return -value if negative else value
 
 
 def canonical_numeric(text: str) -> Canonical:

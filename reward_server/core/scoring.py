@@ -13,6 +13,7 @@ work of many concurrent requests into shared batches:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,6 +98,21 @@ class BatchScore:
     components: dict[str, list[float]]
     aggregate: Aggregate
     items: list[ItemResult]
+
+    @property
+    def rewards(self) -> list[float]:
+        """``R_final`` per item."""
+        return self.aggregate.rewards
+
+    @property
+    def normalized(self) -> dict[str, list[float]]:
+        """``R̃_k`` per component and item."""
+        return self.aggregate.normalized
+
+    @property
+    def advantages(self) -> list[float] | None:
+        """Group-relative advantages, when every item carries a group."""
+        return self.aggregate.advantages
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON shape of SPEC §6 (arrays in item order), minus ``encoder``."""
@@ -192,10 +208,16 @@ def finish_batch(
     results: list[ItemResult] = []
     for a in prepared.analyses:
         m = a.parsed.n_strat
-        gain, uniq, div = (0.0, None, None) if m == 0 else (1.0, 1, 1.0)
+        gain: float
+        uniq: int | None
+        div: float | None
         if a.needs_geometry:
             h = embeddings[[row[s.reasoning] for s in a.parsed.strategies]]
             gain, uniq, div = semantic_gain(h, p.similarity_threshold)
+        elif m <= 1:  # g(H) is known without the encoder: 0 for no strategy, 1 for one
+            gain, uniq, div = (0.0, None, None) if m == 0 else (1.0, 1, 1.0)
+        else:  # not needed (χ = 1 or no `sd` in the recipe): NaN makes any misuse loud
+            gain, uniq, div = math.nan, None, None
         item_values = _component_values(a, gain, p)
         for k in keys:
             values[k].append(item_values[k])

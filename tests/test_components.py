@@ -1,0 +1,115 @@
+"""SPEC §4: every component formula, with defaults and with non-default parameters."""
+
+from __future__ import annotations
+
+import pytest
+
+from reward_server.core import components as C
+from reward_server.core.params import RewardParams
+
+P = RewardParams()
+
+
+def test_outcome_and_exploitation_scale_with_lambda() -> None:
+    p = RewardParams(lambda_oc=2.5, lambda_re=0.5)
+    assert C.outcome_correctness(True, p) == 2.5
+    assert C.outcome_correctness(False, p) == 0.0
+    assert C.reasoning_exploitation(True, p) == 0.5
+    assert C.reasoning_exploitation(False, p) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("n", "final", "expected"),
+    [
+        (0, False, 0.0),
+        (0, True, 0.3),  # final but no strategy: not complete
+        (1, False, 0.2),
+        (1, True, 0.2 + 0.3 + 0.1),
+        (5, True, 1.0 + 0.3 + 0.1),
+        (9, True, 1.0 + 0.3 + 0.1),  # the strategy term is capped at 1
+    ],
+)
+def test_format_adherence(n: int, final: bool, expected: float) -> None:
+    assert C.format_adherence(n, final, P) == pytest.approx(expected)
+
+
+def test_format_adherence_custom_gammas() -> None:
+    p = RewardParams(gamma_strategies=0.5, gamma_answer=1.0, gamma_complete=2.0)
+    assert C.format_adherence(1, True, p) == pytest.approx(0.5 + 1.0 + 2.0)
+    assert C.format_adherence(3, False, p) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(
+    ("chi", "g", "expected"),
+    [(True, 0.0, 1.0), (True, 9.0, 1.0), (False, 0.0, 0.0), (False, 2.0, 0.2), (False, 7.3, 0.5)],
+)
+def test_semantic_exploration(chi: bool, g: float, expected: float) -> None:
+    assert C.semantic_exploration(chi, g, P) == pytest.approx(expected)
+
+
+def test_semantic_exploration_custom() -> None:
+    p = RewardParams(collapse_bonus=1.5, explore_cap=0.7, explore_rate=0.2)
+    assert C.semantic_exploration(True, 1.0, p) == 1.5
+    assert C.semantic_exploration(False, 3.0, p) == pytest.approx(0.6)
+    assert C.semantic_exploration(False, 4.0, p) == pytest.approx(0.7)
+
+
+@pytest.mark.parametrize(
+    ("chi", "n", "expected"), [(True, 0, 1.0), (False, 0, 0.0), (False, 3, 0.3), (False, 6, 0.5)]
+)
+def test_count_exploration(chi: bool, n: int, expected: float) -> None:
+    assert C.count_exploration(chi, n, P) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("length", "target", "expected"),
+    [
+        (0, 512, 0.0),
+        (512, 512, 0.0),
+        (768, 512, -0.5),
+        (1024, 512, -1.0),
+        (5000, 512, -1.0),
+        (3, 2, -0.5),
+    ],
+)
+def test_length_penalty(length: int, target: int, expected: float) -> None:
+    assert C.length_penalty(length, RewardParams(length_target=target)) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("lambda_oc", -0.1),
+        ("gamma_answer", float("nan")),
+        ("explore_cap", float("inf")),
+        ("similarity_threshold", 1.0),
+        ("similarity_threshold", -1.0),
+        ("length_target", 0),
+        ("eps", 0.0),
+        ("eps", 1.5),
+        ("max_strategies", 0),
+        ("max_strategies", 257),
+        ("length_target", 2.5),
+        ("lambda_re", "1.0"),
+    ],
+)
+def test_out_of_range_parameters_are_rejected_by_name(field: str, value: object) -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError) as err:
+        RewardParams.model_validate({field: value})
+    assert err.value.errors()[0]["loc"] == (field,)
+
+
+def test_weights_and_unknown_fields() -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError) as err:
+        RewardParams.model_validate({"weights": {"sd": float("nan")}})
+    assert err.value.errors()[0]["loc"] == ("weights", "sd")
+    with pytest.raises(ValidationError) as err:
+        RewardParams.model_validate({"weights": {"xx": 1.0}})
+    assert err.value.errors()[0]["loc"] == ("weights", "xx")
+    with pytest.raises(ValidationError):
+        RewardParams.model_validate({"lambda": 1.0})
+    assert RewardParams.model_validate({"weights": {"sd": -2.0}}).weights.sd == -2.0  # finite only

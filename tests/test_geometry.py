@@ -1,0 +1,63 @@
+"""SPEC §3: Div, Uniq and g on hand-built embeddings."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from reward_server.core.geometry import cosine_matrix, diversity, semantic_gain, uniqueness
+
+
+def angle(deg: float) -> list[float]:
+    return [math.cos(math.radians(deg)), math.sin(math.radians(deg))]
+
+
+def test_empty_and_single() -> None:
+    assert semantic_gain(np.zeros((0, 4)), 0.8) == (0.0, 0, 0.0)
+    assert semantic_gain(np.array([[0.0, 2.0]]), 0.8) == (1.0, 1, 1.0)
+
+
+def test_two_orthogonal_vectors() -> None:
+    g, uniq, div = semantic_gain(np.array([angle(0), angle(90)]), 0.8)
+    assert (uniq, div) == (2, pytest.approx(1.0))
+    assert g == pytest.approx(2.0)
+
+
+def test_div_is_one_minus_mean_pairwise_cosine() -> None:
+    h = np.array([angle(0), angle(60), angle(90)])
+    # cosines: 0.5 (0-60), 0 (0-90), cos 30 (60-90)
+    expected = 1 - (0.5 + 0.0 + math.cos(math.radians(30))) / 3
+    assert diversity(cosine_matrix(h)) == pytest.approx(expected)
+
+
+def test_div_is_clamped_to_zero_and_one() -> None:
+    assert diversity(cosine_matrix(np.array([angle(0), angle(180)]))) == 1.0  # 1 - (-1) = 2
+    assert diversity(cosine_matrix(np.array([angle(0), angle(0)]))) == pytest.approx(0.0)
+
+
+def test_uniq_is_greedy_in_order_against_kept_only() -> None:
+    # 0°, 30°, 60°: cos(0,30)=0.866 > 0.8 drops 30°; cos(0,60)=0.5 keeps 60°.
+    h = np.array([angle(0), angle(30), angle(60)])
+    assert uniqueness(cosine_matrix(h), 0.8) == 2
+    # Walk order matters: 30° first keeps 30° and drops both 0° and 60° (cos 30° = 0.866 each).
+    assert uniqueness(cosine_matrix(h[[1, 0, 2]]), 0.8) == 1
+
+
+def test_uniq_threshold_is_inclusive() -> None:
+    h = np.array([angle(0), angle(60)])  # cosine exactly 0.5
+    assert uniqueness(cosine_matrix(h), 0.5 + 1e-9) == 2
+    assert uniqueness(cosine_matrix(h), 0.5 - 1e-9) == 1
+
+
+def test_negative_threshold() -> None:
+    h = np.array([angle(0), angle(120), angle(240)])  # pairwise cosines -0.5
+    assert uniqueness(cosine_matrix(h), -0.6) == 1
+    assert uniqueness(cosine_matrix(h), -0.4) == 3
+
+
+def test_cosine_renormalizes_its_inputs() -> None:
+    c = cosine_matrix(np.array([[3.0, 0.0], [0.0, 0.5], [1.0, 1.0]], dtype=np.float32))
+    assert c[0, 0] == pytest.approx(1.0) and c[0, 1] == pytest.approx(0.0)
+    assert c[0, 2] == pytest.approx(math.sqrt(0.5))

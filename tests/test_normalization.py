@@ -1,0 +1,59 @@
+"""SPEC §5: z-scores with the sigma <= eps rule, aggregation and group advantages."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from reward_server.core.normalization import aggregate, group_advantages, zscore
+from reward_server.core.params import RewardParams
+
+
+def test_zscore_population_std() -> None:
+    z, mu, sigma = zscore([1.0, 2.0, 3.0, 4.0], 1e-6)
+    assert mu == 2.5
+    assert sigma == pytest.approx(np.sqrt(1.25))  # population, not sample
+    assert z == pytest.approx([(x - 2.5) / (np.sqrt(1.25) + 1e-6) for x in [1, 2, 3, 4]])
+
+
+def test_zscore_sigma_at_most_eps_only_centres() -> None:
+    z, _, sigma = zscore([1.0, 1.0 + 1e-7], 1e-6)
+    assert sigma <= 1e-6  # sigma = 5e-8 <= eps
+    assert z == pytest.approx([-5e-8, 5e-8], abs=1e-15)
+    z, _, _ = zscore([0.0, 0.5], 0.25)  # sigma = 0.25 exactly: not > eps
+    assert z == [-0.25, 0.25]
+    z, _, _ = zscore([0.0, 0.5], 0.2)
+    assert z == pytest.approx([-0.25 / 0.45, 0.25 / 0.45])
+
+
+def test_aggregate_weights_normalized_components() -> None:
+    comps = {"oc": [1.0, 0.0], "sd": [0.5, 0.5]}
+    p = RewardParams(weights={"oc": 2.0, "sd": 3.0})
+    out = aggregate(comps, p, normalize=True, groups=None)
+    z = 0.5 / (0.5 + 1e-6)
+    assert out.rewards == pytest.approx([2 * z, -2 * z])  # sd has sigma 0: centred to 0
+    assert out.normalized["sd"] == [0.0, 0.0]
+    assert out.mean == {"oc": 0.5, "sd": 0.5}
+    assert out.std == {"oc": 0.5, "sd": 0.0}
+    assert out.advantages is None
+
+
+def test_aggregate_without_normalization_is_weighted_raw_sum() -> None:
+    comps = {"oc": [1.0, 0.0], "fa": [0.6, 0.2]}
+    out = aggregate(comps, RewardParams(weights={"fa": 0.5}), normalize=False, groups=None)
+    assert out.rewards == pytest.approx([1.3, 0.1])
+
+
+def test_group_advantages_per_group() -> None:
+    adv = group_advantages([1.0, 3.0, 10.0, 10.0, 4.0], ["a", "a", "b", "b", "c"], 1e-6)
+    assert adv[:2] == pytest.approx([-1 / (1 + 1e-6), 1 / (1 + 1e-6)])
+    assert adv[2:] == [0.0, 0.0, 0.0]
+
+
+def test_aggregate_with_groups_returns_advantages() -> None:
+    out = aggregate(
+        {"oc": [1.0, 0.0, 1.0, 1.0]}, RewardParams(), normalize=True, groups=["x", "x", "y", "y"]
+    )
+    assert out.advantages is not None
+    assert out.advantages[0] > 0 > out.advantages[1]
+    assert out.advantages[2:] == [0.0, 0.0]

@@ -1,0 +1,197 @@
+"""Whole-batch scoring (SPEC §1–5 together), hand-computed, plus the lazy-encoding contract."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from reward_server.core import InvalidBatch, RewardParams, ScoreItem, prepare_batch, score_batch
+from tests.doubles import HashEncoder, TableEncoder
+
+
+def strat(r: str, o: str) -> str:
+    return (
+        f"<strategy><reasoning>{r}</reasoning><strategy_outcome>{o}</strategy_outcome></strategy>"
+    )
+
+
+def angle(deg: float) -> list[float]:
+    return [math.cos(math.radians(deg)), math.sin(math.radians(deg))]
+
+
+TABLE = {"east": angle(0), "north": angle(90), "northeast": angle(30), "west": angle(180)}
+
+
+def test_hand_computed_sde2_batch() -> None:
+    items = [
+        # A: chi = 0, three strategies; 'northeast' is within 30° of 'east' -> Uniq 2.
+        ScoreItem(
+            strat("east", "1")
+            + strat("north", "2")
+            + strat("northeast", "3")
+            + "<final_answer>3</final_answer>",
+            "#### 7",
+        ),
+        # B: chi = 1 (second outcome right), final answer wrong.
+        ScoreItem(strat("east", "6") + strat("west", "7") + "<final_answer>6</final_answer>", "7"),
+        # C: no strategies, right answer in <answer>.
+        ScoreItem("<answer>7</answer>", "7"),
+        # D: one strategy, no final tag: f_ans is its outcome.
+        ScoreItem(strat("north", "5"), "7"),
+    ]
+    enc = TableEncoder(TABLE)
+    out = score_batch(items, enc, normalize=False)
+    # Only A needs the encoder (B has chi=1, C has m=0, D has m=1).
+    assert enc.calls == [["east", "north", "northeast"]]
+    cos30 = math.cos(math.radians(30))
+    div_a = 1 - (0 + cos30 + 0.5) / 3
+    assert out.components["oc"] == [0.0, 0.0, 1.0, 0.0]
+    assert out.components["re"] == [0.0, 1.0, 0.0, 0.0]
+    assert out.components["fa"] == pytest.approx(
+        [0.6 + 0.3 + 0.1, 0.4 + 0.3 + 0.1, 0.3, 0.2 + 0.3 + 0.1]
+    )
+    assert out.components["sd"] == pytest.approx([min(0.5, 0.1 * 2 * div_a), 1.0, 0.0, 0.1])
+    assert out.rewards == pytest.approx(
+        [sum(v[i] for v in out.components.values()) for i in range(4)]
+    )
+    a, b, c, d = out.items
+    assert (a.n_strat, a.final_answer, a.correct, a.strategy_correct, a.uniq) == (
+        3,
+        "3",
+        False,
+        False,
+        2,
+    )
+    assert a.div == pytest.approx(div_a)
+    assert (b.correct, b.strategy_correct, b.uniq, b.div) == (False, True, None, None)
+    assert (c.n_strat, c.final_answer, c.correct, c.uniq) == (0, "7", True, None)
+    assert (d.final_answer, d.uniq, d.div) == ("5", 1, 1.0)
+
+
+def test_normalized_batch_matches_the_formula() -> None:
+    items = [ScoreItem("<answer>7</answer>", "7"), ScoreItem("<answer>8</answer>", "7")]
+    out = score_batch(items, TableEncoder({}))
+    z = 0.5 / (0.5 + 1e-6)
+    # oc differs (z = ±1), re and sd are 0 for both (sigma 0), fa equal (0.3 each).
+    assert out.normalized["oc"] == pytest.approx([z, -z])
+    assert out.normalized["fa"] == [0.0, 0.0]
+    assert out.rewards == pytest.approx([z, -z])
+    assert out.aggregate.mean["fa"] == pytest.approx(0.3)
+
+
+def test_cfee_and_cfl_recipes() -> None:
+    text = strat("a", "1") + strat("b", "2") + strat("c", "3") + "<final_answer>3</final_answer>"
+    items = [ScoreItem(text, "9", num_tokens=768), ScoreItem(text + " extra words", "9")]
+    enc = HashEncoder()
+    cfee = score_batch(items, enc, recipe="cfee", normalize=False)
+    assert list(cfee.components) == ["oc", "fa", "re", "rd"]
+    assert cfee.components["rd"] == pytest.approx([0.3, 0.3])
+    cfl = score_batch(
+        items, enc, recipe="cfl", normalize=False, params=RewardParams(length_target=2)
+    )
+    assert list(cfl.components) == ["oc", "fa", "len"]
+    assert cfl.components["len"] == [-1.0, -0.5]  # 768 tokens; 3 words as sent
+    assert enc.calls == []  # neither recipe needs the encoder
+
+
+def test_length_uses_num_tokens_including_zero_else_words_as_sent() -> None:
+    p = RewardParams(length_target=2)
+    items = [
+        ScoreItem("a b c d", "1", num_tokens=0),
+        ScoreItem("a b c d", "1", num_tokens=None),
+        ScoreItem("a\u00a0b c", "1"),  # NBSP is whitespace for str.split: 3 words
+    ]
+    out = score_batch(items, HashEncoder(), recipe="cfl", params=p, normalize=False)
+    assert out.components["len"] == [0.0, -1.0, -0.5]
+
+
+def test_preprocessing_applies_to_completion_and_gold() -> None:
+    item = ScoreItem("<final_answer>\uff17\uff12</final_answer>", "\u201c72\u201d")
+    assert score_batch([item], HashEncoder(), normalize=False).items[0].correct
+
+
+def test_max_strategies_cuts_the_list() -> None:
+    text = "".join(strat(f"r{i}", str(i)) for i in range(10))
+    out = score_batch(
+        [ScoreItem(text, "99")],
+        HashEncoder(),
+        params=RewardParams(max_strategies=4),
+        normalize=False,
+        recipe="cfee",
+    )
+    assert out.items[0].n_strat == 4
+    assert out.items[0].final_answer == "3"
+
+
+def test_each_distinct_text_is_encoded_once_per_batch() -> None:
+    text = strat("same", "1") + strat("other", "2")
+    enc = HashEncoder()
+    score_batch([ScoreItem(text, "9"), ScoreItem(text, "8")], enc)
+    assert enc.calls == [["same", "other"]]
+
+
+def test_lazy_and_eager_scoring_give_identical_rewards() -> None:
+    items = [
+        ScoreItem(
+            "".join(strat(f"idea {i} {j}", str(i + j)) for j in range(k)), str(k), group=str(k % 3)
+        )
+        for i in range(6)
+        for k in range(5)
+    ]
+    lazy_enc, eager_enc = HashEncoder(), HashEncoder()
+    lazy = score_batch(items, lazy_enc)
+    eager = score_batch(items, eager_enc, diagnostics=True)
+    assert lazy.rewards == eager.rewards
+    assert lazy.components == eager.components
+    assert lazy.advantages == eager.advantages
+    assert len(lazy_enc.calls[0]) < len(eager_enc.calls[0])
+    # diagnostics fill uniq/div for every item with m >= 1
+    assert all((it.uniq is not None) == (it.n_strat >= 1) for it in eager.items)
+
+
+def test_groups_all_or_none() -> None:
+    with pytest.raises(InvalidBatch) as err:
+        prepare_batch([ScoreItem("a", "1", group="g"), ScoreItem("b", "1")])
+    assert err.value.loc == ("items", 1, "group")
+    out = score_batch(
+        [ScoreItem("<answer>1</answer>", "1", group="g"), ScoreItem("x", "1", group="g")],
+        HashEncoder(),
+    )
+    assert out.advantages is not None
+
+
+def test_empty_batch_is_rejected() -> None:
+    with pytest.raises(InvalidBatch) as err:
+        prepare_batch([])
+    assert err.value.loc == ("items",)
+
+
+def test_choice_answer_type() -> None:
+    items = [ScoreItem(strat("why", "(B)") + "<final_answer>B</final_answer>", "B")]
+    out = score_batch(items, HashEncoder(), answer_type="choice", normalize=False)
+    assert out.items[0].correct and out.items[0].strategy_correct
+
+
+def test_as_dict_has_the_wire_shape() -> None:
+    out = score_batch([ScoreItem("<answer>18</answer>", "18")], HashEncoder()).as_dict()
+    assert set(out) == {
+        "rewards",
+        "components",
+        "normalized",
+        "advantages",
+        "items",
+        "batch",
+        "recipe",
+        "params",
+    }
+    assert out["rewards"] == [0.0]
+    assert out["items"][0] == {
+        "n_strat": 0,
+        "final_answer": "18",
+        "correct": True,
+        "strategy_correct": False,
+        "uniq": None,
+        "div": None,
+    }
+    assert out["params"]["similarity_threshold"] == 0.8

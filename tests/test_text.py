@@ -1,0 +1,53 @@
+"""SPEC §1 preprocessing and field-text cleaning, rule by rule."""
+
+import pytest
+
+from reward_server.core.text import field_text, preprocess
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ("\u2018a\u2019 \u201ab\u201b \u2032", "'a' 'b' '"),
+        ("\u201cq\u201d \u201e \u201f \u2033", '"q" " " "'),
+        ("1\u20102\u20113\u20124\u20135\u20146\u20157\u22128", "1-2-3-4-5-6-7-8"),
+        ("\uff11\uff18", "18"),  # NFKC: full-width digits
+        ("\u00bd", "1\u20442"),  # NFKC: vulgar fraction becomes 1⁄2 (fraction slash, not '/')
+        ("x\u00a0y", "x y"),  # NFKC: no-break space
+        ("\ufb01", "fi"),  # NFKC: ligature
+    ],
+)
+def test_preprocess_maps_punctuation_then_nfkc(raw: str, expected: str) -> None:
+    assert preprocess(raw) == expected
+
+
+def test_preprocess_map_runs_before_nfkc() -> None:
+    # U+2033 (double prime) is in the map -> '"'; NFKC alone would give two primes.
+    assert preprocess("\u2033") == '"'
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ("  a \n\t b  ", "a b"),
+        ("```python\nx = 1\n```", "x = 1"),
+        ("~~~c++ code~~~", "code"),
+        ("```\n18\n```", "18"),
+        ("```1abc```", "1abc"),  # a language word must start with a letter
+        ("**bold** and __under__", "bold and under"),
+        ("***", "*"),
+        ("**", ""),
+        ("_ _", "_ _"),
+        ("a\u2028b\u0085c", "a b c"),  # Unicode whitespace per str.isspace
+        ("", ""),
+    ],
+)
+def test_field_text_cleaning(raw: str, expected: str) -> None:
+    assert field_text(raw) == expected
+
+
+def test_field_text_order_fences_before_emphasis() -> None:
+    # The fence is replaced first, so "```**x**" loses the fence then the emphasis.
+    assert field_text("```**x**") == "x"
+    # `**` removed before `__`: "*_*_" contains neither pair intact -> unchanged
+    assert field_text("*_*_") == "*_*_"
