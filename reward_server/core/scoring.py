@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+from pydantic import ConfigDict, Field
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from reward_server.core import components as C
 from reward_server.core.answers import make_matcher
@@ -40,15 +42,25 @@ class InvalidBatch(ValueError):
         self.message = message
 
 
-@dataclass(frozen=True)
+@pydantic_dataclass(frozen=True, config=ConfigDict(strict=True, extra="forbid"))
 class ScoreItem:
-    """One completion to score, with its gold answer (SPEC §6 ``items[]``)."""
+    """One completion to score, with its gold answer (SPEC §6 ``items[]``).
 
-    completion: str
-    answer: str
-    prompt: str | None = None
-    group: str | None = None
-    num_tokens: int | None = None
+    A validating (pydantic) dataclass: the HTTP schema, the offline scorer and the client share
+    this one definition of an item, so a wrong type is rejected the same way everywhere.
+    """
+
+    completion: str = Field(description="the model's completion, as generated")
+    answer: str = Field(
+        description="the gold answer (preprocessed and canonicalized like the prediction)"
+    )
+    prompt: str | None = Field(None, description="the prompt (informational)")
+    group: str | None = Field(
+        None, description="group id (e.g. one per prompt); all items or none carry one"
+    )
+    num_tokens: int | None = Field(
+        None, ge=0, description="completion length in tokens for the length term; else words"
+    )
 
 
 @dataclass(frozen=True)
