@@ -1,0 +1,80 @@
+"""The standard GRPO-step workload shared by the benchmarks and the load tests.
+
+One step is 8 prompts × 8 completions; each completion holds 1–10 strategies whose reasoning is
+30–120 words cut from GSM8K train solutions (so texts look like real math reasoning), and about
+half of the completions contain a strategy whose outcome is the gold answer.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+from typing import Any
+
+GSM8K_TRAIN = (
+    Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+)
+_CALC = re.compile(r"<<[^>]*>>")
+
+
+def load_gsm8k(path: Path = GSM8K_TRAIN, limit: int = 2000) -> list[dict[str, str]]:
+    """Questions with their worked solution (calculator annotations removed) and gold answer."""
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for line in f:
+            record = json.loads(line)
+            solution, _, gold = record["answer"].rpartition("####")
+            rows.append(
+                {
+                    "question": record["question"],
+                    "solution": _CALC.sub("", solution),
+                    "gold": gold.strip(),
+                }
+            )
+            if len(rows) >= limit:
+                break
+    return rows
+
+
+def _reasoning(rng: random.Random, words: list[str]) -> str:
+    n = rng.randint(30, 120)
+    start = rng.randrange(max(1, len(words) - n))
+    text = words[start : start + n]
+    while len(text) < n:  # short pool: wrap around
+        text += words[: n - len(text)]
+    return " ".join(text)
+
+
+def grpo_step(
+    seed: int = 0, prompts: int = 8, generations: int = 8, rows: list[dict[str, str]] | None = None
+) -> list[dict[str, Any]]:
+    """One step's items in the SPEC §6 wire shape, with ``group`` = prompt index."""
+    rng = random.Random(seed)
+    rows = rows if rows is not None else load_gsm8k()
+    pool = " ".join(r["solution"] for r in rng.sample(rows, 200)).split()
+    items = []
+    for p in range(prompts):
+        row = rng.choice(rows)
+        for _ in range(generations):
+            n = rng.randint(1, 10)
+            correct_at = rng.randrange(n) if rng.random() < 0.5 else -1
+            blocks = []
+            for j in range(n):
+                outcome = row["gold"] if j == correct_at else str(rng.randint(0, 999))
+                blocks.append(
+                    f'<strategy id="{j + 1}">\n<reasoning>{_reasoning(rng, pool)}</reasoning>\n'
+                    f"<strategy_outcome>{outcome}</strategy_outcome>\n</strategy>"
+                )
+            final = row["gold"] if rng.random() < 0.4 else str(rng.randint(0, 999))
+            completion = "\n".join(blocks) + f"\n<final_answer>{final}</final_answer>"
+            items.append(
+                {
+                    "completion": completion,
+                    "answer": row["gold"],
+                    "prompt": row["question"],
+                    "group": str(p),
+                }
+            )
+    return items

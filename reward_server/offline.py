@@ -1,0 +1,131 @@
+"""``sde2-reward score``: score a JSONL file offline through the server's own code path.
+
+Each input line is one SPEC §6 item (``completion``, ``answer``, optional ``prompt``, ``group``,
+``num_tokens``). The whole file is one batch, so normalization and group advantages are those of
+a single ``/v1/score`` request holding every line. Each output line holds the item's diagnostics
+(SPEC §6 ``items[]``) plus its components, normalized components, reward and advantage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+from pydantic import ValidationError
+
+from reward_server.core import BatchScore, RewardParams, ScoreItem, finish_batch, prepare_batch
+from reward_server.core.params import RECIPE_COMPONENTS
+from reward_server.encoders.base import EMBEDDING_DIM, Encoder
+
+#: Texts per encoder call: small enough for a live progress bar, large enough to batch well.
+CHUNK = 256
+
+
+class InputError(ValueError):
+    """A malformed input line, reported with its line number and field."""
+
+
+def read_items(lines: TextIO) -> Iterator[ScoreItem]:
+    """Parse JSONL items, naming the line and field of the first bad one."""
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"line {number}: not JSON ({exc.msg})") from exc
+        if not isinstance(record, dict):
+            raise InputError(f"line {number}: expected a JSON object, got {type(record).__name__}")
+        try:
+            yield ScoreItem(**record)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "item"
+            raise InputError(f"line {number}: {where}: {first['msg']}") from exc
+        except TypeError as exc:  # unexpected keyword arguments
+            raise InputError(f"line {number}: {exc}") from exc
+
+
+def encode_with_progress(encoder: Encoder, texts: Sequence[str], show: bool) -> np.ndarray:
+    """Encode in chunks behind a progress bar (long files take minutes on a CPU)."""
+    from tqdm import tqdm
+
+    parts = []
+    with tqdm(total=len(texts), unit="text", desc="encoding", disable=not show) as bar:
+        for start in range(0, len(texts), CHUNK):
+            chunk = texts[start : start + CHUNK]
+            parts.append(encoder.encode(chunk))
+            bar.update(len(chunk))
+    return np.concatenate(parts) if parts else np.zeros((0, EMBEDDING_DIM), np.float32)
+
+
+def output_records(score: BatchScore) -> Iterator[dict[str, Any]]:
+    """One JSON-able record per item: diagnostics, components, normalized values, reward."""
+    for i, item in enumerate(score.items):
+        yield {
+            **item.__dict__,
+            "reward": score.rewards[i],
+            "components": {k: v[i] for k, v in score.components.items()},
+            "normalized": {k: v[i] for k, v in score.normalized.items()},
+            "advantage": None if score.advantages is None else score.advantages[i],
+        }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``sde2-reward score``."""
+    parser.add_argument("--in", dest="input", type=Path, required=True, help="input JSONL")
+    parser.add_argument("--out", type=Path, required=True, help="output JSONL ('-' for stdout)")
+    parser.add_argument("--recipe", choices=sorted(RECIPE_COMPONENTS), default="sde2")
+    parser.add_argument(
+        "--answer-type", choices=["numeric", "choice", "exact", "math"], default="numeric"
+    )
+    parser.add_argument(
+        "--params", default="{}", help='reward parameters as JSON, e.g. \'{"explore_cap": 0.7}\''
+    )
+    parser.add_argument("--no-normalize", action="store_true", help="sum raw components")
+    parser.add_argument("--diagnostics", action="store_true", help="Uniq/Div for every item")
+    parser.add_argument("--backend", choices=["onnx", "torch"], default="onnx")
+    parser.add_argument("--model", default=None, help="ONNX folder, HF folder or hub id")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Score ``--in`` into ``--out``; exit status 2 on bad input."""
+    try:
+        params = RewardParams.model_validate_json(args.params)
+        with args.input.open(encoding="utf-8") as f:
+            items = list(read_items(f))
+        prepared = prepare_batch(
+            items,
+            recipe=args.recipe,
+            answer_type=args.answer_type,
+            params=params,
+            diagnostics=args.diagnostics,
+        )
+    except (InputError, ValidationError, ValueError, OSError) as exc:
+        print(f"sde2-reward score: {exc}", file=sys.stderr)
+        return 2
+    show = not args.quiet
+    if show:
+        print(f"{len(items)} items, {len(prepared.texts)} texts to embed", file=sys.stderr)
+    embeddings = np.zeros((0, EMBEDDING_DIM), np.float32)
+    if prepared.texts:
+        from reward_server.encoders.loading import load_encoder
+
+        embeddings = encode_with_progress(
+            load_encoder(args.backend, args.model), prepared.texts, show
+        )
+    score = finish_batch(prepared, embeddings, normalize=not args.no_normalize)
+    out = sys.stdout if str(args.out) == "-" else args.out.open("w", encoding="utf-8")
+    try:
+        for record in output_records(score):
+            out.write(json.dumps(record, ensure_ascii=False) + "\n")
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    return 0
