@@ -1,0 +1,408 @@
+"""Trainer client: retries, backoff, Retry-After, exhaustion, failover, and sharded scoring.
+
+Transport-level behaviour is tested with ``httpx.MockTransport`` (what a socket does is not the
+point there). The mock "server" scores with the real reward core (and a deterministic encoder
+double), so sharding is checked on real numbers; the last tests repeat the sharding check against
+two real server processes.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import json
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from reward_server.core import RewardParams, ScoreItem, score_batch
+from tests.client_fixtures import ServerProcess, two_reward_servers  # noqa: F401 - fixture
+from tests.doubles import HashEncoder
+from trainer_client import (
+    AsyncRewardClient,
+    RetryPolicy,
+    RewardClient,
+    RewardRequestError,
+    RewardServiceError,
+    ScoreResult,
+)
+from trainer_client.retry import parse_retry_after
+from trainer_client.sharding import split
+
+A, B = "http://replica-a:8000", "http://replica-b:8000"
+
+
+def completion(outcomes: list[str], final: str | None, reasons: list[str] | None = None) -> str:
+    """A schema completion with one strategy per outcome."""
+    reasons = reasons or [f"approach {i}: compute carefully step {i}" for i in range(len(outcomes))]
+    body = "".join(
+        f'<strategy id="{i + 1}"><reasoning>{r}</reasoning>'
+        f"<strategy_outcome>{o}</strategy_outcome></strategy>"
+        for i, (r, o) in enumerate(zip(reasons, outcomes, strict=True))
+    )
+    return body + (f"<final_answer>{final}</final_answer>" if final is not None else "")
+
+
+def batch(n_groups: int = 3, per_group: int = 4) -> list[dict[str, Any]]:
+    """A GRPO-like step: groups of completions of mixed quality, with group ids."""
+    rng = random.Random(7)
+    items = []
+    for g in range(n_groups):
+        gold = str(10 + g)
+        for k in range(per_group):
+            m = rng.randint(0, 4)
+            outs = [str(rng.choice([gold, "3", "99"])) for _ in range(m)]
+            reasons = [f"group {g} try {k} idea {j} {rng.random():.3f}" for j in range(m)]
+            final = rng.choice([gold, "5", None])
+            items.append(
+                {
+                    "completion": completion(outs, final, reasons),
+                    "answer": f"#### {gold}",
+                    "group": f"q{g}",
+                    "num_tokens": rng.randint(10, 900),
+                }
+            )
+    return items
+
+
+def core_handler(calls: list[dict[str, Any]]) -> Callable[[httpx.Request], httpx.Response]:
+    """A mock server that scores with the real core (HashEncoder) and records each body."""
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        calls.append({"url": str(request.url), **body})
+        result = score_batch(
+            [ScoreItem(**it) for it in body["items"]],
+            HashEncoder(),
+            recipe=body.get("recipe", "sde2"),
+            answer_type=body.get("answer_type", "numeric"),
+            params=RewardParams.model_validate(body.get("params", {})),
+            normalize=body.get("normalize", True),
+            diagnostics=body.get("diagnostics", False),
+        )
+        return httpx.Response(200, json={**result.as_dict(), "encoder": "hash"})
+
+    return handle
+
+
+class Scripted:
+    """A transport that plays a script of responses/exceptions, then delegates to the core."""
+
+    def __init__(self, script: list[httpx.Response | Exception]) -> None:
+        self.script = list(script)
+        self.urls: list[str] = []
+        self.calls: list[dict[str, Any]] = []
+        self._core = core_handler(self.calls)
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.urls.append(str(request.url))
+        if self.script:
+            step = self.script.pop(0)
+            if isinstance(step, Exception):
+                raise step
+            return step
+        return self._core(request)
+
+
+def policy(**kw: Any) -> RetryPolicy:
+    return RetryPolicy(rng=random.Random(0), **kw)
+
+
+ONE = [{"completion": completion(["18"], "18"), "answer": "18"}]
+
+
+def test_connection_errors_are_retried_with_growing_jittered_backoff() -> None:
+    refused = httpx.ConnectError("connection refused")
+    transport = Scripted([refused, refused, refused])
+    sleeps: list[float] = []
+    rc = RewardClient(
+        A,
+        retry=policy(max_attempts=5, backoff_base=1.0, backoff_max=3.0),
+        transport=httpx.MockTransport(transport),
+        sleep=sleeps.append,
+    )
+    result = rc.score(ONE, normalize=False)
+    assert result.rewards == pytest.approx([1.0 + 1.0 + (0.2 + 0.3 + 0.1) + 1.0])  # oc re fa sd
+    assert len(transport.urls) == 4
+    # equal jitter: the k-th retry waits in [d/2, d] with d = min(3, 1·2^k)
+    assert [1.0 / 2 <= sleeps[0] <= 1.0, 1.0 <= sleeps[1] <= 2.0, 1.5 <= sleeps[2] <= 3.0] == [
+        True
+    ] * 3
+    assert len(set(sleeps)) == 3  # jittered, not a fixed ladder
+
+
+@pytest.mark.parametrize("status", [429, 503])
+def test_retry_after_seconds_is_honoured(status: int) -> None:
+    busy = httpx.Response(status, headers={"retry-after": "7"}, json={"detail": "busy"})
+    transport = Scripted([busy])
+    sleeps: list[float] = []
+    rc = RewardClient(
+        A,
+        retry=policy(backoff_base=0.01),
+        transport=httpx.MockTransport(transport),
+        sleep=sleeps.append,
+    )
+    assert len(rc.score(ONE)) == 1
+    assert len(sleeps) == 1 and 7.0 <= sleeps[0] <= 7.0 * 1.1
+
+
+def test_retry_after_http_date_and_cap() -> None:
+    now = time.time()
+    date = email.utils.formatdate(now + 30, usegmt=True)
+    assert parse_retry_after(date, now=now) == pytest.approx(30, abs=1.0)
+    assert parse_retry_after("garbage") is None and parse_retry_after(None) is None
+    busy = httpx.Response(503, headers={"retry-after": "3600"})
+    sleeps: list[float] = []
+    rc = RewardClient(
+        A,
+        retry=policy(retry_after_max=5.0, retry_after_jitter=0.0),
+        transport=httpx.MockTransport(Scripted([busy])),
+        sleep=sleeps.append,
+    )
+    rc.score(ONE)
+    assert sleeps == [5.0]
+
+
+def test_exhausted_retries_raise_with_url_status_and_attempts() -> None:
+    transport = Scripted([httpx.Response(503, text="warming up")] * 10)
+    rc = RewardClient(
+        A,
+        retry=policy(max_attempts=3, backoff_base=0.0),
+        transport=httpx.MockTransport(transport),
+        sleep=lambda s: None,
+    )
+    with pytest.raises(RewardServiceError) as info:
+        rc.score(ONE)
+    err = info.value
+    assert not isinstance(err, RewardRequestError)
+    assert len(err.attempts) == 3 and err.status == 503
+    message = str(err)
+    assert f"{A}/v1/score" in message and "HTTP 503" in message and "3 attempt(s)" in message
+    assert "warming up" in message
+    assert len(transport.urls) == 3
+
+
+def test_validation_error_is_not_retried() -> None:
+    transport = Scripted([httpx.Response(422, json={"detail": "params.eps: out of range"})])
+    rc = RewardClient(A, transport=httpx.MockTransport(transport), sleep=lambda s: None)
+    with pytest.raises(RewardRequestError, match=r"HTTP 422.*params\.eps"):
+        rc.score(ONE)
+    assert len(transport.urls) == 1
+
+
+def test_non_json_200_is_transient() -> None:
+    transport = Scripted([httpx.Response(200, text="<html>proxy</html>")])
+    rc = RewardClient(A, transport=httpx.MockTransport(transport), sleep=lambda s: None)
+    assert len(rc.score(ONE)) == 1 and len(transport.urls) == 2
+
+
+def test_deadline_stops_retrying() -> None:
+    transport = Scripted([httpx.ConnectError("down")] * 10)
+    rc = RewardClient(
+        A,
+        retry=policy(max_attempts=10, backoff_base=4.0, deadline=5.0),
+        transport=httpx.MockTransport(transport),
+        sleep=lambda s: None,
+    )
+    with pytest.raises(RewardServiceError, match="ConnectError"):
+        rc.score(ONE)
+    assert len(transport.urls) < 10
+
+
+def test_failover_moves_to_the_next_replica() -> None:
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "replica-a":
+            raise httpx.ConnectError("connection refused")
+        return core_handler([])(request)
+
+    sleeps: list[float] = []
+    rc = RewardClient([A, B], transport=httpx.MockTransport(handle), sleep=sleeps.append)
+    items = batch()
+    result = rc.score(items, normalize=True)
+    with RewardClient(B, transport=httpx.MockTransport(handle)) as single:
+        assert result.rewards == pytest.approx(single.score(items).rewards, abs=1e-12)
+    assert len(sleeps) == 1  # the shard meant for A retried once, on B
+
+
+def test_never_returns_partial_results_when_one_shard_fails() -> None:
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "replica-b":
+            return httpx.Response(503, headers={"retry-after": "0"})
+        return core_handler([])(request)
+
+    rc = RewardClient(
+        [A, B],
+        retry=policy(max_attempts=2),
+        transport=httpx.MockTransport(handle),
+        sleep=lambda s: None,
+    )
+    # both attempts of shard B: B (503) then A (ok) -> succeeds through failover
+    assert len(rc.score(batch())) == 12
+    rc1 = RewardClient(
+        [A, B],
+        retry=policy(max_attempts=1),
+        transport=httpx.MockTransport(handle),
+        sleep=lambda s: None,
+    )
+    with pytest.raises(RewardServiceError, match="replica-b"):
+        rc1.score(batch())
+
+
+def test_split_is_balanced_and_contiguous() -> None:
+    assert [list(r) for r in split(5, 2)] == [[0, 1, 2], [3, 4]]
+    assert [list(r) for r in split(2, 4)] == [[0], [1]]
+    assert sum(len(r) for r in split(1001, 7)) == 1001
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("recipe", ["sde2", "cfee", "cfl"])
+def test_sharded_mock_equals_single_server(normalize: bool, recipe: str) -> None:
+    calls: list[dict[str, Any]] = []
+    mock = httpx.MockTransport(core_handler(calls))
+    items = batch()
+    params = {"similarity_threshold": 0.75, "weights": {"oc": 2.0}, "length_target": 300}
+    with RewardClient(A, transport=mock) as one:
+        single = one.score(items, recipe=recipe, params=params, normalize=normalize)
+    with RewardClient([A, B, "http://replica-c:8000"], transport=mock) as three:
+        sharded = three.score(items, recipe=recipe, params=params, normalize=normalize)
+    shard_calls = calls[1:]
+    assert len(shard_calls) == 3 and all(c["normalize"] is False for c in shard_calls)
+    assert {c["url"].split("/v1")[0] for c in shard_calls} == {A, B, "http://replica-c:8000"}
+    assert sharded.rewards == pytest.approx(single.rewards, abs=1e-12)
+    assert sharded.components == single.components
+    for k in single.normalized:
+        assert sharded.normalized[k] == pytest.approx(single.normalized[k], abs=1e-12)
+    assert single.advantages is not None and sharded.advantages is not None
+    assert sharded.advantages == pytest.approx(single.advantages, abs=1e-9)
+    assert sharded.batch_mean == pytest.approx(single.batch_mean)
+    assert sharded.items == single.items
+    # the batch is not degenerate: normalization really changed the numbers
+    assert max(single.batch_std.values()) > 0.1
+
+
+def test_mixed_groups_are_rejected_before_sending() -> None:
+    calls: list[dict[str, Any]] = []
+    items = batch()
+    del items[3]["group"]
+    with (
+        RewardClient([A, B], transport=httpx.MockTransport(core_handler(calls))) as rc,
+        pytest.raises(ValueError, match=r"items\[3\]\.group"),
+    ):
+        rc.score(items)
+    assert calls == []
+
+
+def test_bad_item_type_fails_in_the_caller() -> None:
+    rc = RewardClient(A, transport=httpx.MockTransport(core_handler([])))
+    with pytest.raises(Exception, match="answer"):
+        rc.score([{"completion": "x", "answer": 18}])
+
+
+async def test_async_client_retries_and_shards() -> None:
+    script = Scripted(
+        [httpx.ConnectError("refused"), httpx.Response(429, headers={"retry-after": "2"})]
+    )
+    sleeps: list[float] = []
+
+    async def fake_sleep(s: float) -> None:
+        sleeps.append(s)
+
+    async with AsyncRewardClient(
+        [A, B],
+        retry=policy(backoff_base=1.0),
+        transport=httpx.MockTransport(script),
+        sleep=fake_sleep,
+    ) as rc:
+        result = await rc.score(batch(), diagnostics=True)
+    assert isinstance(result, ScoreResult) and len(result) == 12
+    assert len(sleeps) == 2 and any(2.0 <= s <= 2.2 for s in sleeps)
+    with RewardClient(A, transport=httpx.MockTransport(core_handler([]))) as one:
+        assert result.rewards == pytest.approx(one.score(batch(), diagnostics=True).rewards)
+
+
+async def test_async_client_exhaustion() -> None:
+    async def no_sleep(s: float) -> None:
+        return None
+
+    script = Scripted([httpx.ReadTimeout("slow")] * 5)
+    async with AsyncRewardClient(
+        A, retry=policy(max_attempts=2), transport=httpx.MockTransport(script), sleep=no_sleep
+    ) as rc:
+        with pytest.raises(RewardServiceError, match=r"ReadTimeout.*ReadTimeout"):
+            await rc.score(ONE)
+
+
+# --- against real server processes -------------------------------------------------------
+
+
+def gsm8k_like_batch() -> list[dict[str, Any]]:
+    """Completions with several distinct strategies, so the encoder really runs."""
+    reasons = [
+        "Natalia sold 48 clips in April and half as many in May, so 48 / 2 = 24 in May.",
+        "Think of it as 48 plus its half: 48 * 1.5 = 72 clips in total.",
+        "Count in dozens: 4 dozen in April, 2 dozen in May, 6 dozen is 72.",
+        "A shop sells apples; the price of bananas rose sharply last winter.",
+    ]
+    items = []
+    for g in range(4):
+        for k in range(4):
+            m = (g + k) % 5
+            outs = ["72" if (g * k) % 3 == 0 else "70" for _ in range(m)]
+            final = "72" if k % 2 else "71"
+            rs = [f"{reasons[(j + k) % 4]} (variant {g}.{j})" for j in range(m)]
+            items.append(
+                {
+                    "completion": completion(outs, final, rs),
+                    "answer": "#### 72",
+                    "group": f"p{g}",
+                    "num_tokens": 50 + 37 * k,
+                }
+            )
+    return items
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["sde2", "cfl"])
+def test_sharded_over_two_real_servers_equals_one(
+    two_reward_servers: tuple[ServerProcess, ServerProcess],  # noqa: F811
+    recipe: str,
+) -> None:
+    a, b = two_reward_servers
+    items = gsm8k_like_batch()
+    with RewardClient(a.url) as one, RewardClient([a.url, b.url]) as both:
+        single = one.score(items, recipe=recipe, diagnostics=True)
+        sharded = both.score(items, recipe=recipe, diagnostics=True)
+    assert sorted(set(sharded.served_by)) == sorted({a.url, b.url})
+    assert sharded.rewards == pytest.approx(single.rewards, abs=1e-6)
+    assert sharded.advantages == pytest.approx(single.advantages, abs=1e-5)
+    for k in single.components:
+        assert sharded.components[k] == pytest.approx(single.components[k], abs=1e-6)
+        assert sharded.normalized[k] == pytest.approx(single.normalized[k], abs=1e-5)
+    assert [it.correct for it in sharded.items] == [it.correct for it in single.items]
+    assert sharded.encoder == single.encoder
+    assert max(single.batch_std.values()) > 0.1
+
+
+@pytest.mark.slow
+async def test_async_client_against_real_server(
+    two_reward_servers: tuple[ServerProcess, ServerProcess],  # noqa: F811
+) -> None:
+    a, b = two_reward_servers
+    items = gsm8k_like_batch()
+    async with AsyncRewardClient([a.url, b.url]) as rc:
+        sharded = await rc.score(items, recipe="cfee")
+    with RewardClient(b.url) as one:
+        single = one.score(items, recipe="cfee")
+    assert sharded.rewards == pytest.approx(single.rewards, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_real_server_422_is_a_request_error(
+    two_reward_servers: tuple[ServerProcess, ServerProcess],  # noqa: F811
+) -> None:
+    a, _ = two_reward_servers
+    with RewardClient(a.url) as rc, pytest.raises(RewardRequestError, match="422"):
+        rc.score(ONE, params={"eps": 5.0})

@@ -1,0 +1,381 @@
+"""HTTP clients of the SD-E² reward service (SPEC §6, ``POST /v1/score``).
+
+:class:`RewardClient` (blocking) and :class:`AsyncRewardClient` (asyncio) share everything but the
+I/O: request building, sharding across replicas and merging (:mod:`trainer_client.sharding`),
+and the retry policy (:mod:`trainer_client.retry`). Both keep one pooled ``httpx`` client so a
+trainer reuses connections across steps instead of paying a TCP handshake per batch.
+
+Failure semantics: transient failures are retried with backoff (and on the next replica, when
+there are several — scoring is idempotent); when the retries run out
+:class:`~trainer_client.retry.RewardServiceError` is raised. No method ever returns a reward the
+server did not compute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from reward_server.core.params import RewardParams
+from trainer_client.results import ScoreResult
+from trainer_client.retry import (
+    RETRYABLE_STATUSES,
+    Attempt,
+    RetryPolicy,
+    RewardRequestError,
+    RewardServiceError,
+    parse_retry_after,
+)
+from trainer_client.sharding import (
+    ItemLike,
+    check_groups,
+    item_to_json,
+    merge,
+    params_to_json,
+    split,
+)
+
+SCORE_PATH = "/v1/score"
+DEFAULT_TIMEOUT = 180.0  # seconds; a large step on a CPU server can take a while (OpenRLHF: 180)
+
+
+def _normalize_urls(urls: str | Sequence[str]) -> list[str]:
+    """One or several base URLs (``http://host:port``), without trailing slashes."""
+    listed = [urls] if isinstance(urls, str) else list(urls)
+    # A comma-separated string is accepted too: environment variables carry one string.
+    flat = [u.strip().rstrip("/") for entry in listed for u in entry.split(",") if u.strip()]
+    if not flat:
+        raise ValueError("at least one reward server URL is required")
+    for u in flat:
+        if not u.startswith(("http://", "https://")):
+            raise ValueError(f"reward server URL must start with http:// or https://: {u!r}")
+    return flat
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """One ``score`` call: the request bodies per shard and how to put the answers together."""
+
+    shards: list[tuple[int, dict[str, Any]]]  # (preferred replica, request body)
+    sharded: bool
+    normalize: bool
+    groups: list[str] | None
+
+    @classmethod
+    def build(
+        cls,
+        n_replicas: int,
+        items: Sequence[ItemLike],
+        *,
+        recipe: str,
+        answer_type: str,
+        params: RewardParams | Mapping[str, Any] | None,
+        normalize: bool,
+        diagnostics: bool,
+    ) -> _Plan:
+        wire = [item_to_json(it) for it in items]
+        if not wire:
+            raise ValueError("nothing to score: items is empty")
+        groups = check_groups(wire)
+        common: dict[str, Any] = {"recipe": recipe, "answer_type": answer_type}
+        p = params_to_json(params)
+        if p:
+            common["params"] = p
+        if diagnostics:
+            common["diagnostics"] = True
+        ranges = split(len(wire), n_replicas)
+        if len(ranges) == 1:
+            body = {"items": wire, **common, "normalize": normalize}
+            return cls([(0, body)], False, normalize, groups)
+        shards = [
+            (i, {"items": wire[r.start : r.stop], **common, "normalize": False})
+            for i, r in enumerate(ranges)
+        ]
+        return cls(shards, True, normalize, groups)
+
+    def finish(self, results: list[ScoreResult]) -> ScoreResult:
+        if not self.sharded:
+            return results[0]
+        return merge(results, normalize=self.normalize, groups=self.groups)
+
+
+def _check_response(url: str, response: httpx.Response) -> tuple[Any, Attempt | None, bool]:
+    """(JSON body, failure, retryable) for one HTTP response."""
+    if response.status_code == 200:
+        try:
+            return response.json(), None, False
+        except ValueError as exc:  # a proxy's HTML page, a truncated body: transient
+            return None, Attempt(url, 200, f"invalid JSON: {exc}"), True
+    text = response.text[:500].replace("\n", " ")
+    failure = Attempt(url, response.status_code, text or response.reason_phrase)
+    return None, failure, response.status_code in RETRYABLE_STATUSES
+
+
+class _Base:
+    """Configuration shared by the blocking and the asyncio client."""
+
+    def __init__(
+        self,
+        urls: str | Sequence[str],
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        connect_timeout: float = 5.0,
+        retry: RetryPolicy | None = None,
+        api_key: str | None = None,
+        max_connections: int = 32,
+    ) -> None:
+        self.urls = _normalize_urls(urls)
+        self.retry = retry or RetryPolicy()
+        self._timeout = httpx.Timeout(timeout, connect=connect_timeout)
+        self._limits = httpx.Limits(
+            max_connections=max_connections, max_keepalive_connections=max_connections
+        )
+        self._headers = {"accept": "application/json"}
+        if api_key:
+            self._headers["authorization"] = f"Bearer {api_key}"
+
+    def _url(self, replica: int, attempt: int) -> str:
+        # Each retry moves to the next replica: a dead replica costs one attempt, not all.
+        return self.urls[(replica + attempt) % len(self.urls)]
+
+    def _give_up(self, what: str, attempts: list[Attempt], retryable: bool) -> RewardServiceError:
+        if retryable:
+            return RewardServiceError(f"reward service failed to {what}", attempts)
+        return RewardRequestError(f"reward service rejected the request to {what}", attempts)
+
+    def _out_of_time(self, started: float, wait: float) -> bool:
+        deadline = self.retry.deadline
+        return deadline is not None and time.monotonic() - started + wait > deadline
+
+
+class RewardClient(_Base):
+    """Blocking client; thread-safe (one pooled ``httpx.Client``).
+
+    >>> # with RewardClient(["http://10.0.0.1:8000", "http://10.0.0.2:8000"]) as rc:
+    >>> #     result = rc.score([{"completion": text, "answer": "18"}], recipe="sde2")
+    """
+
+    def __init__(
+        self,
+        urls: str | Sequence[str],
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        connect_timeout: float = 5.0,
+        retry: RetryPolicy | None = None,
+        api_key: str | None = None,
+        max_connections: int = 32,
+        transport: httpx.BaseTransport | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        super().__init__(
+            urls,
+            timeout=timeout,
+            connect_timeout=connect_timeout,
+            retry=retry,
+            api_key=api_key,
+            max_connections=max_connections,
+        )
+        self._sleep = sleep
+        self._http = httpx.Client(
+            timeout=self._timeout, limits=self._limits, headers=self._headers, transport=transport
+        )
+
+    def __enter__(self) -> RewardClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the pooled connections."""
+        self._http.close()
+
+    def request(
+        self, method: str, path: str, body: Any = None, *, replica: int = 0, what: str = ""
+    ) -> Any:
+        """One JSON request with retries and replica failover; returns the decoded body."""
+        attempts: list[Attempt] = []
+        started = time.monotonic()
+        for attempt in range(self.retry.max_attempts):
+            url = self._url(replica, attempt) + path
+            retry_after: float | None = None
+            failure: Attempt | None
+            try:
+                response = self._http.request(method, url, json=body)
+            except httpx.TransportError as exc:
+                failure, retryable = Attempt(url, None, f"{type(exc).__name__}: {exc}"), True
+            else:
+                data, failure, retryable = _check_response(url, response)
+                if failure is None:
+                    return data
+                retry_after = parse_retry_after(response.headers.get("retry-after"))
+            assert failure is not None
+            attempts.append(failure)
+            if not retryable or attempt + 1 == self.retry.max_attempts:
+                break
+            wait = self.retry.delay(attempt, retry_after)
+            if self._out_of_time(started, wait):
+                break
+            self._sleep(wait)
+        raise self._give_up(what or f"{method} {path}", attempts, retryable)
+
+    def score(
+        self,
+        items: Sequence[ItemLike],
+        *,
+        recipe: str = "sde2",
+        answer_type: str = "numeric",
+        params: RewardParams | Mapping[str, Any] | None = None,
+        normalize: bool = True,
+        diagnostics: bool = False,
+    ) -> ScoreResult:
+        """Score a batch (SPEC §6). With several URLs the batch is split across them and
+        normalized here over the whole batch, giving the numbers one server would."""
+        plan = _Plan.build(
+            len(self.urls),
+            items,
+            recipe=recipe,
+            answer_type=answer_type,
+            params=params,
+            normalize=normalize,
+            diagnostics=diagnostics,
+        )
+
+        def one(shard: tuple[int, dict[str, Any]]) -> ScoreResult:
+            replica, body = shard
+            data = self.request(
+                "POST", SCORE_PATH, body, replica=replica, what=f"score {len(body['items'])} items"
+            )
+            return ScoreResult.from_json(data, served_by=self._url(replica, 0))
+
+        if len(plan.shards) == 1:
+            return plan.finish([one(plan.shards[0])])
+        with ThreadPoolExecutor(max_workers=len(plan.shards)) as pool:
+            results = list(pool.map(one, plan.shards))
+        return plan.finish(results)
+
+    def info(self, replica: int = 0) -> dict[str, Any]:
+        """``GET /v1/info`` of one replica (encoder, limits, defaults)."""
+        return dict(self.request("GET", "/v1/info", replica=replica, what="get info"))
+
+    def ready(self) -> bool:
+        """Whether every replica answers ``GET /readyz`` with 200 right now (no retries)."""
+        for url in self.urls:
+            try:
+                if self._http.get(url + "/readyz").status_code != 200:
+                    return False
+            except httpx.TransportError:
+                return False
+        return True
+
+
+class AsyncRewardClient(_Base):
+    """asyncio client (one pooled ``httpx.AsyncClient``); shards are scored concurrently.
+
+    An ``httpx.AsyncClient`` belongs to the event loop it first ran on: create and use one
+    instance per loop (the TRL adapter does this for you).
+    """
+
+    def __init__(
+        self,
+        urls: str | Sequence[str],
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        connect_timeout: float = 5.0,
+        retry: RetryPolicy | None = None,
+        api_key: str | None = None,
+        max_connections: int = 32,
+        transport: httpx.AsyncBaseTransport | None = None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        super().__init__(
+            urls,
+            timeout=timeout,
+            connect_timeout=connect_timeout,
+            retry=retry,
+            api_key=api_key,
+            max_connections=max_connections,
+        )
+        self._sleep = sleep
+        self._http = httpx.AsyncClient(
+            timeout=self._timeout, limits=self._limits, headers=self._headers, transport=transport
+        )
+
+    async def __aenter__(self) -> AsyncRewardClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the pooled connections."""
+        await self._http.aclose()
+
+    async def request(
+        self, method: str, path: str, body: Any = None, *, replica: int = 0, what: str = ""
+    ) -> Any:
+        """One JSON request with retries and replica failover; returns the decoded body."""
+        attempts: list[Attempt] = []
+        started = time.monotonic()
+        for attempt in range(self.retry.max_attempts):
+            url = self._url(replica, attempt) + path
+            retry_after: float | None = None
+            failure: Attempt | None
+            try:
+                response = await self._http.request(method, url, json=body)
+            except httpx.TransportError as exc:
+                failure, retryable = Attempt(url, None, f"{type(exc).__name__}: {exc}"), True
+            else:
+                data, failure, retryable = _check_response(url, response)
+                if failure is None:
+                    return data
+                retry_after = parse_retry_after(response.headers.get("retry-after"))
+            assert failure is not None
+            attempts.append(failure)
+            if not retryable or attempt + 1 == self.retry.max_attempts:
+                break
+            wait = self.retry.delay(attempt, retry_after)
+            if self._out_of_time(started, wait):
+                break
+            await self._sleep(wait)
+        raise self._give_up(what or f"{method} {path}", attempts, retryable)
+
+    async def score(
+        self,
+        items: Sequence[ItemLike],
+        *,
+        recipe: str = "sde2",
+        answer_type: str = "numeric",
+        params: RewardParams | Mapping[str, Any] | None = None,
+        normalize: bool = True,
+        diagnostics: bool = False,
+    ) -> ScoreResult:
+        """Score a batch (SPEC §6); see :meth:`RewardClient.score`."""
+        plan = _Plan.build(
+            len(self.urls),
+            items,
+            recipe=recipe,
+            answer_type=answer_type,
+            params=params,
+            normalize=normalize,
+            diagnostics=diagnostics,
+        )
+
+        async def one(replica: int, body: dict[str, Any]) -> ScoreResult:
+            data = await self.request(
+                "POST", SCORE_PATH, body, replica=replica, what=f"score {len(body['items'])} items"
+            )
+            return ScoreResult.from_json(data, served_by=self._url(replica, 0))
+
+        results = await asyncio.gather(*(one(r, b) for r, b in plan.shards))
+        return plan.finish(list(results))
+
+    async def info(self, replica: int = 0) -> dict[str, Any]:
+        """``GET /v1/info`` of one replica."""
+        return dict(await self.request("GET", "/v1/info", replica=replica, what="get info"))

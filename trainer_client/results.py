@@ -1,0 +1,118 @@
+"""Typed mirror of the SPEC §6 response of ``POST /v1/score``.
+
+Plain frozen dataclasses (not pydantic) so that a trainer process that only scores never pays for
+schema machinery per call, and so that results pickle and compare cheaply in tests. The parser is
+strict about the fields it needs: a response missing ``rewards`` is a server bug we must surface,
+never paper over with defaults.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ItemDiagnostics:
+    """Per-item diagnostics (SPEC §6 ``items[]``)."""
+
+    n_strat: int
+    final_answer: str | None
+    correct: bool
+    strategy_correct: bool
+    uniq: int | None = None
+    div: float | None = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ItemDiagnostics:
+        """Build from one ``items[]`` entry of the response."""
+        return cls(
+            n_strat=int(data["n_strat"]),
+            final_answer=data.get("final_answer"),
+            correct=bool(data["correct"]),
+            strategy_correct=bool(data["strategy_correct"]),
+            uniq=None if data.get("uniq") is None else int(data["uniq"]),
+            div=None if data.get("div") is None else float(data["div"]),
+        )
+
+
+@dataclass(frozen=True)
+class ScoreResult:
+    """A scored batch, arrays in item order (SPEC §6).
+
+    ``rewards`` is ``R_final``; ``components`` the raw ``R_k``; ``normalized`` the batch z-scores
+    ``R̃_k``; ``advantages`` the group-relative advantages when every item carried a group.
+    """
+
+    rewards: list[float]
+    components: dict[str, list[float]]
+    normalized: dict[str, list[float]]
+    advantages: list[float] | None
+    items: list[ItemDiagnostics]
+    batch_mean: dict[str, float]
+    batch_std: dict[str, float]
+    recipe: str
+    params: dict[str, Any]
+    encoder: str | None = None
+    #: Which server URL(s) produced the numbers (one per shard); informational.
+    served_by: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.rewards)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], served_by: str | None = None) -> ScoreResult:
+        """Parse a ``/v1/score`` response body; raises ``KeyError``/``TypeError`` if malformed."""
+        batch = data.get("batch") or {}
+        result = cls(
+            rewards=[float(x) for x in data["rewards"]],
+            components={k: [float(x) for x in v] for k, v in data["components"].items()},
+            normalized={
+                k: [float(x) for x in v] for k, v in (data.get("normalized") or {}).items()
+            },
+            advantages=(
+                None if data.get("advantages") is None else [float(x) for x in data["advantages"]]
+            ),
+            items=[ItemDiagnostics.from_json(it) for it in data["items"]],
+            batch_mean={k: float(v) for k, v in (batch.get("mean") or {}).items()},
+            batch_std={k: float(v) for k, v in (batch.get("std") or {}).items()},
+            recipe=str(data["recipe"]),
+            params=dict(data.get("params") or {}),
+            encoder=data.get("encoder"),
+            served_by=[served_by] if served_by else [],
+        )
+        n = len(result.rewards)
+        if len(result.items) != n or any(len(v) != n for v in result.components.values()):
+            raise ValueError(
+                f"malformed response: {n} rewards but {len(result.items)} items / component "
+                f"lengths {[len(v) for v in result.components.values()]}"
+            )
+        return result
+
+    def to_json(self) -> dict[str, Any]:
+        """The SPEC §6 JSON shape (plus ``served_by``)."""
+        return {
+            "rewards": self.rewards,
+            "components": self.components,
+            "normalized": self.normalized,
+            "advantages": self.advantages,
+            "items": [it.__dict__ for it in self.items],
+            "batch": {"mean": self.batch_mean, "std": self.batch_std},
+            "recipe": self.recipe,
+            "params": self.params,
+            "encoder": self.encoder,
+            "served_by": self.served_by,
+        }
+
+    # Paper metrics (Sec. 4.4) over this batch --------------------------------------------
+
+    @property
+    def accuracy(self) -> float:
+        """Fraction of items whose final answer is correct (ACC / 100)."""
+        return sum(it.correct for it in self.items) / max(1, len(self.items))
+
+    @property
+    def strategy_accuracy(self) -> float:
+        """Fraction of items with some correct strategy outcome (S-ACC / 100)."""
+        return sum(it.strategy_correct for it in self.items) / max(1, len(self.items))

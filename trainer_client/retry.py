@@ -1,0 +1,103 @@
+"""Retry policy of the reward client: what is retried, and how long to wait before the next try.
+
+Scoring is a pure function of the request, so repeating a request is always safe; the only
+question is whether a failure is *transient*. Connection errors, timeouts, 429 (the server shed
+load) and 502/503/504 (restarting, not ready, or a proxy in between) are transient; any other
+status is an answer about the request itself and is raised at once. A trainer must never proceed
+on invented rewards, so when the retries run out the caller gets :class:`RewardServiceError`
+naming every attempt, never a default value.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import random
+import time
+from dataclasses import dataclass, field
+
+#: HTTP statuses worth another try (see the module docstring).
+RETRYABLE_STATUSES: frozenset[int] = frozenset({429, 502, 503, 504})
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One failed try, kept for the final error message."""
+
+    url: str
+    status: int | None
+    error: str
+
+    def __str__(self) -> str:
+        what = f"HTTP {self.status}" if self.status is not None else "no response"
+        return f"{self.url}: {what} ({self.error})"
+
+
+class RewardServiceError(RuntimeError):
+    """The reward service could not score a batch; no reward was produced.
+
+    ``attempts`` lists every failed try (URL, status, error); ``status`` is the last HTTP status
+    seen (``None`` when the server never answered).
+    """
+
+    def __init__(self, message: str, attempts: list[Attempt]) -> None:
+        self.attempts = list(attempts)
+        self.status = next((a.status for a in reversed(self.attempts) if a.status), None)
+        detail = "; ".join(f"#{i + 1} {a}" for i, a in enumerate(self.attempts))
+        super().__init__(f"{message} after {len(self.attempts)} attempt(s): {detail}")
+
+
+class RewardRequestError(RewardServiceError):
+    """The server rejected the request itself (e.g. 422): repeating it cannot help."""
+
+
+def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
+    """Seconds to wait from a ``Retry-After`` header (delta-seconds or an HTTP date), or None."""
+    if value is None:
+        return None
+    value = value.strip()
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when is None:
+        return None
+    return max(0.0, when.timestamp() - (time.time() if now is None else now))
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Exponential backoff with jitter, bounded by attempts and by total time.
+
+    The ``k``-th retry waits ``d/2 + U(0, d/2)`` with ``d = min(backoff_max, backoff_base·2^k)``
+    ("equal jitter": replicas restarted together are not hit by every trainer rank at the same
+    instant, yet the wait never collapses to zero). A ``Retry-After`` from the server wins over the
+    backoff (it knows its queue), capped at ``retry_after_max`` and stretched by up to
+    ``retry_after_jitter`` of itself for the same herd reason.
+    """
+
+    max_attempts: int = 6
+    backoff_base: float = 0.5
+    backoff_max: float = 20.0
+    retry_after_max: float = 60.0
+    retry_after_jitter: float = 0.1
+    #: Give up once this much time has passed since the first try (None: attempts only).
+    deadline: float | None = None
+    rng: random.Random = field(default_factory=random.Random, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError("max_attempts must be >= 1")
+        if self.backoff_base < 0 or self.backoff_max < 0 or self.retry_after_max < 0:
+            raise ValueError("backoff_base, backoff_max and retry_after_max must be >= 0")
+
+    def delay(self, retry_index: int, retry_after: float | None = None) -> float:
+        """Seconds to sleep before retry number ``retry_index`` (0 for the first retry)."""
+        if retry_after is not None:
+            base = min(retry_after, self.retry_after_max)
+            return base + self.rng.uniform(0.0, self.retry_after_jitter * base)
+        d = min(self.backoff_max, self.backoff_base * (2.0**retry_index))
+        return d / 2.0 + self.rng.uniform(0.0, d / 2.0)

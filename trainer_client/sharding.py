@@ -1,0 +1,112 @@
+"""Splitting one batch across replicas and merging the shards back into one server's answer.
+
+SPEC §5 normalizes each component over the items of *one request*. A batch split across
+replicas therefore cannot use the servers' normalization: each shard is scored raw
+(``normalize=false``) and the normalization, the weighted aggregation and the group advantages
+are recomputed here over the whole batch with the reward core's own
+:func:`reward_server.core.normalization.aggregate` — the same function the server runs, so the
+merged result equals what a single server returns for the whole batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from reward_server.core.normalization import aggregate
+from reward_server.core.params import RewardParams
+from reward_server.core.scoring import ScoreItem
+from trainer_client.results import ScoreResult
+
+ItemLike = ScoreItem | Mapping[str, Any]
+
+
+def item_to_json(item: ItemLike) -> dict[str, Any]:
+    """Validate one item with the core's own :class:`ScoreItem` and give its wire form.
+
+    Validating here means a wrong type fails in the trainer with a Python traceback pointing at
+    the caller, instead of as a 422 from a remote server.
+    """
+    it = item if isinstance(item, ScoreItem) else ScoreItem(**dict(item))
+    body: dict[str, Any] = {"completion": it.completion, "answer": it.answer}
+    for key in ("prompt", "group", "num_tokens"):
+        value = getattr(it, key)
+        if value is not None:
+            body[key] = value
+    return body
+
+
+def params_to_json(params: RewardParams | Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """Only what the caller set: the server fills the defaults and echoes every effective value."""
+    if params is None:
+        return None
+    if isinstance(params, RewardParams):
+        return params.model_dump(exclude_unset=True)
+    return dict(params)
+
+
+def split(n_items: int, n_shards: int) -> list[range]:
+    """Contiguous, balanced index ranges (sizes differ by at most one); empty ones dropped."""
+    n_shards = max(1, min(n_shards, n_items))
+    base, extra = divmod(n_items, n_shards)
+    out: list[range] = []
+    start = 0
+    for s in range(n_shards):
+        size = base + (1 if s < extra else 0)
+        if size:
+            out.append(range(start, start + size))
+        start += size
+    return out
+
+
+def check_groups(items: Sequence[dict[str, Any]]) -> list[str] | None:
+    """Group ids of a whole batch (SPEC §5: all items or none); ValueError when mixed.
+
+    Checked before sharding because a mixed batch could otherwise pass on one shard and fail on
+    another, and a single server rejects it as a whole.
+    """
+    groups = [it.get("group") for it in items]
+    if all(g is not None for g in groups):
+        return [str(g) for g in groups]
+    if any(g is not None for g in groups):
+        missing = groups.index(None)
+        raise ValueError(
+            f"items[{missing}].group: either every item carries a group id or none does"
+        )
+    return None
+
+
+def merge(
+    shards: Sequence[ScoreResult],
+    *,
+    normalize: bool,
+    groups: Sequence[str] | None,
+) -> ScoreResult:
+    """Concatenate raw-scored shards (in batch order) and redo SPEC §5 over the whole batch."""
+    if not shards:
+        raise ValueError("nothing to merge")
+    first = shards[0]
+    keys = list(first.components)
+    for s in shards[1:]:
+        if list(s.components) != keys or s.recipe != first.recipe or s.params != first.params:
+            raise ValueError(
+                "replicas disagree on recipe, components or effective parameters: "
+                f"{first.recipe}/{keys} vs {s.recipe}/{list(s.components)}"
+            )
+    components = {k: [v for s in shards for v in s.components[k]] for k in keys}
+    fields = RewardParams.model_fields
+    params = RewardParams.model_validate({k: v for k, v in first.params.items() if k in fields})
+    agg = aggregate(components, params, normalize=normalize, groups=groups)
+    return ScoreResult(
+        rewards=agg.rewards,
+        components=components,
+        normalized=agg.normalized,
+        advantages=agg.advantages,
+        items=[it for s in shards for it in s.items],
+        batch_mean=agg.mean,
+        batch_std=agg.std,
+        recipe=first.recipe,
+        params=first.params,
+        encoder=first.encoder,
+        served_by=[u for s in shards for u in s.served_by],
+    )
