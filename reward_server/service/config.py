@@ -1,0 +1,162 @@
+"""One settings object for the reward server, filled from CLI flags, then ``SDE2_*`` env vars.
+
+Every knob that bounds the server's work lives here so that the limits are visible in one place
+and reported by ``GET /v1/info``. Each flag ``--some-name`` can also be given as the environment
+variable ``SDE2_SOME_NAME`` (flags win), which is how containers configure the server; the API
+key is only read from ``SDE2_API_KEY`` so that it never shows in ``ps`` output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Provider = Literal["cpu", "cuda"]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Server settings. Defaults are sized for the standard GRPO step (64 completions with 1-10
+    strategies of 30-120 words) on a small CPU machine."""
+
+    host: str = field(default="127.0.0.1", metadata={"help": "HTTP bind address"})
+    port: int = field(default=8000, metadata={"help": "HTTP port"})
+    grpc_port: int | None = field(
+        default=None, metadata={"help": "gRPC port (off when not given; 0 picks a free port)"}
+    )
+    model: str | None = field(
+        default=None,
+        metadata={
+            "help": "exported ONNX folder, Hugging Face folder or hub id "
+            "(default: the embedded all-MiniLM-L6-v2, exported once into a cache)"
+        },
+    )
+    provider: Provider = field(default="cpu", metadata={"help": "onnxruntime provider"})
+    workers: int = field(
+        default=1,
+        metadata={
+            "help": "server processes sharing the ports through SO_REUSEPORT, each with its own "
+            "encoder and batcher (CPU threads are split between them)"
+        },
+    )
+    intra_op_threads: int | None = field(
+        default=None, metadata={"help": "onnxruntime threads per process (default: usable CPUs)"}
+    )
+    api_key: str | None = field(
+        default=None,
+        metadata={"help": "bearer key for the scoring routes (env SDE2_API_KEY only)", "env": True},
+    )
+    max_body_bytes: int = field(
+        default=16 * 1024 * 1024, metadata={"help": "largest request body (413 above)"}
+    )
+    max_items: int = field(default=1024, metadata={"help": "most items per request (422 above)"})
+    max_completion_chars: int = field(
+        default=200_000, metadata={"help": "longest completion in characters (422 above)"}
+    )
+    max_answer_chars: int = field(
+        default=10_000, metadata={"help": "longest gold answer in characters (422 above)"}
+    )
+    request_timeout: float = field(
+        default=120.0,
+        metadata={"help": "seconds a request may take in the server before a 503 (deadline)"},
+    )
+    queue_capacity: int = field(
+        default=64,
+        metadata={"help": "requests admitted at once (parsing, queued or encoding); 429 above"},
+    )
+    batch_tokens: int = field(
+        default=32768,
+        metadata={
+            "help": "estimated tokens the encoder worker takes from the queue per coalesced call"
+        },
+    )
+    encoder_batch_tokens: int | None = field(
+        default=None, metadata={"help": "padded tokens per onnxruntime run (default: encoder's)"}
+    )
+    cache_size: int = field(
+        default=100_000, metadata={"help": "embeddings kept in the LRU cache (0 disables it)"}
+    )
+    drain_timeout: float = field(
+        default=30.0, metadata={"help": "seconds SIGTERM waits for in-flight requests"}
+    )
+    log_level: str = field(default="info", metadata={"help": "uvicorn / server log level"})
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_items", "max_completion_chars", "max_answer_chars"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.queue_capacity < 1 or self.batch_tokens < 1 or self.workers < 1:
+            raise ValueError("queue_capacity, batch_tokens and workers must be >= 1")
+        if self.request_timeout <= 0 or self.drain_timeout < 0:
+            raise ValueError("request_timeout must be > 0 and drain_timeout >= 0")
+        if self.cache_size < 0:
+            raise ValueError("cache_size must be >= 0")
+        if self.provider not in ("cpu", "cuda"):
+            raise ValueError("provider must be 'cpu' or 'cuda'")
+
+    def public(self) -> dict[str, Any]:
+        """The settings as reported by ``/v1/info`` (never the key itself)."""
+        out = dataclasses.asdict(self)
+        out["api_key"] = self.api_key is not None
+        return out
+
+
+def env_name(name: str) -> str:
+    """``max_items`` -> ``SDE2_MAX_ITEMS``."""
+    return "SDE2_" + name.upper()
+
+
+def _parse_optional_int(text: str) -> int | None:
+    return None if text.lower() in ("", "none") else int(text)
+
+
+def _converter(f: dataclasses.Field[Any]) -> Any:
+    """The function turning a flag / env string into the field's type."""
+    kind = str(f.type)
+    if "int | None" in kind:
+        return _parse_optional_int
+    if kind.startswith("int"):
+        return int
+    if kind.startswith("float"):
+        return float
+    return str
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One ``--flag`` per setting (except the API key), defaulting to "not given"."""
+    for f in dataclasses.fields(Settings):
+        if f.metadata.get("env"):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kwargs: dict[str, Any] = {
+            "dest": f.name,
+            "default": None,
+            "type": _converter(f),
+            "help": f"{f.metadata['help']} (env {env_name(f.name)}; default {f.default})",
+        }
+        if f.name == "provider":
+            kwargs["choices"] = ["cpu", "cuda"]
+        parser.add_argument(flag, **kwargs)
+
+
+def load_settings(
+    args: argparse.Namespace | None = None, environ: Mapping[str, str] | None = None
+) -> Settings:
+    """Flags first, then ``SDE2_*`` environment variables, then the defaults."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(Settings):
+        given = getattr(args, f.name, None) if args is not None else None
+        if given is not None and not f.metadata.get("env"):
+            values[f.name] = given
+        elif env_name(f.name) in environ:
+            raw = environ[env_name(f.name)]
+            try:
+                values[f.name] = _converter(f)(raw)
+            except ValueError as exc:
+                raise ValueError(f"{env_name(f.name)}={raw!r}: {exc}") from exc
+    return Settings(**values)

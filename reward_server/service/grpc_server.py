@@ -1,0 +1,279 @@
+"""The gRPC front end (``sde2.v1.RewardService``): the same pipeline as HTTP, another wire.
+
+A gRPC request is turned into the JSON object of the HTTP contract and validated by the very
+same :class:`ScoreRequest` model, so both front ends accept, reject (with the same field paths)
+and score identically; the response is the same :class:`BatchScore` in protobuf form.
+
+Status codes: INVALID_ARGUMENT (bad input; the message lists each field path), RESOURCE_EXHAUSTED
+(at capacity; trailing metadata ``retry-after``), DEADLINE_EXCEEDED (server deadline or the
+client's own, whichever is sooner), UNAUTHENTICATED (wrong or missing ``authorization: Bearer``),
+UNAVAILABLE (model loading or shutting down). Phase timings go out as trailing metadata
+(``x-parse-time`` … in ms), like the HTTP headers.
+
+The service plumbing uses grpc's generic handlers instead of protoc's ``*_pb2_grpc.py`` (see
+:mod:`reward_server.service.protogen` for why); :class:`RewardStub` is the matching client.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from reward_server.service.batcher import DeadlineExceeded, Overloaded, ShuttingDown
+from reward_server.service.pipeline import NotReady, RequestInvalid, Scored, ScoringService
+from reward_server.service.protogen import ensure_generated
+from reward_server.service.schemas import ScoreRequest
+
+pb: Any = ensure_generated()
+log = logging.getLogger(__name__)
+
+SERVICE = "sde2.v1.RewardService"
+_PARAM_FIELDS = (
+    "lambda_oc",
+    "lambda_re",
+    "gamma_strategies",
+    "gamma_answer",
+    "gamma_complete",
+    "collapse_bonus",
+    "explore_cap",
+    "explore_rate",
+    "similarity_threshold",
+    "length_target",
+    "eps",
+    "max_strategies",
+)
+_WEIGHT_FIELDS = ("oc", "re", "fa", "sd", "rd", "len")
+
+
+def _set_fields(msg: Any, names: tuple[str, ...]) -> dict[str, Any]:
+    return {name: getattr(msg, name) for name in names if msg.HasField(name)}
+
+
+def request_to_json(request: Any) -> bytes:
+    """The HTTP JSON body equivalent to a ``ScoreRequest`` message (unset fields omitted)."""
+    items = []
+    for it in request.items:
+        item: dict[str, Any] = {"completion": it.completion, "answer": it.answer}
+        item.update(_set_fields(it, ("prompt", "group", "num_tokens")))
+        items.append(item)
+    body: dict[str, Any] = {"items": items}
+    body.update(_set_fields(request, ("recipe", "answer_type", "normalize", "diagnostics")))
+    if request.HasField("params"):
+        params = _set_fields(request.params, _PARAM_FIELDS)
+        if request.params.HasField("weights"):
+            params["weights"] = _set_fields(request.params.weights, _WEIGHT_FIELDS)
+        body["params"] = params
+    # NaN/inf doubles are written as JSON's NaN/Infinity tokens, which the model then rejects
+    # as non-finite with the field's path (exactly as over HTTP).
+    return json.dumps(body, ensure_ascii=False).encode("utf-8")
+
+
+def params_to_proto(params: dict[str, Any]) -> Any:
+    """Every effective parameter as a ``RewardParams`` message."""
+    flat = {k: params[k] for k in _PARAM_FIELDS}
+    return pb.RewardParams(**flat, weights=pb.Weights(**params["weights"]))
+
+
+def scored_to_proto(scored: Scored) -> Any:
+    """A :class:`Scored` as a ``ScoreResponse`` message."""
+    d = scored.as_dict()
+    resp = pb.ScoreResponse(
+        rewards=d["rewards"],
+        recipe=d["recipe"],
+        encoder=d["encoder"],
+        params=params_to_proto(d["params"]),
+    )
+    for key, values in d["components"].items():
+        resp.components[key].values.extend(values)
+    for key, values in d["normalized"].items():
+        resp.normalized[key].values.extend(values)
+    if d["advantages"] is not None:
+        resp.advantages.SetInParent()
+        resp.advantages.values.extend(d["advantages"])
+    resp.batch_mean.update(d["batch"]["mean"])
+    resp.batch_std.update(d["batch"]["std"])
+    for it in d["items"]:
+        resp.items.add(**{k: v for k, v in it.items() if v is not None})
+    return resp
+
+
+def response_to_dict(resp: Any) -> dict[str, Any]:
+    """A ``ScoreResponse`` back in the HTTP JSON shape (for clients and the parity tests)."""
+    params: dict[str, Any] = {k: getattr(resp.params, k) for k in _PARAM_FIELDS}
+    params["weights"] = {k: getattr(resp.params.weights, k) for k in _WEIGHT_FIELDS}
+    optional = ("final_answer", "uniq", "div")
+    return {
+        "rewards": list(resp.rewards),
+        "components": {k: list(v.values) for k, v in resp.components.items()},
+        "normalized": {k: list(v.values) for k, v in resp.normalized.items()},
+        "advantages": list(resp.advantages.values) if resp.HasField("advantages") else None,
+        "items": [
+            {
+                "n_strat": it.n_strat,
+                "correct": it.correct,
+                "strategy_correct": it.strategy_correct,
+                **{k: getattr(it, k) if it.HasField(k) else None for k in optional},
+            }
+            for it in resp.items
+        ],
+        "batch": {"mean": dict(resp.batch_mean), "std": dict(resp.batch_std)},
+        "recipe": resp.recipe,
+        "params": params,
+        "encoder": resp.encoder,
+    }
+
+
+class RewardServicer:
+    """Handlers of ``sde2.v1.RewardService`` over a :class:`ScoringService`."""
+
+    def __init__(self, service: ScoringService) -> None:
+        self.service = service
+
+    async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
+        key = self.service.settings.api_key
+        if key is None:
+            return
+        metadata = dict(context.invocation_metadata() or ())
+        header = str(metadata.get("authorization", ""))
+        scheme, _, token = header.partition(" ")
+        ok = scheme.lower() == "bearer" and hmac.compare_digest(
+            token.strip().encode("utf-8", "surrogateescape"),
+            key.encode("utf-8", "surrogateescape"),
+        )
+        if not ok:
+            await self._fail(context, "unauthorized", grpc.StatusCode.UNAUTHENTICATED, "bad key")
+
+    async def _fail(
+        self, context: grpc.aio.ServicerContext, reason: str, code: grpc.StatusCode, msg: str
+    ) -> None:
+        self.service.metrics.failures.labels(reason).inc()
+        self.service.metrics.requests.labels("grpc:Score", code.name).inc()
+        await context.abort(code, msg)
+
+    async def Score(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        """Score one batch (``POST /v1/score``)."""
+        await self._authorize(context)
+        remaining = context.time_remaining()
+        body = request_to_json(request)
+        try:
+            scored = await self.service.score(
+                lambda: ScoreRequest.model_validate_json(body), timeout=remaining
+            )
+        except RequestInvalid as exc:
+            await self._fail(context, "invalid", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Overloaded as exc:
+            context.set_trailing_metadata((("retry-after", str(exc.retry_after)),))
+            await self._fail(context, "overloaded", grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except DeadlineExceeded as exc:
+            await self._fail(context, "deadline", grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
+        except (NotReady, ShuttingDown) as exc:
+            await self._fail(context, "not_ready", grpc.StatusCode.UNAVAILABLE, str(exc))
+        context.set_trailing_metadata(
+            tuple((f"x-{k}-time", f"{v * 1000:.3f}") for k, v in scored.timings.items())
+        )
+        self.service.metrics.requests.labels("grpc:Score", "OK").inc()
+        return scored_to_proto(scored)
+
+    async def Info(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        """Encoder, variant, provider, version, defaults and limits (``GET /v1/info``)."""
+        if not self.service.ready:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "loading")
+        info = self.service.info()
+        return pb.InfoResponse(
+            encoder=info["encoder"],
+            variant=info["variant"],
+            provider=info["provider"],
+            version=info["version"],
+            model_path=info["model_path"] or "",
+            defaults_json=json.dumps(info["defaults"]),
+            limits_json=json.dumps(info["limits"]),
+        )
+
+    async def Health(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        """SERVING once the model is loaded and warm (``GET /readyz``)."""
+        status = (
+            pb.HealthResponse.Status.SERVING
+            if self.service.ready
+            else pb.HealthResponse.Status.NOT_SERVING
+        )
+        return pb.HealthResponse(status=status, encoder=self.service.encoder_name)
+
+
+_METHODS: dict[str, tuple[str, str]] = {
+    "Score": ("ScoreRequest", "ScoreResponse"),
+    "Info": ("InfoRequest", "InfoResponse"),
+    "Health": ("HealthRequest", "HealthResponse"),
+}
+
+
+def generic_handler(servicer: RewardServicer) -> grpc.GenericRpcHandler:
+    """The method table protoc's ``add_RewardServiceServicer_to_server`` would build."""
+    handlers = {
+        name: grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, name),
+            request_deserializer=getattr(pb, req).FromString,
+            response_serializer=getattr(pb, resp).SerializeToString,
+        )
+        for name, (req, resp) in _METHODS.items()
+    }
+    return grpc.method_handlers_generic_handler(SERVICE, handlers)
+
+
+def create_server(
+    service: ScoringService, host: str, port: int, *, reuse_port: bool = False
+) -> tuple[grpc.aio.Server, int]:
+    """A started-later ``grpc.aio`` server on ``host:port``; returns it and the bound port."""
+    limit = service.settings.max_body_bytes
+    server = grpc.aio.server(
+        options=[
+            ("grpc.so_reuseport", 1 if reuse_port else 0),
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", max(limit, 64 * 1024 * 1024)),
+        ]
+    )
+    server.add_generic_rpc_handlers((generic_handler(RewardServicer(service)),))
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind gRPC to {host}:{port}")
+    return server, bound
+
+
+class RewardStub:
+    """Client for ``sde2.v1.RewardService`` (``Score``, ``Info``, ``Health`` callables)."""
+
+    def __init__(self, channel: grpc.Channel | grpc.aio.Channel) -> None:
+        def method(name: str) -> Callable[..., Any]:
+            req, resp = _METHODS[name]
+            return channel.unary_unary(
+                f"/{SERVICE}/{name}",
+                request_serializer=getattr(pb, req).SerializeToString,
+                response_deserializer=getattr(pb, resp).FromString,
+            )
+
+        self.Score = method("Score")
+        self.Info = method("Info")
+        self.Health = method("Health")
+
+
+def request_from_dict(body: dict[str, Any]) -> Any:
+    """A ``ScoreRequest`` message from the HTTP JSON shape (clients, tests)."""
+    body = dict(body)
+    params = dict(body.pop("params", None) or {})
+    weights = params.pop("weights", None)
+    msg = pb.ScoreRequest(**{k: v for k, v in body.items() if k != "items"})
+    for item in body.get("items", []):
+        msg.items.add(**{k: v for k, v in item.items() if v is not None})
+    if params or weights is not None:
+        msg.params.SetInParent()
+        for k, v in params.items():
+            setattr(msg.params, k, v)
+        if weights is not None:
+            msg.params.weights.SetInParent()
+            for k, v in weights.items():
+                setattr(msg.params.weights, k, v)
+    return msg

@@ -1,0 +1,391 @@
+"""The HTTP front end (FastAPI): SPEC §6 scoring, OpenRLHF's protocol, health, info, metrics.
+
+Bodies are read and validated by hand (bounded read, then ``model_validate_json``) rather than by
+FastAPI's body parameter, for three reasons: the size limit is enforced while reading (413 before
+the whole body is buffered), pydantic's strict JSON parser rejects lone surrogates, and parsing
+counts in the ``parse`` phase timing. The request models are still published in the OpenAPI
+document (with the server's limits filled in), so clients and schemathesis see every field.
+
+Status codes (matching text-embeddings-inference where it has one): 401 missing/wrong key,
+413 body too large, 422 invalid input (with each field's path), 429 at capacity (Retry-After),
+503 deadline passed or model not ready. Bad input never yields a 500.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel
+
+from reward_server import __version__
+from reward_server.core import AnswerType, Recipe, ScoreItem
+from reward_server.service.batcher import DeadlineExceeded, Overloaded, ShuttingDown
+from reward_server.service.pipeline import (
+    Loc,
+    NotReady,
+    RequestInvalid,
+    Scored,
+    ScoringService,
+    issue,
+)
+from reward_server.service.schemas import (
+    ErrorResponse,
+    InfoResponse,
+    OpenRLHFRequest,
+    OpenRLHFResponse,
+    ScoreRequest,
+    ScoreResponse,
+)
+
+log = logging.getLogger(__name__)
+
+TIMING_HEADERS = ("parse", "queue", "encode", "reward", "total")
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    401: {"model": ErrorResponse, "description": "missing or wrong bearer key"},
+    413: {"model": ErrorResponse, "description": "body larger than the server's limit"},
+    422: {"model": ErrorResponse, "description": "invalid input; each issue names its field"},
+    429: {"model": ErrorResponse, "description": "at capacity; retry after Retry-After seconds"},
+    503: {"model": ErrorResponse, "description": "deadline passed, model loading or stopping"},
+}
+
+
+class BodyTooLarge(Exception):
+    """The body exceeds ``max_body_bytes``."""
+
+
+def _error(status: int, detail: Any, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"detail": detail}, status_code=status, headers=headers)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refusing (before buffering it) anything over ``limit`` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _openrlhf_loc(loc: Loc) -> Loc:
+    """Map a path inside the derived ``items`` back to the OpenRLHF request's own fields."""
+    if len(loc) >= 3 and loc[0] == "items" and isinstance(loc[1], int):
+        field = {"completion": "query", "answer": "labels", "prompt": "prompts"}.get(str(loc[2]))
+        if field:
+            return (field, loc[1])
+    return loc
+
+
+def openrlhf_items(request: OpenRLHFRequest) -> list[ScoreItem]:
+    """One item per sample: completion = query minus its prompt prefix, answer = label."""
+    items = []
+    for query, prompt, label in zip(request.query, request.prompts, request.labels, strict=True):
+        completion = query[len(prompt) :] if prompt and query.startswith(prompt) else query
+        items.append(ScoreItem(completion, label, prompt, None, None))
+    return items
+
+
+def _model_schema(model: type[BaseModel], components: dict[str, Any]) -> dict[str, Any]:
+    """``model``'s validation JSON schema, its ``$defs`` moved into OpenAPI components."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    components.update(schema.pop("$defs", {}))
+    return schema
+
+
+def create_app(service: ScoringService) -> FastAPI:
+    """The app for ``service``; the lifespan starts loading the model and drains on shutdown."""
+    settings = service.settings
+    metrics = service.metrics
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        service.start()
+        yield
+
+    app = FastAPI(
+        title="sde2 reward server",
+        version=__version__,
+        description="SD-E² rewards (semantic exploration) for GRPO training; see SPEC §6.",
+        lifespan=lifespan,
+    )
+
+    def authorize(request: Request) -> None:
+        """Bearer key check on scoring routes, in constant time (no timing oracle)."""
+        if settings.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        ok = scheme.lower() == "bearer" and hmac.compare_digest(
+            token.strip().encode("utf-8", "surrogateescape"),
+            settings.api_key.encode("utf-8", "surrogateescape"),
+        )
+        if not ok:
+            raise _Unauthorized
+
+    async def run_scoring(
+        request: Request,
+        route: str,
+        parse_body: Callable[[bytes], Any],
+        loc_map: Callable[[Loc], Loc] | None = None,
+    ) -> tuple[Scored | None, Response | None]:
+        """Read, score and translate failures to responses (one place for every status)."""
+        try:
+            body = await read_body(request, settings.max_body_bytes)
+            scored = await service.score(lambda: parse_body(body), loc_map=loc_map)
+            return scored, None
+        except BodyTooLarge:
+            reason, resp = (
+                "body_too_large",
+                _error(413, f"request body larger than {settings.max_body_bytes} bytes"),
+            )
+        except RequestInvalid as exc:
+            reason, resp = "invalid", _error(422, exc.issues)
+        except Overloaded as exc:
+            reason, resp = (
+                "overloaded",
+                _error(429, str(exc), headers={"Retry-After": str(exc.retry_after)}),
+            )
+        except DeadlineExceeded as exc:
+            reason, resp = "deadline", _error(503, str(exc))
+        except NotReady as exc:
+            reason, resp = "not_ready", _error(503, f"not ready: {exc}")
+        except ShuttingDown as exc:
+            reason, resp = "shutting_down", _error(503, str(exc))
+        metrics.failures.labels(reason).inc()
+        metrics.requests.labels(route, str(resp.status_code)).inc()
+        return None, resp
+
+    def timing_headers(scored: Scored) -> dict[str, str]:
+        return {f"x-{k}-time": f"{scored.timings[k] * 1000:.3f}" for k in TIMING_HEADERS}
+
+    def parse_score(body: bytes) -> ScoreRequest:
+        return ScoreRequest.model_validate_json(body)
+
+    async def score(request: Request) -> Response:
+        route = request.url.path
+        scored, failure = await run_scoring(request, route, parse_score)
+        if failure is not None:
+            return failure
+        assert scored is not None
+        metrics.requests.labels(route, "200").inc()
+        return JSONResponse(scored.as_dict(), headers=timing_headers(scored))
+
+    score_doc: dict[str, Any] = {
+        "response_model": ScoreResponse,
+        "responses": _ERRORS,
+        "dependencies": [Depends(authorize)],
+        "openapi_extra": {"x-sde2-body": "ScoreRequest"},
+        "summary": "Score a batch of completions (SPEC §6)",
+    }
+    app.post("/v1/score", operation_id="score", **score_doc)(score)
+    app.post("/score", operation_id="score_alias", **score_doc)(score)
+
+    @app.post(
+        "/get_reward",
+        response_model=OpenRLHFResponse,
+        responses=_ERRORS,
+        dependencies=[Depends(authorize)],
+        openapi_extra={"x-sde2-body": "OpenRLHFRequest"},
+        summary="OpenRLHF remote reward protocol",
+    )
+    async def get_reward(
+        request: Request,
+        recipe: Annotated[Recipe, Query(description="reward recipe")] = "sde2",
+        answer_type: Annotated[AnswerType, Query(description="answer matcher")] = "numeric",
+        normalize: Annotated[
+            bool,
+            Query(
+                description="z-score components over this request's samples. Off by default: "
+                "OpenRLHF (>= 0.9.1) sends one sample per request, and over one sample every "
+                "normalized component is 0, so the reward would always be 0"
+            ),
+        ] = False,
+    ) -> Response:
+        """``{"query", "prompts", "labels"}`` -> ``{"rewards", "scores", "extra_logs"}``.
+
+        The completion is the query minus its prompt prefix; labels are the gold answers.
+        Normalization is off unless asked for (see the ``normalize`` parameter). Empty lists
+        are valid and give empty lists.
+        """
+        holder: dict[str, int] = {}
+
+        def parse(body: bytes) -> ScoreRequest:
+            req = OpenRLHFRequest.model_validate_json(body)
+            n = len(req.query)
+            for name in ("prompts", "labels"):
+                if len(getattr(req, name)) != n:
+                    raise RequestInvalid(
+                        [issue((name,), f"must have as many entries as query ({n})", "length")]
+                    )
+            holder["n"] = n
+            if n == 0:
+                raise _Empty
+            return ScoreRequest(
+                items=openrlhf_items(req),
+                recipe=recipe,
+                answer_type=answer_type,
+                normalize=normalize,
+            )
+
+        try:
+            scored, failure = await run_scoring(request, "/get_reward", parse, _openrlhf_loc)
+        except _Empty:
+            metrics.requests.labels("/get_reward", "200").inc()
+            return JSONResponse({"rewards": [], "scores": [], "extra_logs": {}})
+        if failure is not None:
+            return failure
+        assert scored is not None
+        s = scored.score
+        extra: dict[str, list[float]] = {k: list(v) for k, v in s.components.items()}
+        extra["correct"] = [float(it.correct) for it in s.items]
+        extra["strategy_correct"] = [float(it.strategy_correct) for it in s.items]
+        extra["n_strat"] = [float(it.n_strat) for it in s.items]
+        metrics.requests.labels("/get_reward", "200").inc()
+        return JSONResponse(
+            {"rewards": s.rewards, "scores": s.rewards, "extra_logs": extra},
+            headers=timing_headers(scored),
+        )
+
+    @app.get("/healthz", summary="liveness: the process answers (no model work)")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get(
+        "/readyz",
+        summary="readiness: model loaded and warm-up inference done",
+        responses={503: {"model": ErrorResponse, "description": "not ready yet"}},
+    )
+    async def readyz() -> Response:
+        if service.ready:
+            return JSONResponse({"status": "ready", "encoder": service.encoder_name})
+        detail = f"load failed: {service.load_error}" if service.load_error else "loading"
+        return _error(503, detail)
+
+    @app.get(
+        "/v1/info",
+        response_model=InfoResponse,
+        summary="encoder, variant, provider, defaults, limits and version",
+        responses={503: {"model": ErrorResponse, "description": "not ready yet"}},
+    )
+    async def info() -> Response:
+        if not service.ready:
+            return _error(503, "loading")
+        return JSONResponse(jsonable_encoder(service.info()))
+
+    @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.exception_handler(_Unauthorized)
+    async def unauthorized(request: Request, exc: _Unauthorized) -> Response:
+        metrics.failures.labels("unauthorized").inc()
+        metrics.requests.labels(request.url.path, "401").inc()
+        return _error(401, "missing or wrong bearer key", {"WWW-Authenticate": "Bearer"})
+
+    @app.exception_handler(RequestInvalid)
+    async def invalid(request: Request, exc: RequestInvalid) -> Response:
+        metrics.failures.labels("invalid").inc()
+        metrics.requests.labels(request.url.path, "422").inc()
+        return _error(422, exc.issues)
+
+    @app.exception_handler(RequestValidationError)
+    async def query_invalid(request: Request, exc: RequestValidationError) -> Response:
+        """FastAPI's own validation (query parameters): same 422 shape as ours."""
+        issues = [
+            issue(tuple(e.get("loc", ())), str(e.get("msg", "")), str(e.get("type", "")))
+            for e in exc.errors()
+        ]
+        metrics.requests.labels(request.url.path, "422").inc()
+        return _error(422, issues)
+
+    _install_openapi(app, service)
+    return app
+
+
+class _Unauthorized(Exception):
+    """Raised by the auth dependency; answered with 401."""
+
+
+class _Empty(Exception):
+    """An OpenRLHF request with empty lists (valid: it gets empty lists back)."""
+
+
+def _install_openapi(app: FastAPI, service: ScoringService) -> None:
+    """Publish the hand-validated request bodies, with the server's limits, in OpenAPI."""
+    bodies: dict[str, type[BaseModel]] = {
+        "ScoreRequest": ScoreRequest,
+        "OpenRLHFRequest": OpenRLHFRequest,
+    }
+    s = service.settings
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema:
+            return app.openapi_schema
+        doc = get_openapi(
+            title=app.title,
+            version=app.version,
+            description=app.description,
+            routes=app.routes,
+        )
+        components = doc.setdefault("components", {}).setdefault("schemas", {})
+        for path_item in doc["paths"].values():
+            for op in path_item.values():
+                name = op.pop("x-sde2-body", None)
+                if name is None:
+                    continue
+                schema = _model_schema(bodies[name], components)
+                op["requestBody"] = {
+                    "required": True,
+                    "content": {"application/json": {"schema": schema}},
+                }
+        item = components.get("ScoreItem", {}).get("properties", {})
+        for field, limit in (
+            ("completion", s.max_completion_chars),
+            ("prompt", s.max_completion_chars),
+            ("answer", s.max_answer_chars),
+            ("group", s.max_answer_chars),
+        ):
+            if field in item:
+                _set_max_length(item[field], limit)
+        for op in doc["paths"].get("/v1/score", {}).values():
+            props = op["requestBody"]["content"]["application/json"]["schema"]["properties"]
+            props["items"]["maxItems"] = s.max_items
+        for op in doc["paths"].get("/score", {}).values():
+            props = op["requestBody"]["content"]["application/json"]["schema"]["properties"]
+            props["items"]["maxItems"] = s.max_items
+        if s.api_key is not None:
+            components_root = doc["components"]
+            components_root["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+            for path in ("/v1/score", "/score", "/get_reward"):
+                for op in doc["paths"].get(path, {}).values():
+                    op["security"] = [{"bearer": []}]
+        app.openapi_schema = doc
+        return doc
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _set_max_length(schema: dict[str, Any], limit: int) -> None:
+    """Add ``maxLength`` to a string schema, or to the string branch of ``anyOf``."""
+    if schema.get("type") == "string":
+        schema["maxLength"] = limit
+    for branch in schema.get("anyOf", []):
+        if branch.get("type") == "string":
+            branch["maxLength"] = limit
+
+
+__all__ = ["create_app", "openrlhf_items", "read_body"]

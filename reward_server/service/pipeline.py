@@ -1,0 +1,342 @@
+"""The scoring pipeline shared by the HTTP and gRPC front ends.
+
+One request goes: admission (or an immediate :class:`Overloaded`) -> parse + validate + server
+limits + :func:`prepare_batch` -> the shared :class:`Batcher` (queue, coalesced encoder call) ->
+:func:`finish_batch`. Both front ends call :meth:`ScoringService.score` with the same request
+model, so they return identical numbers and reject the same inputs with the same field paths.
+
+CPU-bound phases (validation of a large body, parsing, the reward) run in a small thread pool so
+the event loop keeps answering ``/healthz`` and rejecting overload quickly while they run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, TypeVar
+
+import numpy as np
+from pydantic import ValidationError
+
+from reward_server import __version__
+from reward_server.core import (
+    BatchScore,
+    InvalidBatch,
+    RewardParams,
+    finish_batch,
+    prepare_batch,
+)
+from reward_server.encoders.base import EMBEDDING_DIM, Encoder
+from reward_server.service.batcher import Batcher, DeadlineExceeded
+from reward_server.service.config import Settings
+from reward_server.service.metrics import Metrics
+from reward_server.service.schemas import ScoreRequest
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Loc = tuple[str | int, ...]
+#: Most validation issues reported for one request (a 10k-item batch of wrong types would
+#: otherwise produce a response larger than the request).
+MAX_ISSUES = 20
+
+
+class RequestInvalid(Exception):
+    """Bad input: HTTP 422 / gRPC INVALID_ARGUMENT, with every issue's field path."""
+
+    def __init__(self, issues: list[dict[str, Any]]) -> None:
+        super().__init__("; ".join(f"{i['field']}: {i['msg']}" for i in issues))
+        self.issues = issues
+
+
+class NotReady(Exception):
+    """The model is still loading (HTTP 503 / gRPC UNAVAILABLE)."""
+
+
+def issue(loc: Loc, msg: str, kind: str) -> dict[str, Any]:
+    """One validation issue in the wire shape (``loc`` list plus a dotted ``field``)."""
+    field = ".".join(map(str, loc)) or "body"
+    return {"loc": list(loc), "field": field, "msg": msg, "type": kind}
+
+
+def issues_from_validation(exc: ValidationError, loc_map: LocMap | None = None) -> list[dict]:
+    """pydantic errors -> wire issues (without echoing the offending input back)."""
+    out = []
+    for err in exc.errors(include_url=False, include_input=False)[:MAX_ISSUES]:
+        loc = tuple(err["loc"])
+        out.append(issue(loc_map(loc) if loc_map else loc, err["msg"], err["type"]))
+    return out
+
+
+LocMap = Callable[[Loc], Loc]
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A scored request and where its time went (seconds per phase)."""
+
+    score: BatchScore
+    timings: dict[str, float]
+    encoder: str
+
+    def as_dict(self) -> dict[str, Any]:
+        """The SPEC §6 response."""
+        return {**self.score.as_dict(), "encoder": self.encoder}
+
+
+def _all_finite(score: BatchScore) -> bool:
+    arrays: list[Sequence[float]] = [score.rewards, *score.components.values()]
+    arrays += list(score.normalized.values())
+    if score.advantages is not None:
+        arrays.append(score.advantages)
+    return all(math.isfinite(v) for a in arrays for v in a)
+
+
+def _constant(encoder: Encoder | None) -> Callable[[], Encoder]:
+    assert encoder is not None
+
+    def load() -> Encoder:
+        return encoder
+
+    return load
+
+
+class ScoringService:
+    """Owns the encoder, the batcher and the metrics; front ends only translate wire formats."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        encoder: Encoder | None = None,
+        loader: Callable[[], Encoder] | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
+        if (encoder is None) == (loader is None):
+            raise ValueError("pass exactly one of encoder and loader")
+        self.settings = settings
+        self.metrics = metrics or Metrics()
+        self._loader: Callable[[], Encoder] = loader if loader is not None else _constant(encoder)
+        self.encoder: Encoder | None = None
+        self.batcher: Batcher | None = None
+        self.load_error: str | None = None
+        self._ready = threading.Event()
+        self._loaded = threading.Event()  # set when loading ended, successfully or not
+        self._started = False
+        self._cpu = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sde2-cpu")
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def start(self, background: bool = True) -> None:
+        """Load and warm the encoder (in a thread: ``/healthz`` answers meanwhile)."""
+        if self._started:
+            return
+        self._started = True
+        if background:
+            threading.Thread(target=self._load, name="sde2-load", daemon=True).start()
+        else:
+            self._load()
+
+    def _load(self) -> None:
+        try:
+            t0 = time.monotonic()
+            encoder = self._loader()
+            warmup = getattr(encoder, "warmup", None)
+            if callable(warmup):
+                warmup()
+            else:
+                encoder.encode(["warm up"])
+            self.metrics.attach_encoder(encoder)
+            self.encoder = encoder
+            self.batcher = Batcher(
+                encoder,
+                capacity=self.settings.queue_capacity,
+                batch_tokens=self.settings.batch_tokens,
+                observer=self.metrics,
+            )
+            self.metrics.ready.set(1)
+            self._ready.set()
+            log.info("encoder %s ready in %.1f s", encoder.name, time.monotonic() - t0)
+        except Exception as exc:
+            self.load_error = f"{type(exc).__name__}: {exc}"
+            log.exception("loading the encoder failed")
+        finally:
+            self._loaded.set()
+
+    @property
+    def ready(self) -> bool:
+        """Model loaded and one warm-up inference done."""
+        return self._ready.is_set()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until ready (tests and the CLI's startup log)."""
+        return self._ready.wait(timeout)
+
+    def wait_loaded(self, timeout: float | None = None) -> bool:
+        """Block until loading ended (check :attr:`ready` / :attr:`load_error`)."""
+        return self._loaded.wait(timeout)
+
+    def drain(self, timeout: float) -> bool:
+        """Wait for admitted requests to finish; True when none is left."""
+        return self.batcher.wait_idle(timeout) if self.batcher else True
+
+    def close(self) -> None:
+        """Stop the worker after the queued work."""
+        if self.batcher is not None:
+            self.batcher.close(timeout=self.settings.drain_timeout)
+        self._cpu.shutdown(wait=False, cancel_futures=True)
+
+    # -- scoring ------------------------------------------------------------------------------
+
+    @property
+    def encoder_name(self) -> str:
+        """The ``encoder`` field of responses."""
+        return self.encoder.name if self.encoder is not None else "loading"
+
+    def check_limits(self, request: ScoreRequest, loc_map: LocMap | None = None) -> None:
+        """The server's size limits (the schema's own constraints are already checked)."""
+        s = self.settings
+        issues: list[dict[str, Any]] = []
+
+        def add(loc: Loc, msg: str) -> None:
+            issues.append(issue(loc_map(loc) if loc_map else loc, msg, "too_long"))
+
+        if len(request.items) > s.max_items:
+            add(("items",), f"at most {s.max_items} items per request, got {len(request.items)}")
+        for i, item in enumerate(request.items):
+            if len(issues) >= MAX_ISSUES:
+                break
+            for name, value, limit in (
+                ("completion", item.completion, s.max_completion_chars),
+                ("prompt", item.prompt, s.max_completion_chars),
+                ("answer", item.answer, s.max_answer_chars),
+                ("group", item.group, s.max_answer_chars),
+            ):
+                if value is not None and len(value) > limit:
+                    add(("items", i, name), f"at most {limit} characters, got {len(value)}")
+        if issues:
+            raise RequestInvalid(issues)
+
+    async def _in_pool(self, fn: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._cpu, fn)
+
+    async def score(
+        self,
+        parse: Callable[[], ScoreRequest],
+        *,
+        loc_map: LocMap | None = None,
+        timeout: float | None = None,
+    ) -> Scored:
+        """Admit, parse, encode through the batcher, reward. Raises :class:`RequestInvalid`,
+        :class:`~reward_server.service.batcher.Overloaded`,
+        :class:`~reward_server.service.batcher.DeadlineExceeded`, :class:`NotReady`.
+
+        ``timeout`` (seconds) tightens the server's ``request_timeout`` for this request.
+        """
+        t0 = time.monotonic()
+        if self.batcher is None or self.encoder is None:
+            raise NotReady(self.load_error or "the model is loading")
+        budget = self.settings.request_timeout
+        if timeout is not None:  # the client's own deadline (gRPC), when sooner
+            budget = min(budget, max(0.0, timeout))
+        deadline = t0 + budget
+        with self.batcher.admit():
+            try:
+                request = await self._in_pool(parse)
+            except ValidationError as exc:
+                raise RequestInvalid(issues_from_validation(exc, loc_map)) from None
+            self.check_limits(request, loc_map)
+            try:
+                prepared = await self._in_pool(
+                    partial(
+                        prepare_batch,
+                        request.items,
+                        recipe=request.recipe,
+                        answer_type=request.answer_type,
+                        params=request.params,
+                        diagnostics=request.diagnostics,
+                    )
+                )
+            except InvalidBatch as exc:
+                loc = loc_map(exc.loc) if loc_map else exc.loc
+                raise RequestInvalid([issue(loc, exc.message, "invalid_batch")]) from None
+            self.metrics.items.observe(len(request.items))
+            t1 = time.monotonic()
+            queue_s = encode_s = 0.0
+            embeddings = np.zeros((0, EMBEDDING_DIM), np.float32)
+            if prepared.texts:
+                future = self.batcher.submit(prepared.texts, deadline)
+                try:
+                    result = await asyncio.wait_for(
+                        asyncio.wrap_future(future), timeout=max(0.0, deadline - time.monotonic())
+                    )
+                except asyncio.TimeoutError:
+                    future.cancel()
+                    raise DeadlineExceeded("request deadline passed while encoding") from None
+                embeddings = result.embeddings
+                queue_s, encode_s = result.queue_seconds, result.encode_seconds
+            t2 = time.monotonic()
+            score = await self._in_pool(
+                partial(finish_batch, prepared, embeddings, normalize=request.normalize)
+            )
+            if not _all_finite(score):
+                raise RequestInvalid(
+                    [
+                        issue(
+                            ("params",),
+                            "these parameters make a reward overflow to a non-finite value",
+                            "non_finite",
+                        )
+                    ]
+                )
+            t3 = time.monotonic()
+        timings = {
+            "parse": t1 - t0,
+            "queue": queue_s,
+            "encode": encode_s,
+            "reward": t3 - t2,
+            "total": t3 - t0,
+        }
+        self.metrics.observe_phases(timings)
+        return Scored(score, timings, self.encoder_name)
+
+    # -- info ---------------------------------------------------------------------------------
+
+    def info(self) -> dict[str, Any]:
+        """``/v1/info`` and gRPC ``Info``."""
+        inner: Any = self.encoder
+        while inner is not None and not hasattr(inner, "variant") and hasattr(inner, "inner"):
+            inner = inner.inner
+        model_dir = getattr(inner, "model_dir", None)
+        s = self.settings
+        return {
+            "encoder": self.encoder_name,
+            "variant": str(getattr(inner, "variant", "unknown")),
+            "provider": str(getattr(inner, "provider", s.provider)),
+            "model_path": None if model_dir is None else str(model_dir),
+            "version": __version__,
+            "defaults": {
+                "recipe": "sde2",
+                "answer_type": "numeric",
+                "normalize": True,
+                "diagnostics": False,
+                "params": RewardParams().model_dump(),
+            },
+            "limits": {
+                "max_body_bytes": s.max_body_bytes,
+                "max_items": s.max_items,
+                "max_completion_chars": s.max_completion_chars,
+                "max_answer_chars": s.max_answer_chars,
+                "request_timeout_s": s.request_timeout,
+                "queue_capacity": s.queue_capacity,
+                "batch_tokens": s.batch_tokens,
+                "cache_size": s.cache_size,
+            },
+        }

@@ -1,0 +1,229 @@
+"""``sde2-reward serve``: HTTP (uvicorn) and, optionally, gRPC in one process, one event loop.
+
+Both front ends share one :class:`ScoringService` (one encoder, one batcher), so concurrent HTTP
+and gRPC requests are coalesced into the same encoder batches.
+
+Shutdown (SIGTERM or SIGINT): stop accepting, let every in-flight request finish (up to
+``--drain-timeout``), let the encoder worker finish its queue, exit 0. This module installs its
+own signal handlers instead of uvicorn's, because uvicorn re-raises the captured signal after
+its graceful shutdown, which would kill the process before gRPC has drained.
+
+``--workers N`` (N > 1) runs N copies of that process. Each binds the same HTTP and gRPC ports
+with ``SO_REUSEPORT`` (the kernel spreads connections) and owns its encoder, batcher and
+metrics; CPU threads are split between them. On a small CPU one worker is best (one batcher
+coalesces everything and onnxruntime already uses every core); several workers help on large
+machines where one Python process cannot keep the encoder busy. ``/metrics`` then shows the
+worker that answered the scrape.
+
+The module top level imports nothing heavy: ``sde2-reward`` imports it to build its parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from reward_server.service.config import Settings, load_settings
+from reward_server.service.config import add_arguments as add_settings_arguments
+
+if TYPE_CHECKING:
+    from reward_server.encoders.base import Encoder
+
+log = logging.getLogger("sde2.serve")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``sde2-reward serve`` (every one also an ``SDE2_*`` variable)."""
+    add_settings_arguments(parser)
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    """The exported ONNX folder to serve: ``--model`` resolved, or the embedded default."""
+    if model is not None and (Path(model) / "model.onnx").is_file():
+        return Path(model)  # already an export: no need for the model store
+    from reward_server.encoders import model_store
+
+    return Path(model_store.resolve_model(model))
+
+
+def build_encoder(settings: Settings) -> Encoder:
+    """The ONNX encoder for ``settings``, behind the LRU embedding cache when enabled."""
+    from reward_server.encoders.onnx_runtime import OnnxEncoder
+
+    model_dir = resolve_model_dir(settings.model)
+    encoder: Encoder = OnnxEncoder(
+        model_dir,
+        provider=settings.provider,
+        intra_op_threads=settings.intra_op_threads,
+        max_batch_tokens=settings.encoder_batch_tokens,
+    )
+    if settings.cache_size > 0:
+        from reward_server.encoders.cache import CachedEncoder
+
+        encoder = CachedEncoder(encoder, settings.cache_size)
+    return encoder
+
+
+def reuse_port_socket(host: str, port: int) -> socket.socket:
+    """A listening socket other worker processes can bind too (``SO_REUSEPORT``)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+@contextlib.contextmanager
+def _no_signal_capture() -> Iterator[None]:
+    yield
+
+
+async def serve_async(
+    settings: Settings, *, encoder: Encoder | None = None, reuse_port: bool = False
+) -> int:
+    """Run until SIGTERM/SIGINT, then drain. ``encoder`` overrides loading (tests)."""
+    import uvicorn
+
+    from reward_server.service.http_app import create_app
+    from reward_server.service.pipeline import ScoringService
+
+    service = (
+        ScoringService(settings, encoder=encoder)
+        if encoder is not None
+        else ScoringService(settings, loader=lambda: build_encoder(settings))
+    )
+    app = create_app(service)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=int(settings.drain_timeout) or None,
+        access_log=False,
+    )
+    server = uvicorn.Server(config)
+    server.capture_signals = _no_signal_capture  # type: ignore[method-assign]
+    grpc_server = None
+    if settings.grpc_port is not None:
+        from reward_server.service.grpc_server import create_server
+
+        grpc_server, bound = create_server(
+            service, settings.host, settings.grpc_port, reuse_port=reuse_port
+        )
+        await grpc_server.start()
+        log.info("gRPC listening on %s:%d", settings.host, bound)
+
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+
+    def request_stop(sig: signal.Signals) -> None:
+        log.info("received %s: draining in-flight requests", sig.name)
+        server.should_exit = True
+        stopping.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, request_stop, sig)
+
+    async def stop_grpc() -> None:
+        await stopping.wait()
+        if grpc_server is not None:
+            await grpc_server.stop(grace=settings.drain_timeout)
+
+    async def watch_loading() -> None:
+        await loop.run_in_executor(None, service.wait_loaded)
+        if service.load_error is not None:
+            log.error("cannot serve: %s", service.load_error)
+            failed.set()
+            request_stop(signal.SIGTERM)
+        else:
+            log.info("ready: %s", service.encoder_name)
+
+    failed = asyncio.Event()
+    sockets = [reuse_port_socket(settings.host, settings.port)] if reuse_port else None
+    grpc_stopper = asyncio.create_task(stop_grpc())
+    watcher = asyncio.create_task(watch_loading())
+    try:
+        await server.serve(sockets=sockets)
+    finally:
+        stopping.set()  # uvicorn may also stop on its own (startup failure)
+        await grpc_stopper
+        watcher.cancel()
+        await asyncio.get_running_loop().run_in_executor(None, service.close)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    log.info("stopped")
+    return 0 if server.started and not failed.is_set() else 1
+
+
+def _worker_main(settings: Settings, index: int) -> None:
+    logging.basicConfig(
+        level=settings.log_level.upper(), format=f"%(levelname)s w{index} %(name)s: %(message)s"
+    )
+    sys.exit(asyncio.run(serve_async(settings, reuse_port=True)))
+
+
+def _run_workers(settings: Settings) -> int:
+    """Supervise ``settings.workers`` processes; forward SIGTERM/SIGINT; exit when all have."""
+    from reward_server.encoders.onnx_runtime import available_cpus
+
+    # Resolve (and, for the default model, export) once here, not concurrently in each worker.
+    model_dir = str(resolve_model_dir(settings.model))
+    threads = settings.intra_op_threads or max(1, available_cpus() // settings.workers)
+    child = dataclasses.replace(settings, model=model_dir, intra_op_threads=threads)
+    ctx = multiprocessing.get_context("spawn")
+    procs = [
+        ctx.Process(target=_worker_main, args=(child, i), name=f"sde2-worker-{i}")
+        for i in range(settings.workers)
+    ]
+    for p in procs:
+        p.start()
+
+    def forward(signum: int, frame: Any) -> None:
+        for p in procs:
+            if p.is_alive() and p.pid is not None:
+                os.kill(p.pid, signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    from multiprocessing.connection import wait
+
+    pending: dict[Any, Any] = {p.sentinel: p for p in procs}
+    status = 0
+    while pending:
+        for sentinel in wait(list(pending)):
+            proc = pending.pop(sentinel)
+            proc.join()
+            if proc.exitcode:
+                status = status or 1
+                log.error("%s exited with %s; stopping the others", proc.name, proc.exitcode)
+                forward(signal.SIGTERM, None)
+    return status
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``sde2-reward serve``."""
+    try:
+        settings = load_settings(args)
+    except ValueError as exc:
+        print(f"sde2-reward serve: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if settings.workers > 1:
+        return _run_workers(settings)
+    return asyncio.run(serve_async(settings))

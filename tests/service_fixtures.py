@@ -1,0 +1,237 @@
+"""Shared helpers for the server tests (HTTP, gRPC, limits, hostile inputs, load).
+
+Kept out of ``conftest.py`` (owned by the project lead): tests import what they need from here.
+
+* in-process apps over a deterministic encoder double (fast, exact numbers), or over the real
+  ONNX encoder (:func:`real_model_dir`);
+* :class:`ServerProcess`: a real ``sde2-reward serve`` subprocess on free ports, for the load,
+  drain and restart tests;
+* :func:`reference_response`: the in-process scorer's answer to a request body, which every
+  server answer is checked against.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from reward_server.core import RewardParams, ScoreItem, score_batch
+from reward_server.encoders.base import Encoder
+from reward_server.service.config import Settings
+from reward_server.service.pipeline import ScoringService
+from tests.doubles import HashEncoder
+
+REPO = Path(__file__).resolve().parents[1]
+#: Absolute tolerance when a server's numbers are compared with the in-process scorer using the
+#: real model: embeddings of a text differ by ~1e-7 between batch compositions (padding), which
+#: moves rewards by far less than this; exact equality is asserted with the hash double.
+REAL_MODEL_ATOL = 1e-4
+
+
+class SlowEncoder:
+    """:class:`HashEncoder` that takes ``delay`` seconds per call (to fill the queue on demand)
+    and records the batches it saw (to check coalescing)."""
+
+    def __init__(self, delay: float = 0.2) -> None:
+        self.inner = HashEncoder()
+        self.delay = delay
+        self.name = "slow-hash"
+        self.calls: list[list[str]] = []
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def encode(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
+        self.gate.wait()
+        self.calls.append(list(texts))
+        time.sleep(self.delay)
+        return self.inner.encode(texts)
+
+
+def make_settings(**overrides: Any) -> Settings:
+    """Test settings: small limits so the limit tests stay fast."""
+    base: dict[str, Any] = {"cache_size": 0, "request_timeout": 30.0}
+    base.update(overrides)
+    return Settings(**base)
+
+
+def make_service(encoder: Encoder | None = None, **overrides: Any) -> ScoringService:
+    """A started, ready service over ``encoder`` (default: the hash double)."""
+    service = ScoringService(make_settings(**overrides), encoder=encoder or HashEncoder())
+    service.start(background=False)
+    assert service.ready
+    return service
+
+
+@contextlib.contextmanager
+def http_client(service: ScoringService) -> Iterator[Any]:
+    """A FastAPI TestClient over ``create_app(service)`` (lifespan run)."""
+    from fastapi.testclient import TestClient
+
+    from reward_server.service.http_app import create_app
+
+    with TestClient(create_app(service), raise_server_exceptions=False) as client:
+        yield client
+
+
+def step_items(seed: int = 0, prompts: int = 8, generations: int = 8) -> list[dict[str, Any]]:
+    """A standard GRPO step (64 completions, 1-10 strategies of 30-120 words)."""
+    from benchmarks.workload import grpo_step
+
+    return grpo_step(seed=seed, prompts=prompts, generations=generations)
+
+
+def reference_response(body: dict[str, Any], encoder: Encoder) -> dict[str, Any]:
+    """What ``POST /v1/score`` must answer for ``body``, computed in process."""
+    items = [ScoreItem(**item) for item in body["items"]]
+    score = score_batch(
+        items,
+        encoder,
+        recipe=body.get("recipe", "sde2"),
+        answer_type=body.get("answer_type", "numeric"),
+        params=RewardParams.model_validate(body.get("params", {})),
+        normalize=body.get("normalize", True),
+        diagnostics=body.get("diagnostics", False),
+    )
+    # Through JSON, like the server's answer, so both sides have the same types.
+    return {**json.loads(json.dumps(score.as_dict())), "encoder": encoder.name}
+
+
+def assert_same_response(got: dict[str, Any], want: dict[str, Any], atol: float = 0.0) -> None:
+    """Equal responses: exactly, or numbers within ``atol`` (real model, see above)."""
+    assert got.keys() == want.keys()
+    if atol == 0.0:
+        assert got == want
+        return
+    assert _close(got, want, atol), (got, want)
+
+
+def _close(a: Any, b: Any, atol: float) -> bool:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k], atol) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_close(x, y, atol) for x, y in zip(a, b, strict=True))
+    if isinstance(a, float) or isinstance(b, float):
+        return isinstance(a, int | float) and isinstance(b, int | float) and abs(a - b) <= atol
+    return bool(a == b)
+
+
+def real_model_dir() -> Path:
+    """The exported fp32 ONNX model the real-server tests run: ``SDE2_TEST_MODEL`` when set,
+    else the embedded default through the model store (exported once, then cached)."""
+    env = os.environ.get("SDE2_TEST_MODEL")
+    if env:
+        return Path(env)
+    from reward_server.encoders import model_store
+
+    return Path(model_store.resolve_model(None))
+
+
+def free_port() -> int:
+    """A TCP port free right now on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    """``python -m reward_server.cli serve`` on free ports; waits for ``/readyz``."""
+
+    def __init__(self, model_dir: Path, *extra: str, grpc: bool = True, env: dict | None = None):
+        self.port = free_port()
+        self.grpc_port = free_port() if grpc else None
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = [
+            sys.executable,
+            "-m",
+            "reward_server.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--model",
+            str(model_dir),
+            *(["--grpc-port", str(self.grpc_port)] if grpc else []),
+            *extra,
+        ]
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path: Path | None = None
+
+    def start(self, timeout: float = 120.0) -> ServerProcess:
+        """Start and wait until ready (the model is loaded and warm)."""
+        import tempfile
+
+        log = tempfile.NamedTemporaryFile(prefix="sde2-serve-", suffix=".log", delete=False)
+        self.log_path = Path(log.name)
+        self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}: {self.log()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
+                    return self
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"server not ready in {timeout} s: {self.log()}")
+
+    def log(self) -> str:
+        """The server's output so far."""
+        return self.log_path.read_text(errors="replace") if self.log_path else ""
+
+    def terminate(self) -> None:
+        """Send SIGTERM (graceful drain)."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout: float) -> int:
+        """Exit status, waiting at most ``timeout`` seconds."""
+        assert self.proc is not None
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL if it does not exit in time."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@pytest.fixture(scope="session")
+def onnx_model_dir() -> Path:
+    """The real exported model (see :func:`real_model_dir`)."""
+    return real_model_dir()
+
+
+@pytest.fixture(scope="session")
+def onnx_encoder(onnx_model_dir: Path) -> Encoder:
+    """One real ONNX encoder per session (loading costs seconds)."""
+    from reward_server.encoders.onnx_runtime import OnnxEncoder
+
+    return OnnxEncoder(onnx_model_dir)
