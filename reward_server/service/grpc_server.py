@@ -24,7 +24,12 @@ from typing import Any
 
 import grpc
 
-from reward_server.service.batcher import DeadlineExceeded, Overloaded, ShuttingDown
+from reward_server.service.batcher import (
+    DeadlineExceeded,
+    EncoderFailed,
+    Overloaded,
+    ShuttingDown,
+)
 from reward_server.service.pipeline import NotReady, RequestInvalid, Scored, ScoringService
 from reward_server.service.protogen import ensure_generated
 from reward_server.service.schemas import ScoreRequest
@@ -173,6 +178,8 @@ class RewardServicer:
             await self._fail(context, "deadline", grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
         except (NotReady, ShuttingDown) as exc:
             await self._fail(context, "not_ready", grpc.StatusCode.UNAVAILABLE, str(exc))
+        except EncoderFailed as exc:
+            await self._fail(context, "encoder", grpc.StatusCode.INTERNAL, str(exc))
         context.set_trailing_metadata(
             tuple((f"x-{k}-time", f"{v * 1000:.3f}") for k, v in scored.timings.items())
         )

@@ -28,7 +28,12 @@ from pydantic import BaseModel
 
 from reward_server import __version__
 from reward_server.core import AnswerType, Recipe, ScoreItem
-from reward_server.service.batcher import DeadlineExceeded, Overloaded, ShuttingDown
+from reward_server.service.batcher import (
+    DeadlineExceeded,
+    EncoderFailed,
+    Overloaded,
+    ShuttingDown,
+)
 from reward_server.service.pipeline import (
     Loc,
     NotReady,
@@ -54,6 +59,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     413: {"model": ErrorResponse, "description": "body larger than the server's limit"},
     422: {"model": ErrorResponse, "description": "invalid input; each issue names its field"},
     429: {"model": ErrorResponse, "description": "at capacity; retry after Retry-After seconds"},
+    500: {"model": ErrorResponse, "description": "the encoder failed (never bad input)"},
     503: {"model": ErrorResponse, "description": "deadline passed, model loading or stopping"},
 }
 
@@ -165,6 +171,8 @@ def create_app(service: ScoringService) -> FastAPI:
             reason, resp = "not_ready", _error(503, f"not ready: {exc}")
         except ShuttingDown as exc:
             reason, resp = "shutting_down", _error(503, str(exc))
+        except EncoderFailed as exc:  # our fault, not the input's: a 500 that says so
+            reason, resp = "encoder", _error(500, f"encoder failed: {exc}")
         metrics.failures.labels(reason).inc()
         metrics.requests.labels(route, str(resp.status_code)).inc()
         return None, resp

@@ -1,0 +1,231 @@
+"""gRPC front end: same numbers as HTTP, status codes, Info/Health, generated code."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+
+from reward_server.service import protogen
+from reward_server.service.grpc_server import (
+    RewardStub,
+    create_server,
+    pb,
+    request_from_dict,
+    response_to_dict,
+)
+from reward_server.service.pipeline import ScoringService
+from tests.doubles import HashEncoder
+from tests.service_fixtures import (  # noqa: F401  (fixtures)
+    SlowEncoder,
+    assert_same_response,
+    http_client,
+    make_service,
+    onnx_encoder,
+    onnx_model_dir,
+    reference_response,
+    step_items,
+)
+
+
+class Running:
+    """A started gRPC server over a service, with a client stub."""
+
+    def __init__(self, service: ScoringService) -> None:
+        self.service = service
+
+    async def __aenter__(self) -> Running:
+        self.server, port = create_server(self.service, "127.0.0.1", 0)
+        await self.server.start()
+        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        self.stub = RewardStub(self.channel)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.channel.close()
+        await self.server.stop(None)
+
+
+@pytest.fixture
+async def hashed() -> AsyncIterator[Running]:
+    async with Running(make_service()) as running:
+        yield running
+
+
+async def test_score_matches_http_and_in_process_exactly(hashed: Running) -> None:
+    body = {"items": step_items(seed=11), "diagnostics": True, "params": {"explore_cap": 0.6}}
+    got = response_to_dict(await hashed.stub.Score(request_from_dict(body)))
+    want = reference_response(body, HashEncoder())
+    assert_same_response(got, want)
+    with http_client(hashed.service) as c:
+        assert c.post("/v1/score", json=body).json() == got
+
+
+async def test_unset_fields_take_defaults_and_nulls_survive(hashed: Running) -> None:
+    body = {"items": [{"completion": "no tags at all", "answer": "3"}]}
+    got = response_to_dict(await hashed.stub.Score(request_from_dict(body)))
+    assert got["items"][0]["final_answer"] is None and got["items"][0]["uniq"] is None
+    assert got["advantages"] is None and got["recipe"] == "sde2"
+    assert got["params"]["max_strategies"] == 32 and got["params"]["weights"]["sd"] == 1.0
+
+
+async def test_timing_trailers(hashed: Running) -> None:
+    call = hashed.stub.Score(request_from_dict({"items": step_items(seed=12)[:4]}))
+    await call
+    trailers = dict(await call.trailing_metadata())
+    for phase in ("parse", "queue", "encode", "reward", "total"):
+        assert float(trailers[f"x-{phase}-time"]) >= 0
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"items": [{"completion": "a", "answer": "1"}], "recipe": "x"}, "recipe"),
+        ({"items": [{"completion": "a", "answer": "1", "num_tokens": -2}]}, "items.0.num_tokens"),
+        ({"items": [{"completion": "a", "answer": "1"}], "params": {"eps": 0.0}}, "params.eps"),
+        (
+            {"items": [{"completion": "a", "answer": "1"}], "params": {"lambda_oc": float("nan")}},
+            "params.lambda_oc",
+        ),
+        (
+            {"items": [{"completion": "a", "answer": "1"}], "params": {"weights": {"sd": 1e999}}},
+            "params.weights.sd",
+        ),
+        ({"items": []}, "items"),
+    ],
+)
+async def test_invalid_argument_names_the_field(hashed: Running, body: dict, field: str) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await hashed.stub.Score(request_from_dict(body))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (err.value.details() or "").startswith(field + ":")
+
+
+async def test_info_and_health(hashed: Running) -> None:
+    info = await hashed.stub.Info(pb.InfoRequest())
+    assert info.encoder == "hash" and info.version
+    health = await hashed.stub.Health(pb.HealthRequest())
+    assert health.status == pb.HealthResponse.Status.SERVING
+
+
+async def test_health_not_serving_while_loading() -> None:
+    import threading
+
+    release = threading.Event()
+
+    def loader() -> HashEncoder:
+        release.wait(10)
+        return HashEncoder()
+
+    service = ScoringService(make_service().settings, loader=loader)
+    service.start()
+    async with Running(service) as running:
+        health = await running.stub.Health(pb.HealthRequest())
+        assert health.status == pb.HealthResponse.Status.NOT_SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await running.stub.Score(
+                request_from_dict({"items": [{"completion": "a", "answer": "1"}]})
+            )
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        release.set()
+        assert await asyncio.get_running_loop().run_in_executor(None, service.wait_ready, 10)
+        health = await running.stub.Health(pb.HealthRequest())
+        assert health.status == pb.HealthResponse.Status.SERVING
+
+
+async def test_unauthenticated_without_the_key() -> None:
+    body = request_from_dict({"items": [{"completion": "a", "answer": "1"}]})
+    async with Running(make_service(api_key="k3y")) as running:
+        for metadata in ((), (("authorization", "Bearer nope"),)):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await running.stub.Score(body, metadata=metadata)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        ok = await running.stub.Score(body, metadata=(("authorization", "Bearer k3y"),))
+        assert len(ok.rewards) == 1
+
+
+def _needs_encoder(seed: int) -> Any:
+    """One item with two wrong strategies (so the encoder must run), distinct per seed."""
+    c = (
+        f"<strategy><reasoning>path {seed} a</reasoning><strategy_outcome>1</strategy_outcome>"
+        f"</strategy><strategy><reasoning>path {seed} b</reasoning>"
+        "<strategy_outcome>2</strategy_outcome></strategy>"
+    )
+    return request_from_dict({"items": [{"completion": c, "answer": "9"}]})
+
+
+async def test_resource_exhausted_with_retry_after() -> None:
+    encoder = SlowEncoder(delay=0.5)
+    async with Running(make_service(encoder, queue_capacity=1)) as running:
+        first = asyncio.ensure_future(running.stub.Score(_needs_encoder(1)))
+        await asyncio.sleep(0.2)  # the first is admitted and encoding
+        t0 = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await running.stub.Score(_needs_encoder(2))
+        assert time.monotonic() - t0 < 0.3  # rejected at once, not queued
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        trailers = dict(err.value.trailing_metadata() or ())
+        assert int(trailers["retry-after"]) >= 1
+        assert len((await first).rewards) == 1
+
+
+async def test_deadline_exceeded_by_client_deadline() -> None:
+    encoder = SlowEncoder(delay=1.0)
+    async with Running(make_service(encoder)) as running:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await running.stub.Score(_needs_encoder(3), timeout=0.3)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+async def test_server_deadline_is_deadline_exceeded() -> None:
+    encoder = SlowEncoder(delay=1.0)
+    async with Running(make_service(encoder, request_timeout=0.3)) as running:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await running.stub.Score(_needs_encoder(4))
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+async def test_real_model_http_and_grpc_identical(onnx_encoder: Any) -> None:
+    body = {"items": step_items(seed=13, prompts=2, generations=4), "diagnostics": True}
+    service = make_service(onnx_encoder)
+    async with Running(service) as running:
+        via_grpc = response_to_dict(await running.stub.Score(request_from_dict(body)))
+    with http_client(service) as c:
+        via_http = c.post("/v1/score", json=body).json()
+    # Same batch, same batch composition: bit-identical numbers over both wires.
+    assert via_http == via_grpc
+    assert via_http["encoder"] == "all-MiniLM-L6-v2 onnx fp32"
+
+
+def test_generated_code_is_regenerated_when_the_proto_changes() -> None:
+    assert not protogen.is_stale()
+    proto = protogen.PROTO_ROOT / protogen.PROTO_FILE
+    out = protogen.GENERATED_DIR / "sde2" / "v1" / "reward_pb2.py"
+    later = out.stat().st_mtime + 10
+    os.utime(proto, (later, later))
+    try:
+        assert protogen.is_stale()
+        module = protogen.ensure_generated()
+        assert not protogen.is_stale()
+        assert hasattr(module, "ScoreRequest")
+    finally:
+        now = time.time()
+        os.utime(out, (now + 20, now + 20))
+
+
+def test_generated_code_is_not_committed() -> None:
+    import subprocess
+
+    tracked = subprocess.run(
+        ["git", "ls-files", str(protogen.GENERATED_DIR)],
+        capture_output=True,
+        text=True,
+        cwd=protogen.PACKAGE_DIR,
+        check=True,
+    ).stdout
+    assert tracked == ""

@@ -1,0 +1,352 @@
+"""HTTP front end: SPEC §6 responses, OpenRLHF route, health, info, metrics, auth, OpenAPI.
+
+Scoring runs over the deterministic hash encoder so every response can be compared *exactly*
+with the in-process scorer; one test runs the real ONNX encoder end to end.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from reward_server.core import ScoreItem, score_batch
+from reward_server.service.pipeline import ScoringService
+from tests.doubles import HashEncoder
+from tests.service_fixtures import (  # noqa: F401  (fixtures)
+    REAL_MODEL_ATOL,
+    assert_same_response,
+    http_client,
+    make_service,
+    make_settings,
+    onnx_encoder,
+    onnx_model_dir,
+    reference_response,
+    step_items,
+)
+
+STRATEGY = (
+    '<strategy id="{i}"><reasoning>{r}</reasoning>'
+    "<strategy_outcome>{o}</strategy_outcome></strategy>"
+)
+
+
+def completion(*blocks: tuple[str, str], final: str | None = None) -> str:
+    body = "".join(STRATEGY.format(i=i, r=r, o=o) for i, (r, o) in enumerate(blocks))
+    return body + (f"<final_answer>{final}</final_answer>" if final is not None else "")
+
+
+@pytest.fixture(scope="module")
+def client() -> Any:
+    with http_client(make_service()) as c:
+        yield c
+
+
+def test_score_matches_in_process_scorer_exactly(client: Any) -> None:
+    body = {"items": step_items(seed=3), "diagnostics": True}
+    r = client.post("/v1/score", json=body)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert_same_response(got, reference_response(body, HashEncoder()))
+    assert got["encoder"] == "hash"
+    assert got["advantages"] is not None and len(got["advantages"]) == 64  # every item grouped
+    assert all(it["div"] is not None for it in got["items"] if it["n_strat"] >= 1)
+
+
+@pytest.mark.parametrize("recipe", ["sde2", "cfee", "cfl"])
+def test_alias_route_and_recipes(client: Any, recipe: str) -> None:
+    items = [{k: v for k, v in it.items() if k != "group"} for it in step_items(seed=4)[:12]]
+    body = {"items": items, "recipe": recipe, "normalize": False, "params": {"explore_cap": 0.7}}
+    a = client.post("/v1/score", json=body)
+    b = client.post("/score", json=body)
+    assert a.status_code == b.status_code == 200
+    assert a.json() == b.json() == reference_response(body, HashEncoder())
+    assert a.json()["advantages"] is None
+    assert a.json()["params"]["explore_cap"] == 0.7
+
+
+def test_spec_example_one_item_normalizes_to_zero(client: Any) -> None:
+    c = completion(("add them", "18"), ("multiply then add", "18"), ("count up", "18"), final="18")
+    r = client.post("/v1/score", json={"items": [{"completion": c, "answer": "18"}]})
+    assert r.status_code == 200
+    got = r.json()
+    assert got["rewards"] == [0.0]
+    assert got["components"] == {
+        "oc": [1.0],
+        "re": [1.0],
+        "fa": [pytest.approx(1.0)],  # min(1, 0.6) + 0.3 + 0.1 in floating point
+        "sd": [1.0],
+    }
+    assert got["normalized"] == {"oc": [0.0], "re": [0.0], "fa": [0.0], "sd": [0.0]}
+    assert got["items"][0] == {
+        "n_strat": 3,
+        "final_answer": "18",
+        "correct": True,
+        "strategy_correct": True,
+        "uniq": None,
+        "div": None,
+    }
+
+
+def test_timing_headers(client: Any) -> None:
+    r = client.post("/v1/score", json={"items": step_items(seed=5)[:8]})
+    assert r.status_code == 200
+    times = {k: float(r.headers[f"x-{k}-time"]) for k in ("parse", "queue", "encode", "reward")}
+    total = float(r.headers["x-total-time"])
+    assert all(v >= 0 for v in times.values())
+    assert times["encode"] > 0  # the hash encoder did run
+    assert total >= times["parse"] + times["reward"]
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"items": [{"completion": "a", "answer": 18}]}, "items.0.answer"),
+        ({"items": [{"completion": 1, "answer": "1"}]}, "items.0.completion"),
+        ({"items": [{"answer": "1"}]}, "items.0.completion"),
+        ({"items": [{"completion": "a", "answer": "1", "num_tokens": -1}]}, "items.0.num_tokens"),
+        ({"items": [{"completion": "a", "answer": "1", "num_tokens": 1.5}]}, "items.0.num_tokens"),
+        ({"items": [{"completion": "a", "answer": "1", "num_tokens": True}]}, "items.0.num_tokens"),
+        ({"items": [{"completion": "a", "answer": "1", "extra": 1}]}, "items.0.extra"),
+        ({"items": [{"completion": "a", "answer": "1"}], "normalize": "true"}, "normalize"),
+        ({"items": [{"completion": "a", "answer": "1"}], "recipe": "grpo"}, "recipe"),
+        ({"items": [{"completion": "a", "answer": "1"}], "answer_type": 3}, "answer_type"),
+        (
+            {"items": [{"completion": "a", "answer": "1"}], "params": {"similarity_threshold": 1}},
+            "params.similarity_threshold",
+        ),
+        (
+            {"items": [{"completion": "a", "answer": "1"}], "params": {"max_strategies": 0}},
+            "params.max_strategies",
+        ),
+        (
+            {"items": [{"completion": "a", "answer": "1"}], "params": {"weights": {"xx": 1.0}}},
+            "params.weights.xx",
+        ),
+        ({"items": [{"completion": "a", "answer": "1"}], "surprise": 1}, "surprise"),
+        ({"items": []}, "items"),
+        ({"items": {"completion": "a"}}, "items"),
+        ({}, "items"),
+        (
+            {
+                "items": [
+                    {"completion": "a", "answer": "1", "group": "g"},
+                    {"completion": "b", "answer": "1"},
+                ]
+            },
+            "items.1.group",
+        ),
+    ],
+)
+def test_bad_input_is_422_naming_the_field(client: Any, body: dict, field: str) -> None:
+    r = client.post("/v1/score", json=body)
+    assert r.status_code == 422, r.text
+    assert field in [d["field"] for d in r.json()["detail"]]
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"", b"{", b"[]", b"null", b'"items"', b'{"items": [1, 2]}', b"\xff\xfe", b"{}" * 3],
+)
+def test_malformed_json_is_422(client: Any, raw: bytes) -> None:
+    r = client.post("/v1/score", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 422
+
+
+def test_overflowing_parameters_are_422_not_inf(client: Any) -> None:
+    items = [
+        {"completion": "<final_answer>1</final_answer>", "answer": "1"},
+        {"completion": "nothing", "answer": "1"},
+    ]
+    body = {
+        "items": items,
+        "normalize": False,
+        "params": {"lambda_oc": 1e308, "gamma_answer": 1e308},
+    }
+    r = client.post("/v1/score", json=body)
+    assert r.status_code == 422
+    assert r.json()["detail"][0]["field"] == "params"
+
+
+def test_get_reward_openrlhf_protocol(client: Any) -> None:
+    prompt = "Q: what is 9 + 9?\n"
+    c1 = completion(("add nine and nine", "18"), ("count from nine", "17"), final="18")
+    c2 = completion(("nine twice", "19"), final="19")
+    body = {
+        "query": [prompt + c1, prompt + c2],
+        "prompts": [prompt, prompt],
+        "labels": ["18", "18"],
+    }
+    r = client.post("/get_reward", json=body)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    # The completion is the query minus its prompt; no normalization by default.
+    want = score_batch(
+        [ScoreItem(c1, "18", prompt, None, None), ScoreItem(c2, "18", prompt, None, None)],
+        HashEncoder(),
+        normalize=False,
+    )
+    assert got["rewards"] == got["scores"] == want.rewards
+    assert got["extra_logs"]["oc"] == [1.0, 0.0]
+    assert got["extra_logs"]["correct"] == [1.0, 0.0]
+    assert got["extra_logs"]["n_strat"] == [2.0, 1.0]
+    assert "x-total-time" in r.headers
+
+
+def test_get_reward_one_sample_is_not_normalized_to_zero(client: Any) -> None:
+    c = completion(("add", "18"), final="18")
+    r = client.post("/get_reward", json={"query": [c], "prompts": [""], "labels": ["18"]})
+    assert r.status_code == 200
+    assert r.json()["rewards"][0] > 1.0  # raw sum; normalized it would be 0
+    r = client.post(
+        "/get_reward?normalize=true", json={"query": [c], "prompts": [""], "labels": ["18"]}
+    )
+    assert r.json()["rewards"] == [0.0]
+
+
+def test_get_reward_query_parameters_and_errors(client: Any) -> None:
+    c = completion(("a", "(B)"), final="B")
+    r = client.post(
+        "/get_reward?recipe=cfee&answer_type=choice",
+        json={"query": ["p" + c], "prompts": ["p"], "labels": ["B"]},
+    )
+    assert r.status_code == 200
+    assert set(r.json()["extra_logs"]) >= {"oc", "re", "fa", "rd"}
+    assert r.json()["extra_logs"]["correct"] == [1.0]
+    empty = client.post("/get_reward", json={"query": [], "prompts": [], "labels": []})
+    assert empty.status_code == 200
+    assert empty.json() == {"rewards": [], "scores": [], "extra_logs": {}}
+    short = client.post("/get_reward", json={"query": ["a"], "prompts": [], "labels": ["1"]})
+    assert short.status_code == 422 and short.json()["detail"][0]["field"] == "prompts"
+    bad = client.post("/get_reward", json={"query": ["a"], "prompts": ["a"], "labels": [1]})
+    assert bad.status_code == 422 and bad.json()["detail"][0]["field"] == "labels.0"
+    bad_q = client.post("/get_reward?recipe=x", json={"query": [], "prompts": [], "labels": []})
+    assert bad_q.status_code == 422
+
+
+def test_info_and_metrics(client: Any) -> None:
+    info = client.get("/v1/info").json()
+    assert info["encoder"] == "hash"
+    assert info["defaults"]["params"]["similarity_threshold"] == 0.8
+    assert info["limits"]["max_items"] == make_settings().max_items
+    client.post("/v1/score", json={"items": [{"completion": "x", "answer": 1}]})
+    client.post("/v1/score", json={"items": step_items(seed=6)[:4]})
+    text = client.get("/metrics").text
+    assert 'sde2_requests_total{route="/v1/score",status="200"}' in text
+    assert 'sde2_requests_total{route="/v1/score",status="422"}' in text
+    assert 'sde2_failures_total{reason="invalid"}' in text
+    for phase in ("parse", "queue", "encode", "reward", "total"):
+        assert f'sde2_request_phase_seconds_count{{phase="{phase}"}}' in text
+    assert "sde2_batch_texts_count" in text and "sde2_queue_depth" in text
+    assert "sde2_ready 1.0" in text
+
+
+class BlockingLoader:
+    """A loader that waits for the test to let it finish (or fail)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.release = threading.Event()
+        self.fail = fail
+
+    def __call__(self) -> HashEncoder:
+        self.release.wait(10)
+        if self.fail:
+            raise RuntimeError("no model here")
+        return HashEncoder()
+
+
+def test_health_is_alive_while_loading_then_ready() -> None:
+    loader = BlockingLoader()
+    service = ScoringService(make_settings(), loader=loader)
+    with http_client(service) as c:
+        assert c.get("/healthz").json() == {"status": "ok"}
+        assert c.get("/readyz").status_code == 503
+        assert c.get("/v1/info").status_code == 503
+        busy = c.post("/v1/score", json={"items": [{"completion": "a", "answer": "1"}]})
+        assert busy.status_code == 503
+        loader.release.set()
+        assert service.wait_ready(10)
+        assert c.get("/readyz").json() == {"status": "ready", "encoder": "hash"}
+        ok = c.post("/v1/score", json={"items": [{"completion": "a", "answer": "1"}]})
+        assert ok.status_code == 200
+
+
+def test_failed_load_is_reported_by_readyz() -> None:
+    loader = BlockingLoader(fail=True)
+    loader.release.set()
+    service = ScoringService(make_settings(), loader=loader)
+    with http_client(service) as c:
+        assert service.wait_loaded(10)
+        r = c.get("/readyz")
+        assert r.status_code == 503 and "no model here" in r.json()["detail"]
+        assert c.get("/healthz").status_code == 200
+
+
+def test_bearer_key_on_scoring_routes_only() -> None:
+    body = {"items": [{"completion": "a", "answer": "1"}]}
+    with http_client(make_service(api_key="s3cret")) as c:
+        missing = c.post("/v1/score", json=body)
+        assert missing.status_code == 401
+        assert missing.headers["www-authenticate"] == "Bearer"
+        wrong = c.post("/v1/score", json=body, headers={"authorization": "Bearer s3cre"})
+        assert wrong.status_code == 401
+        scheme = c.post("/v1/score", json=body, headers={"authorization": "Basic s3cret"})
+        assert scheme.status_code == 401
+        auth = {"authorization": "Bearer s3cret"}
+        assert c.post("/v1/score", json=body, headers=auth).status_code == 200
+        assert c.post("/score", json=body).status_code == 401
+        openrlhf = {"query": [], "prompts": [], "labels": []}
+        assert c.post("/get_reward", json=openrlhf).status_code == 401
+        assert c.post("/get_reward", json=openrlhf, headers=auth).status_code == 200
+        for open_route in ("/healthz", "/readyz", "/metrics", "/v1/info"):
+            assert c.get(open_route).status_code == 200
+        doc = c.get("/openapi.json").json()
+        assert doc["paths"]["/v1/score"]["post"]["security"] == [{"bearer": []}]
+
+
+def _walk_properties(schema: dict, components: dict, seen: set[str]) -> list[tuple[str, dict]]:
+    out = []
+    for name, prop in schema.get("properties", {}).items():
+        out.append((name, prop))
+        refs = [prop.get("$ref")] + [
+            b.get("$ref") for key in ("anyOf", "allOf") for b in prop.get(key, [])
+        ]
+        refs += [prop.get("items", {}).get("$ref")]
+        for ref in filter(None, refs):
+            model = ref.rsplit("/", 1)[-1]
+            if model not in seen:
+                seen.add(model)
+                out += _walk_properties(components[model], components, seen)
+    return out
+
+
+def test_openapi_describes_every_request_field_with_constraints(client: Any) -> None:
+    doc = client.get("/openapi.json").json()
+    components = doc["components"]["schemas"]
+    for path in ("/v1/score", "/score", "/get_reward"):
+        schema = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+        props = _walk_properties(schema["schema"], components, set())
+        assert props
+        missing = [name for name, prop in props if not prop.get("description")]
+        assert not missing, (path, missing)
+    score = doc["paths"]["/v1/score"]["post"]["requestBody"]["content"]["application/json"]
+    assert score["schema"]["properties"]["items"]["maxItems"] == make_settings().max_items
+    assert score["schema"]["additionalProperties"] is False
+    item = components["ScoreItem"]["properties"]
+    assert item["completion"]["maxLength"] == make_settings().max_completion_chars
+    params = components["RewardParams"]["properties"]
+    assert params["similarity_threshold"]["exclusiveMaximum"] == 1.0
+    assert params["max_strategies"]["maximum"] == 256
+    responses = doc["paths"]["/v1/score"]["post"]["responses"]
+    assert {"200", "413", "422", "429", "503"} <= set(responses)
+
+
+def test_real_onnx_encoder_end_to_end(onnx_encoder: Any) -> None:
+    body = {"items": step_items(seed=7, prompts=2, generations=4), "diagnostics": True}
+    with http_client(make_service(onnx_encoder)) as c:
+        r = c.post("/v1/score", json=body)
+    assert r.status_code == 200
+    got = r.json()
+    assert got["encoder"] == "all-MiniLM-L6-v2 onnx fp32"
+    assert_same_response(got, reference_response(body, onnx_encoder), atol=REAL_MODEL_ATOL)
