@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -26,6 +27,8 @@ READY_TIMEOUT = float(os.environ.get("SDE2_TEST_READY_TIMEOUT", "300"))
 REPO = Path(__file__).resolve().parents[1]
 GSM8K_DIR = Path(os.environ.get("SDE2_GSM8K_DIR", REPO.parent / "shared" / "data" / "gsm8k"))
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
+#: Extra ``serve`` flags for every test server (e.g. ``--model DIR`` for a pre-exported encoder).
+SERVER_ARGS = tuple(shlex.split(os.environ.get("SDE2_TEST_SERVER_ARGS", "")))
 
 
 def free_port() -> int:
@@ -51,7 +54,7 @@ class ServerProcess:
     def start(self, wait: bool = True) -> ServerProcess:
         """Spawn the server; with ``wait`` block until ``/readyz`` is 200 (bounded)."""
         cmd = [sys.executable, "-m", "reward_server.cli", "serve", "--host", "127.0.0.1"]
-        cmd += ["--port", str(self.port), *self.extra_args]
+        cmd += ["--port", str(self.port), *SERVER_ARGS, *self.extra_args]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
             cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, env=env

@@ -1,0 +1,185 @@
+"""The TRL reward adapter meets TRL 1.16's reward-function contract, against a real server.
+
+Contract (TRL 1.16 GRPOTrainer, read in its source): called with keyword arguments ``prompts``,
+``completions``, ``completion_ids``, ``trainer_state``, ``log_extra``, ``log_metric`` and every
+dataset column; returns one ``float | None`` per completion; ``async def`` functions are detected
+with ``inspect.iscoroutinefunction`` (TRL's ``is_async_callable``) and awaited on TRL's loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import pickle
+from collections import defaultdict
+from typing import Any
+
+import pytest
+
+from tests.client_fixtures import ServerProcess, reward_server  # noqa: F401 - fixture
+from tests.test_client import completion
+from trainer_client import RewardClient
+from trainer_client.trl import SDE2Reward, completion_text, prompt_key, sde2_reward
+
+pytestmark = pytest.mark.slow
+
+GOOD = completion(
+    ["72", "72"],
+    "72",
+    [
+        "Half of 48 is 24 sold in May; 48 + 24 = 72.",
+        "Treat April as two halves: three halves of 48 is 72.",
+    ],
+)
+PARTIAL = completion(["70"], "70", ["48 + 22 = 70, guessing May sales."])
+PLAIN = "The answer is #### 72"
+
+
+def call_kwargs(texts: list[str], prompts: list[Any], conversational: bool = False) -> dict:
+    completions: list[Any] = (
+        [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+    )
+    return {
+        "prompts": prompts,
+        "completions": completions,
+        "completion_ids": [list(range(10 * (i + 1))) for i in range(len(texts))],
+        "answer": ["72"] * len(texts),
+        "question": ["q"] * len(texts),
+        "trainer_state": None,
+    }
+
+
+def test_signature_async_detection_and_name(reward_server: ServerProcess) -> None:  # noqa: F811
+    from trl.trainer.utils import get_callable_name, is_async_callable
+
+    fn = sde2_reward(reward_server.url)
+    assert inspect.iscoroutinefunction(fn) and is_async_callable(fn)
+    assert fn.__name__ == "sde2" and get_callable_name(fn) == "sde2"
+    assert sde2_reward(reward_server.url, recipe="cfee").__name__ == "cfee"
+    params = inspect.signature(fn).parameters
+    assert {"prompts", "completions"} <= set(params)
+    assert any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def test_pickles_before_and_after_use(reward_server: ServerProcess) -> None:  # noqa: F811
+    fn = sde2_reward(reward_server.url, similarity_threshold=0.75)
+    kw = call_kwargs([GOOD, PARTIAL], ["p", "p"])
+    first = asyncio.run(fn(**kw))  # creates a client bound to this loop
+    clone = pickle.loads(pickle.dumps(fn))
+    assert inspect.iscoroutinefunction(clone) and clone.__name__ == "sde2"
+    assert clone.__self__.params == {"similarity_threshold": 0.75}
+    assert asyncio.run(clone(**kw)) == pytest.approx(first)
+    # the original keeps working on a new loop (a fresh client per loop)
+    assert asyncio.run(fn(**kw)) == pytest.approx(first)
+
+
+def test_rewards_match_the_server(reward_server: ServerProcess) -> None:  # noqa: F811
+    fn = sde2_reward(reward_server.url)
+    texts = [GOOD, PARTIAL, PLAIN, GOOD]
+    prompts = ["p1", "p1", "p2", "p2"]
+    rewards = asyncio.run(fn(**call_kwargs(texts, prompts)))
+    items = [
+        {"completion": t, "answer": "72", "group": prompt_key(p), "num_tokens": 10 * (i + 1)}
+        for i, (t, p) in enumerate(zip(texts, prompts, strict=True))
+    ]
+    with RewardClient(reward_server.url) as rc:
+        expected = rc.score(items, diagnostics=True)
+    assert rewards == pytest.approx(expected.rewards)
+    assert len(set(rewards)) >= 3  # normalized over the call: distinct completions differ
+    assert all(isinstance(r, float) for r in rewards)
+
+
+def test_conversational_equals_standard(reward_server: ServerProcess) -> None:  # noqa: F811
+    fn = sde2_reward(reward_server.url)
+    texts = [GOOD, PARTIAL, PLAIN]
+    prompts_std = ["Q?"] * 3
+    prompts_conv = [[{"role": "user", "content": "Q?"}]] * 3
+    standard = asyncio.run(fn(**call_kwargs(texts, prompts_std)))
+    conversational = asyncio.run(fn(**call_kwargs(texts, prompts_conv, conversational=True)))
+    assert conversational == pytest.approx(standard)
+    assert (
+        completion_text([{"role": "assistant", "content": [{"type": "text", "text": "a"}]}]) == "a"
+    )
+
+
+def test_num_tokens_come_from_completion_ids(reward_server: ServerProcess) -> None:  # noqa: F811
+    holder = SDE2Reward(reward_server.url, recipe="cfl", params={"length_target": 10})
+    kw = call_kwargs([PLAIN, PLAIN, PLAIN], ["p"] * 3)
+    kw["completion_ids"] = [[0] * 5, [0] * 15, [0] * 40]
+    asyncio.run(holder.cfl(**kw))
+    assert holder.last_result is not None
+    # len = -min(1, max(0, l - 10) / 10) with l the token count, not the 5 words of PLAIN
+    assert holder.last_result.components["len"] == pytest.approx([0.0, -0.5, -1.0])
+
+
+def test_groups_follow_identical_prompts(reward_server: ServerProcess) -> None:  # noqa: F811
+    holder = SDE2Reward(reward_server.url)
+    a = [{"role": "user", "content": "A"}]
+    b = [{"role": "user", "content": "B"}]
+    prompts = [a, b, [dict(m) for m in a], b]
+    asyncio.run(holder.sde2(**call_kwargs([GOOD, GOOD, PLAIN, PARTIAL], prompts)))
+    adv = holder.last_result.advantages if holder.last_result else None
+    assert adv is not None
+    # advantages are z-scores within {0, 2} and {1, 3}: each pair is ±1 (up to eps)
+    assert adv[0] == pytest.approx(-adv[2]) and adv[1] == pytest.approx(-adv[3])
+    assert abs(adv[0]) == pytest.approx(1.0, abs=1e-3)
+    assert prompt_key(a) == prompt_key([dict(m) for m in a]) != prompt_key(b)
+
+
+def test_log_metric_and_log_extra(reward_server: ServerProcess) -> None:  # noqa: F811
+    metrics: dict[str, list[float]] = defaultdict(list)
+    extra: dict[str, list[Any]] = defaultdict(list)
+    holder = SDE2Reward(reward_server.url)
+    texts = [GOOD, PARTIAL, PLAIN, ""]
+    kw = call_kwargs(texts, ["p"] * 4)
+    kw["log_metric"] = lambda name, value: metrics[name].append(value)
+    kw["log_extra"] = lambda col, values: extra[col].extend(values)
+    asyncio.run(holder.sde2(**kw))
+    res = holder.last_result
+    assert res is not None
+    expected_keys = {
+        f"sde2/{k}" for k in ("oc", "re", "fa", "sd", "acc", "s_acc", "n_strat", "uniq")
+    }
+    assert set(metrics) == expected_keys
+    assert metrics["sde2/oc"] == [pytest.approx(1 / 4)]  # only GOOD is right (PLAIN: no tags)
+    assert metrics["sde2/acc"] == [pytest.approx(1 / 4)]
+    assert metrics["sde2/s_acc"] == [pytest.approx(1 / 4)]
+    assert metrics["sde2/n_strat"] == [pytest.approx((2 + 1 + 0 + 0) / 4)]
+    assert metrics["sde2/uniq"] == [pytest.approx((2 + 1 + 0 + 0) / 4)]
+    assert metrics["sde2/fa"] == [pytest.approx(sum(res.components["fa"]) / 4)]
+    assert extra["sde2/n_strat"] == [2, 1, 0, 0]
+    assert extra["sde2/correct"] == [True, False, False, False]
+    assert extra["sde2/final_answer"] == ["72", "70", None, None]
+    assert all(len(v) == 4 for v in extra.values())
+    assert not any(math.isnan(v[0]) for v in metrics.values())
+
+
+def test_missing_answer_column_is_a_clear_error(reward_server: ServerProcess) -> None:  # noqa: F811
+    fn = sde2_reward(reward_server.url, answer_column="solution")
+    with pytest.raises(KeyError, match="solution"):
+        asyncio.run(fn(**call_kwargs([GOOD], ["p"])))
+
+
+def test_bad_params_fail_at_construction() -> None:
+    with pytest.raises(ValueError, match="similarity_threshold"):
+        sde2_reward("http://127.0.0.1:1", similarity_threshold=1.5)
+    with pytest.raises(ValueError, match="recipe"):
+        sde2_reward("http://127.0.0.1:1", recipe="nope")
+
+
+def test_verl_compute_score(reward_server: ServerProcess, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    from trainer_client import verl
+
+    out = verl.compute_score("openai/gsm8k", GOOD, "72", {"reward_url": reward_server.url})
+    # oc + re + fa (min(1, 0.2·2) + 0.3 + 0.1) + sd (collapse bonus), unnormalized
+    assert out["score"] == pytest.approx(1.0 + 1.0 + 0.8 + 1.0)
+    assert out["acc"] == 1.0 and out["n_strat"] == 2
+    monkeypatch.setenv("SDE2_URL", reward_server.url)
+    med = verl.compute_score("medmcqa", "<final_answer>(B)</final_answer>", "B")
+    assert med["acc"] == 1.0
+    got = asyncio.run(verl.compute_score_async("gsm8k", PARTIAL, 72, recipe="cfee"))
+    assert set(got) >= {"score", "oc", "fa", "re", "rd"} and got["acc"] == 0.0
+    monkeypatch.delenv("SDE2_URL")
+    with pytest.raises(ValueError, match="SDE2_URL"):
+        verl.compute_score("gsm8k", GOOD, "72")
