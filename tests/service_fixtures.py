@@ -177,9 +177,12 @@ class ServerProcess:
         """Start and wait until ready (the model is loaded and warm)."""
         import tempfile
 
-        log = tempfile.NamedTemporaryFile(prefix="sde2-serve-", suffix=".log", delete=False)
-        self.log_path = Path(log.name)
-        self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        fd, name = tempfile.mkstemp(prefix="sde2-serve-", suffix=".log")
+        self.log_path = Path(name)
+        with os.fdopen(fd, "wb") as log:  # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen(
+                self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env
+            )
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if self.proc.poll() is not None:
@@ -223,14 +226,14 @@ class ServerProcess:
         self.stop()
 
 
-@pytest.fixture(scope="session")
-def onnx_model_dir() -> Path:
+@pytest.fixture(scope="session", name="onnx_model_dir")
+def onnx_model_dir_fixture() -> Path:
     """The real exported model (see :func:`real_model_dir`)."""
     return real_model_dir()
 
 
-@pytest.fixture(scope="session")
-def onnx_encoder(onnx_model_dir: Path) -> Encoder:
+@pytest.fixture(scope="session", name="onnx_encoder")
+def onnx_encoder_fixture(onnx_model_dir: Path) -> Encoder:
     """One real ONNX encoder per session (loading costs seconds)."""
     from reward_server.encoders.onnx_runtime import OnnxEncoder
 

@@ -26,8 +26,8 @@ from tests.service_fixtures import (  # noqa: F401  (fixtures)
     assert_same_response,
     http_client,
     make_service,
-    onnx_encoder,
-    onnx_model_dir,
+    onnx_encoder_fixture,
+    onnx_model_dir_fixture,
     reference_response,
     step_items,
 )

@@ -20,8 +20,8 @@ from tests.service_fixtures import (  # noqa: F401  (fixtures)
     http_client,
     make_service,
     make_settings,
-    onnx_encoder,
-    onnx_model_dir,
+    onnx_encoder_fixture,
+    onnx_model_dir_fixture,
     reference_response,
     step_items,
 )

@@ -1,0 +1,301 @@
+"""Server limits: body size, items, characters, capacity (429), deadlines (503), the batcher's
+coalescing / dedup / token budget, encoder failures, and the settings' flags and env vars."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from reward_server.service.batcher import (
+    Batcher,
+    DeadlineExceeded,
+    EncoderFailed,
+    Overloaded,
+    estimate_tokens,
+)
+from reward_server.service.config import Settings, add_arguments, load_settings
+from tests.doubles import HashEncoder
+from tests.service_fixtures import SlowEncoder, http_client, make_service
+
+
+def needs_encoder(tag: str, n: int = 2) -> dict[str, Any]:
+    """An item whose ``n`` wrong strategies make the encoder run (texts unique to ``tag``)."""
+    blocks = "".join(
+        f"<strategy><reasoning>{tag} way {j}</reasoning><strategy_outcome>{j}</strategy_outcome>"
+        "</strategy>"
+        for j in range(n)
+    )
+    return {"completion": blocks, "answer": "999"}
+
+
+# -- sizes ----------------------------------------------------------------------------------------
+
+
+def test_limits_on_items_and_characters() -> None:
+    service = make_service(max_items=3, max_completion_chars=50, max_answer_chars=5)
+    ok = {"completion": "short", "answer": "1"}
+    with http_client(service) as c:
+        r = c.post("/v1/score", json={"items": [ok] * 4})
+        assert r.status_code == 422 and r.json()["detail"][0]["field"] == "items"
+        long_completion = {"completion": "x" * 51, "answer": "1"}
+        r = c.post("/v1/score", json={"items": [ok, ok, long_completion]})
+        assert r.status_code == 422
+        assert [d["field"] for d in r.json()["detail"]] == ["items.2.completion"]
+        r = c.post("/v1/score", json={"items": [{"completion": "a", "answer": "123456"}]})
+        assert [d["field"] for d in r.json()["detail"]] == ["items.0.answer"]
+        r = c.post("/v1/score", json={"items": [ok] * 3})
+        assert r.status_code == 200
+        # OpenRLHF: the paths name that protocol's own fields.
+        r = c.post(
+            "/get_reward",
+            json={"query": ["p" + "y" * 60], "prompts": ["p"], "labels": ["1"]},
+        )
+        assert r.status_code == 422 and r.json()["detail"][0]["field"] == "query.0"
+
+
+def test_body_limit_is_413_declared_or_streamed() -> None:
+    service = make_service(max_body_bytes=1000)
+    body = json.dumps({"items": [{"completion": "z" * 2000, "answer": "1"}]}).encode()
+    with http_client(service) as c:
+        r = c.post("/v1/score", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 413
+
+        def chunks() -> Any:  # no content-length: the limit holds while streaming
+            for i in range(0, len(body), 100):
+                yield body[i : i + 100]
+
+        r = c.post("/v1/score", content=chunks(), headers={"content-type": "application/json"})
+        assert r.status_code == 413
+        assert c.post("/v1/score", json={"items": [{"completion": "a", "answer": "1"}]}).is_success
+        assert 'sde2_failures_total{reason="body_too_large"} 2.0' in c.get("/metrics").text
+
+
+# -- capacity and deadlines -----------------------------------------------------------------------
+
+
+def test_full_server_answers_429_at_once_then_recovers() -> None:
+    encoder = SlowEncoder(delay=0.05)
+    service = make_service(encoder, queue_capacity=2)
+    encoder.gate.clear()  # hold the first batch until the burst is done
+    with http_client(service) as c, ThreadPoolExecutor(4) as pool:
+        held = [
+            pool.submit(c.post, "/v1/score", json={"items": [needs_encoder(f"held{i}")]})
+            for i in range(2)
+        ]
+        deadline = time.monotonic() + 5
+        while service.batcher.admitted < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert service.batcher.admitted == 2
+        t0 = time.monotonic()
+        rejected = [
+            c.post("/v1/score", json={"items": [needs_encoder(f"burst{i}")]}) for i in range(5)
+        ]
+        elapsed = time.monotonic() - t0
+        assert [r.status_code for r in rejected] == [429] * 5
+        assert elapsed < 2.0  # fail fast: nothing waited for the encoder
+        assert all(int(r.headers["retry-after"]) >= 1 for r in rejected)
+        encoder.gate.set()
+        assert [f.result(timeout=10).status_code for f in held] == [200, 200]
+        after = c.post("/v1/score", json={"items": [needs_encoder("after")]})
+        assert after.status_code == 200
+        metrics = c.get("/metrics").text
+        assert 'sde2_failures_total{reason="overloaded"} 5.0' in metrics
+        assert "sde2_admitted_requests 0.0" in metrics
+
+
+def test_request_past_its_deadline_is_503_and_not_encoded() -> None:
+    encoder = SlowEncoder(delay=0.6)
+    service = make_service(encoder, request_timeout=0.4)
+    with http_client(service) as c, ThreadPoolExecutor(2) as pool:
+        first = pool.submit(c.post, "/v1/score", json={"items": [needs_encoder("first")]})
+        time.sleep(0.1)
+        second = pool.submit(c.post, "/v1/score", json={"items": [needs_encoder("second")]})
+        assert first.result(10).status_code == 503  # its encode outlived the deadline
+        assert second.result(10).status_code == 503  # still queued at its deadline
+        time.sleep(0.8)
+        encoded = {t for call in encoder.calls for t in call}
+        assert not any("second" in t for t in encoded)  # dropped, never encoded
+        assert 'sde2_failures_total{reason="deadline"} 2.0' in c.get("/metrics").text
+
+
+def test_encoder_failure_is_a_500_that_says_so_and_the_server_survives() -> None:
+    class Flaky(HashEncoder):
+        fail = False
+
+        def encode(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
+            if self.fail:
+                raise RuntimeError("boom")
+            return super().encode(texts)
+
+    encoder = Flaky()
+    with http_client(make_service(encoder)) as c:
+        encoder.fail = True
+        r = c.post("/v1/score", json={"items": [needs_encoder("x")]})
+        assert r.status_code == 500 and "boom" in r.json()["detail"]
+        encoder.fail = False
+        assert c.post("/v1/score", json={"items": [needs_encoder("x")]}).status_code == 200
+
+
+# -- batcher --------------------------------------------------------------------------------------
+
+
+def test_batcher_coalesces_concurrent_requests_and_dedups_texts() -> None:
+    encoder = SlowEncoder(delay=0.0)
+    encoder.gate.clear()
+    batcher = Batcher(encoder, capacity=16, batch_tokens=100_000)
+    far = time.monotonic() + 30
+    first = batcher.submit(["warm"], far)  # occupies the worker at the gate
+    time.sleep(0.05)
+    shared = "a strategy every request repeats"
+    futures = [batcher.submit([shared, f"own text {i}"], far) for i in range(8)]
+    encoder.gate.set()
+    results = [f.result(5) for f in [first, *futures]]
+    assert len(encoder.calls) == 2  # the gated one, then all eight together
+    assert encoder.calls[1].count(shared) == 1  # deduplicated across requests
+    assert len(encoder.calls[1]) == 9
+    reference = HashEncoder()
+    for i, res in enumerate(results[1:]):
+        np.testing.assert_array_equal(res.embeddings, reference.encode([shared, f"own text {i}"]))
+        assert res.batch_requests == 8 and res.batch_texts == 9
+    batcher.close(5)
+
+
+def test_batcher_respects_the_token_budget() -> None:
+    encoder = SlowEncoder(delay=0.0)
+    encoder.gate.clear()
+    text = "w" * 400  # ~102 estimated tokens
+    budget = 3 * estimate_tokens(f"0{text}")
+    batcher = Batcher(encoder, capacity=16, batch_tokens=budget)
+    far = time.monotonic() + 30
+    futures = [batcher.submit([f"{i}{text}"], far) for i in range(7)]
+    encoder.gate.set()
+    for f in futures:
+        f.result(5)
+    sizes = [len(c) for c in encoder.calls]
+    assert sum(sizes) == 7 and max(sizes) == 3  # coalesced, but never past the budget
+    # A single job larger than the budget still runs (alone).
+    big = batcher.submit([f"big {i} {text}" for i in range(5)], far)
+    assert big.result(5).embeddings.shape == (5, 384)
+    batcher.close(5)
+
+
+def test_batcher_admission_and_retry_after() -> None:
+    batcher = Batcher(HashEncoder(), capacity=2, batch_tokens=1000)
+    a, b = batcher.admit(), batcher.admit()
+    with pytest.raises(Overloaded) as err:
+        batcher.admit()
+    assert err.value.retry_after >= 1
+    a.release()
+    a.release()  # idempotent
+    c = batcher.admit()
+    assert batcher.admitted == 2
+    b.release()
+    c.release()
+    assert batcher.wait_idle(1)
+    batcher.close(5)
+
+
+def test_batcher_deadline_and_cancellation() -> None:
+    encoder = SlowEncoder(delay=0.0)
+    encoder.gate.clear()
+    batcher = Batcher(encoder, capacity=8, batch_tokens=10_000)
+    blocker = batcher.submit(["block"], time.monotonic() + 30)
+    time.sleep(0.05)
+    expired = batcher.submit(["too late"], time.monotonic() + 0.05)
+    cancelled = batcher.submit(["gone"], time.monotonic() + 30)
+    assert cancelled.cancel()
+    time.sleep(0.1)
+    encoder.gate.set()
+    blocker.result(5)
+    with pytest.raises(DeadlineExceeded):
+        expired.result(5)
+    batcher.close(5)
+    assert all(t == "block" for call in encoder.calls for t in call)
+
+
+def test_batcher_worker_survives_encoder_errors() -> None:
+    class Broken:
+        name = "broken"
+
+        def encode(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
+            return np.zeros((len(texts) + 1, 384), np.float32)  # wrong shape
+
+    batcher = Batcher(Broken(), capacity=4, batch_tokens=1000)
+    with pytest.raises(EncoderFailed):
+        batcher.submit(["a"], time.monotonic() + 5).result(5)
+    with pytest.raises(EncoderFailed):  # the worker is still alive
+        batcher.submit(["b"], time.monotonic() + 5).result(5)
+    batcher.close(5)
+
+
+def test_batcher_close_finishes_queued_work() -> None:
+    encoder = SlowEncoder(delay=0.05)
+    batcher = Batcher(encoder, capacity=8, batch_tokens=10)
+    futures = [batcher.submit([f"t{i}"], time.monotonic() + 30) for i in range(4)]
+    batcher.close(5)
+    assert all(f.result(0).embeddings.shape == (1, 384) for f in futures)
+
+
+def test_concurrent_http_requests_share_batches() -> None:
+    encoder = SlowEncoder(delay=0.3)
+    service = make_service(encoder, queue_capacity=32)
+    encoder.calls.clear()  # forget the warm-up
+    bodies = [{"items": [needs_encoder(f"r{i}", 3)]} for i in range(12)]
+    with http_client(service) as c, ThreadPoolExecutor(12) as pool:
+        responses = list(pool.map(lambda b: c.post("/v1/score", json=b), bodies))
+    assert all(r.status_code == 200 for r in responses)
+    assert len(encoder.calls) < len(bodies)  # coalesced
+    assert sum(len(call) for call in encoder.calls) == 36
+    queue_times = [float(r.headers["x-queue-time"]) for r in responses]
+    assert max(queue_times) > 0
+
+
+# -- settings -------------------------------------------------------------------------------------
+
+
+def test_settings_flags_then_env_then_defaults() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--port", "9001", "--max-items", "7", "--grpc-port", "5"])
+    env = {
+        "SDE2_PORT": "1",
+        "SDE2_QUEUE_CAPACITY": "3",
+        "SDE2_API_KEY": "k",
+        "SDE2_REQUEST_TIMEOUT": "2.5",
+        "SDE2_MODEL": "/models/x",
+    }
+    s = load_settings(args, env)
+    assert (s.port, s.max_items, s.grpc_port) == (9001, 7, 5)  # flags win
+    assert (s.queue_capacity, s.api_key, s.request_timeout) == (3, "k", 2.5)  # env next
+    assert s.model == "/models/x"
+    assert s.max_body_bytes == Settings().max_body_bytes  # default
+    assert s.public()["api_key"] is True  # never the key itself
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--api-key", "x"])  # the key is env-only (not visible in ps)
+
+
+@pytest.mark.parametrize(
+    "env",
+    [{"SDE2_MAX_ITEMS": "0"}, {"SDE2_PORT": "eighty"}, {"SDE2_PROVIDER": "tpu"}],
+)
+def test_bad_settings_are_refused(env: dict[str, str]) -> None:
+    with pytest.raises(ValueError):
+        load_settings(None, env)
+
+
+def test_capacity_threads_do_not_leak() -> None:
+    before = threading.active_count()
+    for _ in range(3):
+        service = make_service()
+        service.close()
+    time.sleep(0.2)
+    assert threading.active_count() <= before + 1
