@@ -242,6 +242,36 @@ def _cosine_summary(cos: npt.NDArray[np.float64]) -> dict[str, float]:
     }
 
 
+def int8_gate(
+    fp32_dir: Path,
+    int8_dir: Path,
+    problems: Sequence[tuple[str, list[str]]],
+    n_completions: int = 400,
+    min_agreement: float = fidelity.GATE_MIN_AGREEMENT,
+) -> fidelity.GateReport:
+    """Uniq decisions of the int8 export vs the fp32 one on synthetic GSM8K completions."""
+    completions = fidelity.build_completions(problems, n_completions)
+    return fidelity.uniq_gate(
+        _embed_completions(lambda t: _embed_onnx(fp32_dir, t), completions),
+        _embed_completions(lambda t: _embed_onnx(int8_dir, t), completions),
+        min_agreement=min_agreement,
+    )
+
+
+def require_gate(gate: fidelity.GateReport) -> None:
+    """Raise :class:`ExportRefused`, naming the worst δ, unless ``gate`` passed."""
+    if gate.passed:
+        return
+    worst = min(gate.agreement, key=lambda d: gate.agreement[d])
+    raise ExportRefused(
+        "int8 refused: its Uniq decisions agree with fp32 on only "
+        f"{gate.agreement[worst]:.2%} of {gate.n_completions} completions at δ={worst} "
+        f"(required ≥ {gate.min_agreement_required:.2%} at every δ in {list(gate.agreement)}; "
+        f"max sd-reward difference {max(gate.max_reward_diff.values()):.4f}); "
+        "use the fp32 variant"
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # the export itself
 
@@ -329,21 +359,9 @@ def export_model(
                 fidelity.row_cosines(ref, int8_emb)
             )
             report["int8_vs_fp32"] = _cosine_summary(fidelity.row_cosines(fp32_emb, int8_emb))
-            completions = fidelity.build_completions(problems, n_completions)
-            gate = fidelity.uniq_gate(
-                _embed_completions(lambda t: _embed_onnx(fp32_dir, t), completions),
-                _embed_completions(lambda t: _embed_onnx(stage, t), completions),
-                min_agreement=int8_min_agreement,
-            )
+            gate = int8_gate(fp32_dir, stage, problems, n_completions, int8_min_agreement)
             report["int8_uniq_gate"] = gate.to_dict()
-            if not gate.passed:
-                worst = min(gate.agreement, key=lambda d: gate.agreement[d])
-                raise ExportRefused(
-                    "int8 refused: its Uniq decisions agree with fp32 on only "
-                    f"{gate.agreement[worst]:.2%} of {gate.n_completions} completions at "
-                    f"δ={worst} (required ≥ {int8_min_agreement:.2%} at every δ in "
-                    f"{list(gate.agreement)}); use the fp32 variant"
-                )
+            require_gate(gate)
         report["export_seconds"] = round(time.perf_counter() - t0, 1)
         versions = {
             "onnxruntime": onnxruntime.__version__,

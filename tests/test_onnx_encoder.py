@@ -1,0 +1,271 @@
+"""OnnxEncoder: fidelity to sentence-transformers, batching, stats, threads, provider checks."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from reward_server.encoders import fidelity
+from reward_server.encoders.base import EMBEDDING_DIM, MAX_SEQ_LENGTH, Encoder
+from reward_server.encoders.onnx_runtime import (
+    OnnxEncoder,
+    ProviderUnavailableError,
+    available_cpus,
+    check_provider_available,
+    check_session_provider,
+    plan_batches,
+)
+from tests.encoder_fixtures import (  # noqa: F401  (fixtures)
+    fidelity_texts,
+    fp32_export,
+    problems,
+    reference_embeddings,
+    reference_encoder,
+)
+
+MIN_COSINE = 0.9999  # SPEC §3
+
+
+@pytest.fixture(scope="module")
+def encoder(fp32_export: Path) -> OnnxEncoder:  # noqa: F811
+    return OnnxEncoder(fp32_export)
+
+
+# ------------------------------------------------------------------ fidelity (slow: needs export)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget", [1, 4096, 1_000_000])
+def test_fp32_matches_sentence_transformers_on_every_text(
+    encoder: OnnxEncoder,
+    fidelity_texts: list[str],  # noqa: F811
+    reference_embeddings: npt.NDArray[np.float32],  # noqa: F811
+    budget: int,
+) -> None:
+    """budget 1: one text per batch; 4096: the default; 1e6: everything padded to 256."""
+    texts, ref = fidelity_texts, reference_embeddings
+    if budget == 1:  # one run per text: a 100-text slice is enough to check batch-size 1
+        texts, ref = texts[:100], ref[:100]
+    if budget == 1_000_000:  # one batch of one very long text + many short ones: heavy padding
+        lengths = [len(ids) for ids in encoder._tokenizer.encode_batch(texts)]
+        longest = int(np.argmax(lengths))
+        short = [i for i in np.argsort(lengths) if lengths[i] < 40][:40]
+        idx = [longest, *short]
+        texts, ref = [texts[i] for i in idx], ref[idx]
+        assert lengths[longest] == MAX_SEQ_LENGTH
+    # min_row_fill=0 lets short texts join the long one's batch (the budget-1e6 case).
+    enc = OnnxEncoder(encoder.model_dir, max_batch_tokens=budget, min_row_fill=0.0)
+    out, stats = enc.encode_with_stats(texts)
+    cos = fidelity.row_cosines(ref, out)
+    assert cos.min() >= MIN_COSINE, f"worst text: {texts[int(np.argmin(cos))][:200]!r}"
+    np.testing.assert_allclose(np.linalg.norm(out, axis=1), 1.0, atol=1e-5)
+    if budget == 1:
+        assert stats.batches == len(texts) and stats.padded_tokens == stats.tokens
+    if budget == 1_000_000:
+        assert stats.batches == 1 and stats.padded_tokens == len(texts) * MAX_SEQ_LENGTH
+
+
+@pytest.mark.slow
+def test_order_and_determinism(encoder: OnnxEncoder, fidelity_texts: list[str]) -> None:  # noqa: F811
+    texts = fidelity_texts[:40]
+    forward = encoder.encode(texts)
+    backward = encoder.encode(texts[::-1])
+    np.testing.assert_allclose(forward, backward[::-1], atol=1e-5)
+    singles = np.stack([encoder.encode([t])[0] for t in texts[:8]])
+    np.testing.assert_allclose(forward[:8], singles, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_protocol_name_empty_and_stats(encoder: OnnxEncoder) -> None:
+    assert isinstance(encoder, Encoder)
+    assert encoder.name == "all-MiniLM-L6-v2 onnx fp32"
+    assert encoder.encode([]).shape == (0, EMBEDDING_DIM)
+    before = encoder.totals.texts, encoder.totals.batches
+    out, stats = encoder.encode_with_stats(["a b c", "", "one two three four five six"])
+    assert out.shape == (3, EMBEDDING_DIM) and out.dtype == np.float32
+    assert stats.tokens == 5 + 2 + 8  # [CLS] ... [SEP] each
+    assert stats.batches == 3 and stats.padded_tokens == 5 + 2 + 8  # lengths too different
+    assert encoder.totals.texts == before[0] + 3
+    assert encoder.totals.batches == before[1] + 1
+    encoder.warmup()
+
+
+@pytest.mark.slow
+def test_concurrent_calls_agree(encoder: OnnxEncoder, fidelity_texts: list[str]) -> None:  # noqa: F811
+    texts = fidelity_texts[:12]
+    expected = encoder.encode(texts)
+    results: list[Any] = [None] * 4
+
+    def run(k: int) -> None:
+        results[k] = encoder.encode(texts)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in results:
+        np.testing.assert_allclose(r, expected, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_threads_option(fp32_export: Path) -> None:  # noqa: F811
+    assert OnnxEncoder(fp32_export, intra_op_threads=1).intra_op_threads == 1
+    assert OnnxEncoder(fp32_export).intra_op_threads == available_cpus()
+
+
+@pytest.mark.slow
+def test_fp16_export_is_refused_on_cpu(fp32_export: Path, tmp_path: Path) -> None:  # noqa: F811
+    fake = tmp_path / "fp16"
+    shutil.copytree(fp32_export, fake)
+    manifest = json.loads((fake / "manifest.json").read_text())
+    manifest["variant"] = "fp16"
+    (fake / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ProviderUnavailableError, match="CUDA only"):
+        OnnxEncoder(fake, provider="cpu")
+
+
+# ------------------------------------------------------------------ batching (fast, pure)
+
+
+@pytest.mark.parametrize("budget", [1, 50, 256, 1000, 4096])
+def test_plan_batches_covers_everything_within_budget(budget: int) -> None:
+    rng = np.random.default_rng(budget)
+    lengths = [int(x) for x in rng.integers(2, 257, size=300)]
+    batches = plan_batches(lengths, budget)
+    flat = np.concatenate(batches)
+    assert sorted(flat.tolist()) == list(range(300))
+    previous_longest = MAX_SEQ_LENGTH + 1
+    for b in batches:
+        longest = max(lengths[i] for i in b)
+        assert lengths[b[0]] == longest  # first row is the longest: padded width known
+        assert longest <= previous_longest  # sorted: similar lengths share a batch
+        previous_longest = longest
+        assert len(b) == 1 or len(b) * longest <= budget
+        assert min(lengths[i] for i in b) >= 0.8 * longest
+
+
+def test_plan_batches_limits_padding_waste() -> None:
+    lengths = [256] + [10] * 200
+    batches = plan_batches(lengths, 4096)
+    padded = sum(len(b) * max(lengths[i] for i in b) for b in batches)
+    assert padded == sum(lengths)  # the long text is alone; short ones are not padded to 256
+    rng = np.random.default_rng(0)
+    lengths = [int(x) for x in rng.integers(2, 257, size=500)]
+    batches = plan_batches(lengths, 4096)
+    padded = sum(len(b) * max(lengths[i] for i in b) for b in batches)
+    assert padded <= 1.25 * sum(lengths)
+
+
+# ------------------------------------------------------------------ thread detection
+
+
+def _cgroup(tmp_path: Path, content: str | None, v1: tuple[int, int] | None = None) -> Path:
+    root = tmp_path / "cg"
+    root.mkdir()
+    if content is not None:
+        (root / "cpu.max").write_text(content)
+    if v1 is not None:
+        (root / "cpu").mkdir()
+        (root / "cpu" / "cpu.cfs_quota_us").write_text(str(v1[0]))
+        (root / "cpu" / "cpu.cfs_period_us").write_text(str(v1[1]))
+    return root
+
+
+@pytest.mark.parametrize(
+    ("affinity", "cpu_max", "v1", "expected"),
+    [
+        (8, None, None, 8),  # no cgroup limit: the affinity mask decides
+        (8, "max 100000", None, 8),  # v2 without quota
+        (8, "200000 100000", None, 2),  # v2 quota of 2 CPUs
+        (8, "150000 100000", None, 2),  # 1.5 CPUs -> 2 threads
+        (8, "50000 100000", None, 1),  # half a CPU -> at least 1
+        (2, "400000 100000", None, 2),  # quota above the mask: the mask decides
+        (8, None, (300000, 100000), 3),  # cgroup v1 quota
+        (8, None, (-1, 100000), 8),  # v1 unlimited
+    ],
+)
+def test_available_cpus(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    affinity: int,
+    cpu_max: str | None,
+    v1: tuple[int, int] | None,
+    expected: int,
+) -> None:
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: set(range(affinity)))
+    assert available_cpus(_cgroup(tmp_path, cpu_max, v1)) == expected
+
+
+def test_available_cpus_on_this_machine() -> None:
+    import os
+
+    assert 1 <= available_cpus() <= len(os.sched_getaffinity(0))
+
+
+# ------------------------------------------------------------------ provider checks
+
+
+def test_cuda_missing_from_the_build_is_a_clear_error() -> None:
+    with pytest.raises(ProviderUnavailableError, match=r"CUDAExecutionProvider.*onnxruntime-gpu"):
+        check_provider_available("cuda", ["AzureExecutionProvider", "CPUExecutionProvider"])
+    assert check_provider_available("cpu", ["CPUExecutionProvider"]) == "CPUExecutionProvider"
+    with pytest.raises(ValueError):
+        check_provider_available("tpu", ["CPUExecutionProvider"])  # type: ignore[arg-type]
+
+
+def test_silent_cpu_fallback_is_detected() -> None:
+    """onnxruntime-gpu without working CUDA builds a CPU session without raising: we must."""
+    with pytest.raises(ProviderUnavailableError, match="running"):
+        check_session_provider("cuda", ["CPUExecutionProvider"])
+    check_session_provider("cuda", ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    check_session_provider("cpu", ["CPUExecutionProvider"])
+
+
+@pytest.mark.slow
+def test_asking_for_cuda_here_raises_instead_of_running_on_cpu(
+    fp32_export: Path,  # noqa: F811
+) -> None:
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ProviderUnavailableError, match="CUDAExecutionProvider"):
+        OnnxEncoder(fp32_export, provider="cuda")
+
+
+# ------------------------------------------------------------------ GPU (lent GPU machine only)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_fp16_on_cuda_matches_fp32(
+    fp32_export: Path,  # noqa: F811
+    tmp_path_factory: pytest.TempPathFactory,
+    fidelity_texts: list[str],  # noqa: F811
+) -> None:
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("needs onnxruntime-gpu and an NVIDIA GPU")
+    from reward_server.encoders.onnx_export import export_model
+
+    fp16_dir = export_model(None, tmp_path_factory.mktemp("fp16") / "fp16", "fp16", n_texts=60)
+    gpu = OnnxEncoder(fp16_dir, provider="cuda")
+    assert gpu.name.endswith("fp16 cuda")
+    gpu.warmup()
+    out, stats = gpu.encode_with_stats(fidelity_texts)
+    ref = OnnxEncoder(fp32_export).encode(fidelity_texts)
+    cos = fidelity.row_cosines(ref, out)
+    assert cos.min() >= 0.999, cos.min()
+    assert stats.batches >= 1
+    # fp32 graph on CUDA too: same numbers as on CPU.
+    gpu32 = OnnxEncoder(fp32_export, provider="cuda")
+    assert fidelity.row_cosines(ref, gpu32.encode(fidelity_texts)).min() >= MIN_COSINE
