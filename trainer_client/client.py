@@ -132,6 +132,8 @@ class _Base:
     ) -> None:
         self.urls = _normalize_urls(urls)
         self.retry = retry or RetryPolicy()
+        #: Failed attempts so far (retried or not): a cheap health signal for logs and tests.
+        self.failed_attempts = 0
         self._timeout = httpx.Timeout(timeout, connect=connect_timeout)
         self._limits = httpx.Limits(
             max_connections=max_connections, max_keepalive_connections=max_connections
@@ -217,6 +219,7 @@ class RewardClient(_Base):
                 retry_after = parse_retry_after(response.headers.get("retry-after"))
             assert failure is not None
             attempts.append(failure)
+            self.failed_attempts += 1
             if not retryable or attempt + 1 == self.retry.max_attempts:
                 break
             wait = self.retry.delay(attempt, retry_after)
@@ -338,6 +341,7 @@ class AsyncRewardClient(_Base):
                 retry_after = parse_retry_after(response.headers.get("retry-after"))
             assert failure is not None
             attempts.append(failure)
+            self.failed_attempts += 1
             if not retryable or attempt + 1 == self.retry.max_attempts:
                 break
             wait = self.retry.delay(attempt, retry_after)

@@ -1,0 +1,113 @@
+"""Loading the policy model and tokenizer from a hub id, a local folder, or a GGUF file.
+
+Shared by ``sde2-train`` and ``sde2-eval`` so that both count tokens with the same tokenizer
+(#TOK is measured with the policy's own tokenizer, paper Sec. 4.4). GGUF weights (e.g. the small
+SmolLM2 checkpoint used in CPU tests) are dequantized by ``transformers`` on load. 4-bit loading
+(the paper's QLoRA setting) is used only when CUDA and ``bitsandbytes`` are both present; on CPU
+it would fail, so it is skipped with a log line rather than an error.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("sde2.model")
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """Where a model comes from: ``name_or_path`` plus an optional GGUF file inside it."""
+
+    name_or_path: str
+    gguf_file: str | None = None
+
+    @classmethod
+    def parse(cls, model: str, gguf_file: str | None = None) -> ModelRef:
+        """``--model`` may itself be a ``.gguf`` path: split it into folder and file."""
+        path = Path(model).expanduser()
+        if gguf_file is None and path.suffix == ".gguf" and path.is_file():
+            return cls(str(path.parent), path.name)
+        return cls(str(path) if path.exists() else model, gguf_file)
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"gguf_file": self.gguf_file} if self.gguf_file else {}
+
+
+def cuda_available() -> bool:
+    """Whether torch sees a CUDA device."""
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def can_load_4bit(ref: ModelRef) -> bool:
+    """4-bit needs CUDA and bitsandbytes, and GGUF weights cannot be re-quantized on load."""
+    return (
+        cuda_available()
+        and importlib.util.find_spec("bitsandbytes") is not None
+        and ref.gguf_file is None
+    )
+
+
+def load_tokenizer(ref: ModelRef) -> Any:
+    """The policy's tokenizer, left-padded for batched generation, with a pad token."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(ref.name_or_path, **ref.kwargs())
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return tok
+
+
+def load_model(ref: ModelRef, *, quantize_4bit: bool = False, for_training: bool = True) -> Any:
+    """The causal LM; 4-bit (NF4, double quantization) when asked for and possible."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = dict(ref.kwargs())
+    if cuda_available():
+        kwargs["dtype"] = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        kwargs["device_map"] = {"": 0}
+    else:
+        kwargs["dtype"] = torch.float32
+    if quantize_4bit:
+        if can_load_4bit(ref):
+            from transformers import BitsAndBytesConfig
+
+            kwargs["quantization_config"] = BitsAndBytesConfig(
+                load_in_4bit=True,
+                bnb_4bit_quant_type="nf4",
+                bnb_4bit_use_double_quant=True,
+                bnb_4bit_compute_dtype=kwargs["dtype"],
+            )
+        else:
+            log.info("4-bit loading skipped: needs CUDA, bitsandbytes and non-GGUF weights")
+    model = AutoModelForCausalLM.from_pretrained(ref.name_or_path, **kwargs)
+    if ref.gguf_file:
+        _forget_gguf_quantization(model)
+    if "quantization_config" in kwargs and for_training:
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model)
+    return model
+
+
+def _forget_gguf_quantization(model: Any) -> None:
+    """GGUF weights are dequantized to ordinary float tensors on load, but the model keeps a GGUF
+    quantizer tag, and ``Trainer`` refuses to train "GGUF-quantized" models. The tensors are
+    plain floats, so the tag is dropped: LoRA training and saving then work as for any model."""
+    model.hf_quantizer = None
+    if "is_quantized" in vars(model):
+        model.is_quantized = False
+    if getattr(model.config, "quantization_config", None) is not None:
+        del model.config.quantization_config
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    """Whether prompts should be conversational (the tokenizer knows the chat format)."""
+    return bool(getattr(tokenizer, "chat_template", None))

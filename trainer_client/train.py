@@ -1,0 +1,285 @@
+"""``sde2-train``: GRPO with LoRA through TRL, rewarded by the SD-E² reward server.
+
+Defaults are the paper's (Sec. 4.2 and App. F): lr 5e-6 with cosine decay, warmup ratio 0.1,
+gradient clipping 0.1, G = 6 completions per prompt, LoRA r = 64, α = 32, dropout 0, sequences of
+at most 2048 tokens, 4-bit weights when CUDA and bitsandbytes are present, and the multi-strategy
+prompt. Recipes ``sde2``/``cfee``/``cfl`` and ablations (``--weight sd=0``) only change the
+reward request. Everything can be shrunk for a CPU smoke run (``--max-steps 2 --num-generations 2
+--max-new-tokens 16 --batch-size 2``).
+
+Checkpoints go to ``--output-dir`` every ``--save-steps``; ``--resume`` continues from the latest
+one (or from the given checkpoint folder) with optimizer, scheduler and RNG state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from reward_server.core.params import RECIPE_COMPONENTS, RewardParams
+from trainer_client.datasets import DATASETS, DEFAULT_SOURCES, load_examples
+from trainer_client.retry import RetryPolicy
+
+log = logging.getLogger("sde2.train")
+
+
+def parse_assignments(pairs: Sequence[str], what: str) -> dict[str, Any]:
+    """``["k=v", ...]`` to a dict; values parsed as JSON when they are JSON (numbers), else str."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise argparse.ArgumentTypeError(f"{what} must look like key=value, got {pair!r}")
+        try:
+            out[key.strip()] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key.strip()] = raw
+    return out
+
+
+def reward_params(args: argparse.Namespace) -> dict[str, Any]:
+    """SPEC §4 parameters from ``--param`` and ``--weight``, validated (a typo fails now)."""
+    params = parse_assignments(args.param, "--param")
+    weights = parse_assignments(args.weight, "--weight")
+    if weights:
+        params["weights"] = {**params.get("weights", {}), **weights}
+    RewardParams(**params)
+    return params
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """All flags of ``sde2-train``."""
+    p = argparse.ArgumentParser(
+        prog="sde2-train",
+        description=__doc__.splitlines()[0] if __doc__ else None,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = p.add_argument_group("model")
+    g.add_argument("--model", required=True, help="hub id, local folder, or a .gguf file")
+    g.add_argument("--gguf-file", help="GGUF file name inside --model (a folder or hub repo)")
+    g.add_argument("--no-4bit", action="store_true", help="never load 4-bit weights")
+    g.add_argument("--lora-r", type=int, default=64)
+    g.add_argument("--lora-alpha", type=int, default=32)
+    g.add_argument("--lora-dropout", type=float, default=0.0)
+    g.add_argument("--lora-target", default="all-linear", help="LoRA target modules")
+
+    g = p.add_argument_group("data")
+    g.add_argument("--dataset", choices=DATASETS, default="gsm8k")
+    g.add_argument(
+        "--data", help=f"jsonl file, folder with {{split}}.jsonl, or hub id ({DEFAULT_SOURCES})"
+    )
+    g.add_argument("--split", default="train")
+    g.add_argument("--limit", type=int, help="use at most this many questions")
+    g.add_argument("--cop-base", type=int, default=0, help="MedMCQA: index of option A in cop")
+
+    g = p.add_argument_group("reward")
+    g.add_argument(
+        "--reward-url",
+        action="append",
+        required=True,
+        help="reward server base URL; repeat for replicas (the batch is sharded)",
+    )
+    g.add_argument("--recipe", choices=sorted(RECIPE_COMPONENTS), default="sde2")
+    g.add_argument("--weight", action="append", default=[], help="ablation weight, e.g. sd=0")
+    g.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        help="reward parameter, e.g. similarity_threshold=0.75",
+    )
+    g.add_argument("--reward-timeout", type=float, default=180.0, help="seconds per request")
+    g.add_argument("--reward-retries", type=int, default=8, help="attempts per request")
+    g.add_argument(
+        "--reward-deadline",
+        type=float,
+        default=600.0,
+        help="give up on a batch after this many seconds of retries (training then stops)",
+    )
+
+    g = p.add_argument_group("GRPO")
+    g.add_argument("--output-dir", default="outputs/sde2-grpo")
+    g.add_argument("--max-steps", type=int, default=-1, help="-1: run --epochs")
+    g.add_argument("--epochs", type=float, default=1.0)
+    g.add_argument("--num-generations", type=int, default=6, help="G completions per prompt")
+    g.add_argument("--batch-size", type=int, help="completions per device step (default: G)")
+    g.add_argument("--grad-accum", type=int, default=1)
+    g.add_argument("--lr", type=float, default=5e-6)
+    g.add_argument("--warmup-ratio", type=float, default=0.1)
+    g.add_argument("--max-grad-norm", type=float, default=0.1)
+    g.add_argument("--beta", type=float, default=0.02, help="KL coefficient")
+    g.add_argument("--max-length", type=int, default=2048, help="prompt + completion tokens")
+    g.add_argument("--max-new-tokens", type=int, default=1024, help="completion tokens")
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--save-steps", type=int, default=500)
+    g.add_argument("--logging-steps", type=int, default=1)
+    g.add_argument("--report-to", default="none", help="none, wandb, tensorboard, ...")
+    g.add_argument("--seed", type=int, default=42)
+    g.add_argument("--no-gradient-checkpointing", action="store_true", help="faster, more memory")
+    g.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        help="resume from the latest checkpoint in --output-dir, or from the given folder",
+    )
+    return p
+
+
+def build_dataset(args: argparse.Namespace, tokenizer: Any, conversational: bool) -> Any:
+    """Prompts with their gold columns, dropping prompts that leave no room to answer."""
+    from datasets import Dataset
+
+    examples = load_examples(args.dataset, args.data, args.split, args.limit, args.cop_base)
+    rows = [ex.record(conversational) for ex in examples]
+    budget = args.max_length - args.max_new_tokens
+    if budget <= 0:
+        raise SystemExit("--max-length must exceed --max-new-tokens")
+
+    def prompt_tokens(row: dict[str, Any]) -> int:
+        if conversational:
+            ids = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True)
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+            return len(ids)
+        return len(tokenizer(row["prompt"])["input_ids"])
+
+    kept = [r for r in rows if prompt_tokens(r) <= budget]
+    if len(kept) < len(rows):
+        log.warning("dropped %d prompts longer than %d tokens", len(rows) - len(kept), budget)
+    if not kept:
+        raise SystemExit("no prompt fits in --max-length minus --max-new-tokens")
+    return Dataset.from_list(kept)
+
+
+def build_trainer(
+    args: argparse.Namespace, model: Any = None, tokenizer: Any = None
+) -> tuple[Any, Any]:
+    """The GRPOTrainer and the reward holder (:class:`~trainer_client.trl.SDE2Reward`).
+
+    ``model``/``tokenizer`` may be passed preloaded (tests reuse one load across trainers);
+    otherwise they are loaded from ``--model``.
+    """
+    from peft import LoraConfig
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trainer_client.client import RewardClient
+    from trainer_client.modeling import (
+        ModelRef,
+        can_load_4bit,
+        cuda_available,
+        has_chat_template,
+        load_model,
+        load_tokenizer,
+    )
+    from trainer_client.trl import SDE2Reward
+
+    params = reward_params(args)
+    retry = RetryPolicy(max_attempts=args.reward_retries, deadline=args.reward_deadline)
+    with RewardClient(args.reward_url, retry=retry) as probe:  # fail fast on a wrong URL
+        info = probe.info()
+    log.info("reward server: %s (%d replica(s))", info.get("encoder"), len(args.reward_url))
+
+    ref = ModelRef.parse(args.model, args.gguf_file)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(ref)
+    quantize = not args.no_4bit and can_load_4bit(ref)
+    model = model if model is not None else load_model(ref, quantize_4bit=quantize)
+    conversational = has_chat_template(tokenizer)
+    dataset = build_dataset(args, tokenizer, conversational)
+    answer_type = dataset[0]["answer_type"]
+
+    holder = SDE2Reward(
+        args.reward_url,
+        recipe=args.recipe,
+        answer_type=answer_type,
+        params=params,
+        timeout=args.reward_timeout,
+        retry=retry,
+    )
+    batch_size = args.batch_size or args.num_generations
+    cuda = cuda_available()
+    config = GRPOConfig(
+        output_dir=args.output_dir,
+        learning_rate=args.lr,
+        lr_scheduler_type="cosine",
+        warmup_steps=args.warmup_ratio,  # a float in [0, 1) is a ratio of the total steps
+        max_grad_norm=args.max_grad_norm,
+        num_generations=args.num_generations,
+        per_device_train_batch_size=batch_size,
+        gradient_accumulation_steps=args.grad_accum,
+        max_completion_length=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        beta=args.beta,
+        max_steps=args.max_steps,
+        num_train_epochs=args.epochs,
+        save_steps=args.save_steps,
+        logging_steps=args.logging_steps,
+        report_to=args.report_to,
+        seed=args.seed,
+        gradient_checkpointing=not args.no_gradient_checkpointing,
+        optim="adamw_8bit" if quantize else "adamw_torch",
+        bf16=cuda and _bf16_ok(),
+        use_cpu=not cuda,
+        log_completions=False,
+    )
+    peft_config = LoraConfig(
+        r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout,
+        target_modules=args.lora_target,
+        task_type="CAUSAL_LM",
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[holder.reward_function],
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+    )
+    return trainer, holder
+
+
+def _bf16_ok() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_bf16_supported())
+
+
+def resume_target(args: argparse.Namespace) -> str | None:
+    """The checkpoint to resume from, or None (a fresh run, also when none exists yet)."""
+    if not args.resume:
+        return None
+    if args.resume != "latest":
+        if not Path(args.resume).is_dir():
+            raise SystemExit(f"--resume: no checkpoint folder {args.resume}")
+        return str(args.resume)
+    from transformers.trainer_utils import get_last_checkpoint
+
+    last = get_last_checkpoint(args.output_dir) if Path(args.output_dir).is_dir() else None
+    if last is None:
+        log.warning("--resume: no checkpoint in %s yet; starting fresh", args.output_dir)
+    return last
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``sde2-train``."""
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    args = build_parser().parse_args(argv)
+    trainer, _ = build_trainer(args)
+    trainer.train(resume_from_checkpoint=resume_target(args))
+    out = Path(args.output_dir)
+    trainer.save_model(str(out / "final"))
+    (out / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
+    log.info("saved the LoRA adapter to %s", out / "final")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
