@@ -369,12 +369,16 @@ def _install_openapi(app: FastAPI, service: ScoringService) -> None:
         ):
             if field in item:
                 _set_max_length(item[field], limit)
-        for op in doc["paths"].get("/v1/score", {}).values():
+        for path in ("/v1/score", "/score"):
+            for op in doc["paths"].get(path, {}).values():
+                props = op["requestBody"]["content"]["application/json"]["schema"]["properties"]
+                props["items"].update(minItems=1, maxItems=s.max_items)
+        for op in doc["paths"].get("/get_reward", {}).values():
             props = op["requestBody"]["content"]["application/json"]["schema"]["properties"]
-            props["items"]["maxItems"] = s.max_items
-        for op in doc["paths"].get("/score", {}).values():
-            props = op["requestBody"]["content"]["application/json"]["schema"]["properties"]
-            props["items"]["maxItems"] = s.max_items
+            for name in ("query", "prompts", "labels"):
+                props[name]["maxItems"] = s.max_items
+            props["query"]["items"]["maxLength"] = s.max_completion_chars
+            props["labels"]["items"]["maxLength"] = s.max_answer_chars
         if s.api_key is not None:
             components_root = doc["components"]
             components_root["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}

@@ -1,0 +1,268 @@
+"""Hostile inputs never get a 5xx, and the server keeps answering valid requests afterwards.
+
+Hypothesis builds completions from the pieces that break parsers (deep, unbalanced and
+look-alike tags, control characters, fences, huge runs) and bodies of the wrong shape; fixed
+cases cover 1 MB strings, lone surrogates, deep JSON nesting and oversized batches.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.doubles import HashEncoder
+from tests.service_fixtures import http_client, make_service, reference_response
+
+MAX_ITEMS = 64
+PIECES = [
+    "<strategy>",
+    '<strategy id="1">',
+    "<Strategy id=x>",
+    "</strategy>",
+    "</ strategy>",
+    "</strategy >",
+    "<reasoning>",
+    "</reasoning>",
+    "<strategy_outcome>",
+    "</strategy_outcome>",
+    "<final_answer>",
+    "</final_answer>",
+    "<answer>",
+    "</answer>",
+    "<ｓtrategy>",
+    "<",
+    ">",
+    "</",
+    "```python",
+    "~~~",
+    "**",
+    "__",
+    "####",
+    "\\boxed{",
+    "\\frac{1}{0}",
+    "}",
+    "{",
+    "18",
+    "-0.000",
+    "9" * 1200,
+    "1/0",
+    "(B)",
+    "answer is c",
+    "\x00",
+    "\x1b[31m",
+    "\u200b",
+    "\ufeff",
+    "\u2028",
+    "ǅ",
+    "ﬁ",
+    "𝟙𝟠",
+    "\U0001f600",
+    " ",
+    "\n",
+    "\t",
+]
+hostile_text = st.lists(st.one_of(st.sampled_from(PIECES), st.text(max_size=20)), max_size=60).map(
+    "".join
+)
+json_scalar = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=10),
+)
+json_value = st.recursive(
+    json_scalar,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=20,
+)
+answer_type = st.sampled_from(["numeric", "choice", "exact"])
+
+
+@pytest.fixture(scope="module")
+def client() -> Any:
+    with http_client(make_service(max_items=MAX_ITEMS, max_completion_chars=2_000_000)) as c:
+        yield c
+
+
+def assert_still_serving(client: Any) -> None:
+    body = {"items": [{"completion": "<final_answer>4</final_answer>", "answer": "4"}]}
+    r = client.post("/v1/score", json=body)
+    assert r.status_code == 200 and r.json()["items"][0]["correct"] is True
+
+
+@settings(
+    max_examples=120,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(
+    completions=st.lists(hostile_text, min_size=1, max_size=6),
+    answer=hostile_text,
+    kind=answer_type,
+    diagnostics=st.booleans(),
+    max_strategies=st.integers(1, 256),
+)
+def test_hostile_completions_score_like_the_core(
+    client: Any,
+    completions: list[str],
+    answer: str,
+    kind: str,
+    diagnostics: bool,
+    max_strategies: int,
+) -> None:
+    body = {
+        "items": [{"completion": c, "answer": answer} for c in completions],
+        "answer_type": kind,
+        "diagnostics": diagnostics,
+        "params": {"max_strategies": max_strategies},
+    }
+    r = client.post("/v1/score", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json() == reference_response(body, HashEncoder())
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    body=st.one_of(
+        json_value,
+        st.fixed_dictionaries({"items": json_value}),
+        st.fixed_dictionaries(
+            {"items": st.lists(st.dictionaries(st.text(max_size=12), json_value, max_size=5))}
+        ),
+        st.fixed_dictionaries(
+            {
+                "items": st.just([{"completion": "a", "answer": "1"}]),
+                "params": st.dictionaries(
+                    st.sampled_from(["lambda_oc", "eps", "similarity_threshold", "weights"]),
+                    json_value,
+                ),
+                "recipe": json_value,
+                "normalize": json_value,
+            }
+        ),
+    )
+)
+def test_wrong_shapes_and_types_are_4xx_never_5xx(client: Any, body: Any) -> None:
+    r = client.post("/v1/score", json=body)
+    assert r.status_code in (200, 422), r.text
+    if r.status_code == 422:
+        assert all("field" in d for d in r.json()["detail"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(raw=st.binary(max_size=200))
+def test_arbitrary_bytes_are_4xx(client: Any, raw: bytes) -> None:
+    r = client.post("/v1/score", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code in (200, 422)
+
+
+@settings(max_examples=40, deadline=None)
+@given(query=st.lists(hostile_text, max_size=4), prompt=hostile_text)
+def test_hostile_openrlhf_requests(client: Any, query: list[str], prompt: str) -> None:
+    body = {"query": [prompt + q for q in query], "prompts": [prompt] * len(query)}
+    body["labels"] = ["1"] * len(query)
+    r = client.post("/get_reward", json=body)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["rewards"]) == len(query)
+
+
+@pytest.mark.parametrize(
+    "completion",
+    [
+        "<strategy>" * 120_000,  # 1.2 MB of unclosed openings
+        "</strategy>" * 95_000,
+        "<strategy><reasoning>" * 50_000 + "</reasoning></strategy_outcome>" * 10_000,
+        "<" * 1_000_000,
+        "\x00\x01\x7f" * 350_000,
+        "x" * 1_000_000 + "<final_answer>1</final_answer>",
+        "1" * 1_000_000,  # one huge number for the numeric matcher
+    ],
+    ids=["open", "close", "nested", "angles", "control", "long-word", "huge-number"],
+)
+def test_megabyte_completions_are_linear_and_answered(client: Any, completion: str) -> None:
+    t0 = time.monotonic()
+    r = client.post("/v1/score", json={"items": [{"completion": completion, "answer": "1"}]})
+    assert r.status_code == 200, r.text[:300]
+    assert time.monotonic() - t0 < 20
+    assert_still_serving(client)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"items": [{"completion": "\\ud800", "answer": "1"}]}',
+        b'{"items": [{"completion": "ok", "answer": "\\udfff\\ud800"}]}',
+        b'{"items": [{"completion": "\xed\xa0\x80", "answer": "1"}]}',  # surrogate as UTF-8
+        b'{"items": [{"completion": "\xff", "answer": "1"}]}',
+        b"[" * 100_000 + b"]" * 100_000,
+        b'{"items": ' + b"[" * 50_000 + b"]" * 50_000 + b"}",
+        b'{"items": [{"completion": "a", "answer": "1"}], "items": []}',
+        b'{"items": [{"completion": "a", "answer": "1", "num_tokens": 1e400}]}',
+    ],
+    ids=[
+        "lone-high",
+        "reversed-pair",
+        "utf8-surrogate",
+        "bad-utf8",
+        "deep-array",
+        "deep-items",
+        "dup-key",
+        "huge-float",
+    ],
+)
+def test_malformed_unicode_and_deep_json_are_422(client: Any, raw: bytes) -> None:
+    r = client.post("/v1/score", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 422, r.text[:300]
+    assert_still_serving(client)
+
+
+def test_huge_integer_token_count_is_a_valid_length(client: Any) -> None:
+    raw = b'{"items": [{"completion": "a", "answer": "1", "num_tokens": 99999999999999999999999}],'
+    r = client.post("/v1/score", content=raw + b'"recipe": "cfl", "normalize": false}')
+    assert r.status_code == 200
+    assert r.json()["components"]["len"] == [-1.0]  # capped at -1, no overflow
+
+
+def test_empty_and_oversized_batches(client: Any) -> None:
+    assert client.post("/v1/score", json={"items": []}).status_code == 422
+    item = {"completion": "a", "answer": "1"}
+    over = client.post("/v1/score", json={"items": [item] * (MAX_ITEMS + 1)})
+    assert over.status_code == 422 and over.json()["detail"][0]["field"] == "items"
+    huge = client.post("/v1/score", json={"items": [1] * 100_000})  # wrong type, many times
+    assert huge.status_code == 422
+    assert len(huge.json()["detail"]) <= 20  # the error list is bounded too
+    assert client.post("/v1/score", json={"items": [item] * MAX_ITEMS}).status_code == 200
+    assert_still_serving(client)
+
+
+def test_many_strategies_per_item(client: Any) -> None:
+    blocks = "".join(
+        f"<strategy><reasoning>step {i} {'w ' * (i % 50)}</reasoning>"
+        f"<strategy_outcome>{i}</strategy_outcome></strategy>"
+        for i in range(2000)
+    )
+    body = {"items": [{"completion": blocks, "answer": "-1"}], "params": {"max_strategies": 256}}
+    r = client.post("/v1/score", json=body)
+    assert r.status_code == 200
+    assert r.json()["items"][0]["n_strat"] == 256
+    assert r.json() == reference_response(body, HashEncoder())
+
+
+def test_non_json_content_types_and_methods(client: Any) -> None:
+    r = client.post("/v1/score", content=b"items=1", headers={"content-type": "text/plain"})
+    assert r.status_code == 422
+    assert client.get("/v1/score").status_code == 405
+    assert client.put("/v1/score", json={}).status_code == 405
+    assert client.post("/healthz").status_code == 405
+    assert client.get("/nope").status_code == 404
+    body = json.dumps({"items": [{"completion": "a", "answer": "1"}]})
+    assert client.post("/v1/score", content=body.encode("utf-16")).status_code == 422
+    assert_still_serving(client)
