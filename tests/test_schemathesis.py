@@ -39,7 +39,7 @@ def valid_data_is_accepted(ctx: Any, response: Any, case: Any) -> None:
     assert response.status_code == 422, f"schema-valid request got {response.status_code}"
     for issue in response.json()["detail"]:
         if issue["type"] == "int_type" and _is_integral_float(case.body, issue["loc"]):
-            continue  # strict on purpose: `401.0` is not sent for an integer (JSON Schema allows it)
+            continue  # strict on purpose: 401.0 is no integer here (JSON Schema would allow it)
         assert issue["type"] in CROSS_FIELD_RULES, f"schema-valid request rejected: {response.text}"
 
 
