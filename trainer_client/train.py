@@ -23,7 +23,7 @@ from typing import Any
 
 from reward_server.core.params import RECIPE_COMPONENTS, RewardParams
 from trainer_client.datasets import DATASETS, DEFAULT_SOURCES, load_examples
-from trainer_client.retry import RetryPolicy
+from trainer_client.retry import RetryPolicy, RewardServiceError
 
 log = logging.getLogger("sde2.train")
 
@@ -273,7 +273,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = build_parser().parse_args(argv)
     trainer, _ = build_trainer(args)
-    trainer.train(resume_from_checkpoint=resume_target(args))
+    try:
+        trainer.train(resume_from_checkpoint=resume_target(args))
+    except RewardServiceError as exc:
+        # No step is ever taken on invented rewards: stop, say why, say how to continue.
+        from transformers.trainer_utils import get_last_checkpoint
+
+        last = get_last_checkpoint(args.output_dir) if Path(args.output_dir).is_dir() else None
+        log.error("training stopped at step %d: %s", trainer.state.global_step, exc)
+        log.error(
+            "last checkpoint: %s; fix the reward service and rerun with --resume",
+            last or "none",
+        )
+        return 2
     out = Path(args.output_dir)
     trainer.save_model(str(out / "final"))
     (out / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))

@@ -1,0 +1,114 @@
+"""Fast checks of the trainer side's pure parts: datasets, prompt, metrics, CLI helpers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from reward_server.core.parsing import parse_completion
+from reward_server.core.text import preprocess
+from tests.client_fixtures import FIXTURES, GSM8K_DIR
+from trainer_client.datasets import load_examples, medmcqa_letter
+from trainer_client.evaluate import read_run
+from trainer_client.metrics import markdown_table, summarize, wilson_interval
+from trainer_client.modeling import ModelRef
+from trainer_client.prompts import SCHEMA, build_messages, system_prompt
+from trainer_client.results import ItemDiagnostics
+from trainer_client.train import build_parser, parse_assignments, resume_target, reward_params
+
+
+def test_gsm8k_gold_is_the_number_after_hashes() -> None:
+    ex = load_examples("gsm8k", GSM8K_DIR, "test", limit=3)
+    assert len(ex) == 3 and all(e.answer_type == "numeric" for e in ex)
+    raw = json.loads((GSM8K_DIR / "test.jsonl").read_text().splitlines()[0])
+    assert ex[0].answer == raw["answer"].rsplit("####", 1)[1].strip().replace(",", "")
+    assert ex[0].question == raw["question"]
+
+
+def test_medmcqa_fixture_gives_letters_and_options() -> None:
+    ex = load_examples("medmcqa", FIXTURES / "medmcqa_sample.jsonl")
+    assert [e.answer for e in ex] == ["B", "C", "A", "B", "D"]
+    assert all(e.answer_type == "choice" for e in ex)
+    assert "\nA. Vitamin A\nB. Vitamin C\nC. Vitamin D\nD. Vitamin K" in ex[0].question
+    assert medmcqa_letter(4, cop_base=1) == "D" and medmcqa_letter("b") == "B"
+    with pytest.raises(ValueError, match="cop"):
+        medmcqa_letter(4)
+    assert "letter" in ex[0].record()["prompt"][0]["content"]
+
+
+def test_aime_fixture_integer_answers(tmp_path: Path) -> None:
+    ex = load_examples("aime", FIXTURES / "aime_sample.jsonl")
+    assert [e.answer for e in ex] == ["60", "15", "20", "93"]
+    assert ex[0].id == "1983-I-1" and "log" in ex[0].question
+    bad = tmp_path / "aime.jsonl"
+    bad.write_text(json.dumps({"Problem": "x", "Answer": "1/2"}) + "\n")
+    with pytest.raises(ValueError, match="0-999"):
+        load_examples("aime", bad)
+
+
+def test_missing_local_source_is_not_sent_to_the_hub() -> None:
+    with pytest.raises(FileNotFoundError):
+        load_examples("gsm8k", "./no/such/file.jsonl")
+
+
+def test_prompt_schema_is_what_the_parser_reads() -> None:
+    filled = SCHEMA.replace("...\n", "").replace(" ... ", " x ")
+    parsed = parse_completion(preprocess(filled), 32)
+    assert parsed.n_strat == 1  # the two example blocks are identical: one duplicate dropped
+    assert parsed.final_answer == "x"
+    messages = build_messages("What is 2+2?")
+    assert [m["role"] for m in messages] == ["system", "user"]
+    assert "<final_answer>" in system_prompt() and "different" in system_prompt()
+
+
+def test_wilson_interval_and_table() -> None:
+    low, high = wilson_interval(1082, 1319)  # the paper's SD-E² row
+    assert (round(100 * low, 1), round(100 * high, 1)) == (79.9, 84.0)
+    assert wilson_interval(0, 5)[0] == 0.0 and wilson_interval(5, 5)[1] == 1.0
+    items = [
+        ItemDiagnostics(3, "18", True, True, 2, 0.4),
+        ItemDiagnostics(0, None, False, False),
+        ItemDiagnostics(1, "7", False, True, 1, 1.0),
+    ]
+    m = summarize("sde2", items, ["a b c", "d", ""], [10, 20, 30])
+    assert (m.acc, m.s_acc, m.n_str, m.tokens, m.words, m.uniq) == pytest.approx(
+        (100 / 3, 200 / 3, 4 / 3, 20.0, 4 / 3, 1.0)
+    )
+    table = markdown_table([m])
+    assert "| sde2 | 3 | 33.33 |" in table and "| 1.33 | 20.00 | 1.33 | 1.00 |" in table
+    with pytest.raises(ValueError, match="diagnostics"):
+        summarize("x", [ItemDiagnostics(2, None, False, False)], ["a"], None)
+
+
+def test_train_flags_and_reward_params(tmp_path: Path) -> None:
+    assert parse_assignments(["sd=0", "x=abc"], "--weight") == {"sd": 0, "x": "abc"}
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_assignments(["sd"], "--weight")
+    argv = ["--model", "m", "--reward-url", "http://h:1", "--weight", "sd=0", "--weight", "re=0.5"]
+    args = build_parser().parse_args([*argv, "--param", "similarity_threshold=0.75"])
+    assert reward_params(args) == {"similarity_threshold": 0.75, "weights": {"sd": 0, "re": 0.5}}
+    assert (args.lr, args.num_generations, args.lora_r, args.lora_alpha) == (5e-6, 6, 64, 32)
+    assert (args.max_grad_norm, args.warmup_ratio, args.max_length) == (0.1, 0.1, 2048)
+    bad = build_parser().parse_args([*argv, "--param", "similarity_threshold=2"])
+    with pytest.raises(ValueError, match="similarity_threshold"):
+        reward_params(bad)
+    fresh = build_parser().parse_args([*argv, "--output-dir", str(tmp_path), "--resume"])
+    assert resume_target(fresh) is None  # nothing to resume yet: start fresh
+    (tmp_path / "checkpoint-3").mkdir()
+    (tmp_path / "checkpoint-12").mkdir()
+    assert resume_target(fresh) == str(tmp_path / "checkpoint-12")
+
+
+def test_model_ref_and_read_run(tmp_path: Path) -> None:
+    gguf = tmp_path / "m.Q4.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert ModelRef.parse(str(gguf)) == ModelRef(str(tmp_path), "m.Q4.gguf")
+    assert ModelRef.parse("org/model").kwargs() == {}
+    runfile = tmp_path / "r.jsonl"
+    rows = [{"completion": "a", "answer": "1", "num_tokens": 3}, {"completion": "b", "answer": "2"}]
+    runfile.write_text("\n".join(json.dumps(r) for r in rows))
+    run = read_run(f"base={runfile}")
+    assert run.method == "base" and run.num_tokens is None and run.answers == ["1", "2"]
