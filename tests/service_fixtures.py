@@ -130,6 +130,31 @@ def _close(a: Any, b: Any, atol: float) -> bool:
     return bool(a == b)
 
 
+def unique_items(seed: int, items: int = 2, strategies: int = 6) -> list[dict[str, Any]]:
+    """Items whose wrong strategies carry fresh reasoning texts (no cache hits), 30-120 words
+    from GSM8K solutions, so each request really costs encoder time."""
+    import random
+
+    from benchmarks.workload import load_gsm8k
+
+    rng = random.Random(seed)
+    words = " ".join(r["solution"] for r in load_gsm8k(limit=300)).split()
+    out = []
+    for i in range(items):
+        blocks = []
+        for j in range(strategies):
+            n = rng.randint(30, 120)
+            start = rng.randrange(len(words) - n)
+            text = f"{seed}.{i}.{j} " + " ".join(words[start : start + n])
+            blocks.append(
+                f"<strategy><reasoning>{text}</reasoning>"
+                f"<strategy_outcome>{rng.randint(100, 999)}</strategy_outcome></strategy>"
+            )
+        completion = "".join(blocks) + "<final_answer>7</final_answer>"
+        out.append({"completion": completion, "answer": "7"})
+    return out
+
+
 def real_model_dir() -> Path:
     """The exported fp32 ONNX model the real-server tests run: ``SDE2_TEST_MODEL`` when set,
     else the embedded default through the model store (exported once, then cached)."""
@@ -151,8 +176,15 @@ def free_port() -> int:
 class ServerProcess:
     """``python -m reward_server.cli serve`` on free ports; waits for ``/readyz``."""
 
-    def __init__(self, model_dir: Path, *extra: str, grpc: bool = True, env: dict | None = None):
-        self.port = free_port()
+    def __init__(
+        self,
+        model_dir: Path,
+        *extra: str,
+        grpc: bool = True,
+        env: dict | None = None,
+        port: int | None = None,
+    ) -> None:
+        self.port = port or free_port()
         self.grpc_port = free_port() if grpc else None
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = [

@@ -35,6 +35,10 @@ class Settings:
             "(default: the embedded all-MiniLM-L6-v2, exported once into a cache)"
         },
     )
+    variant: str = field(
+        default="fp32",
+        metadata={"help": "export variant when the model must be exported (fp32, fp16, int8)"},
+    )
     provider: Provider = field(default="cpu", metadata={"help": "onnxruntime provider"})
     workers: int = field(
         default=1,
@@ -95,6 +99,8 @@ class Settings:
             raise ValueError("request_timeout must be > 0 and drain_timeout >= 0")
         if self.cache_size < 0:
             raise ValueError("cache_size must be >= 0")
+        if self.variant not in ("fp32", "fp16", "int8"):
+            raise ValueError("variant must be fp32, fp16 or int8")
         if self.provider not in ("cpu", "cuda"):
             raise ValueError("provider must be 'cpu' or 'cuda'")
 
@@ -140,6 +146,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         }
         if f.name == "provider":
             kwargs["choices"] = ["cpu", "cuda"]
+        if f.name == "variant":
+            kwargs["choices"] = ["fp32", "fp16", "int8"]
         parser.add_argument(flag, **kwargs)
 
 

@@ -99,6 +99,22 @@ def _all_finite(score: BatchScore) -> bool:
     return all(math.isfinite(v) for a in arrays for v in a)
 
 
+def _warm_up(encoder: Encoder) -> None:
+    """One real inference before reporting ready. The backend's own ``warmup`` (several batch
+    shapes) is found under wrappers such as the cache, whose lookups would otherwise answer a
+    repeated warm-up text without running the model."""
+    inner: Any = encoder
+    for _ in range(4):
+        warmup = getattr(inner, "warmup", None)
+        if callable(warmup):
+            warmup()
+            return
+        if not hasattr(inner, "inner"):
+            break
+        inner = inner.inner
+    inner.encode(["warm up"])
+
+
 def _constant(encoder: Encoder | None) -> Callable[[], Encoder]:
     assert encoder is not None
 
@@ -148,11 +164,7 @@ class ScoringService:
         try:
             t0 = time.monotonic()
             encoder = self._loader()
-            warmup = getattr(encoder, "warmup", None)
-            if callable(warmup):
-                warmup()
-            else:
-                encoder.encode(["warm up"])
+            _warm_up(encoder)
             self.metrics.attach_encoder(encoder)
             self.encoder = encoder
             self.batcher = Batcher(

@@ -48,31 +48,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_settings_arguments(parser)
 
 
-def resolve_model_dir(model: str | None) -> Path:
-    """The exported ONNX folder to serve: ``--model`` resolved, or the embedded default."""
-    if model is not None and (Path(model) / "model.onnx").is_file():
-        return Path(model)  # already an export: no need for the model store
-    from reward_server.encoders import model_store
+def resolve_model_dir(settings: Settings) -> Path:
+    """The exported ONNX folder to serve: ``--model`` resolved, or the embedded default
+    (exported once, in a subprocess, into the model store's cache)."""
+    from reward_server.encoders.model_store import resolve_model
 
-    return Path(model_store.resolve_model(model))
+    return Path(resolve_model(settings.model, settings.variant))
 
 
 def build_encoder(settings: Settings) -> Encoder:
     """The ONNX encoder for ``settings``, behind the LRU embedding cache when enabled."""
-    from reward_server.encoders.onnx_runtime import OnnxEncoder
+    from reward_server.encoders.loading import load_encoder
 
-    model_dir = resolve_model_dir(settings.model)
-    encoder: Encoder = OnnxEncoder(
-        model_dir,
+    return load_encoder(
+        "onnx",
+        str(resolve_model_dir(settings)),
         provider=settings.provider,
         intra_op_threads=settings.intra_op_threads,
         max_batch_tokens=settings.encoder_batch_tokens,
+        cache_size=settings.cache_size,
     )
-    if settings.cache_size > 0:
-        from reward_server.encoders.cache import CachedEncoder
-
-        encoder = CachedEncoder(encoder, settings.cache_size)
-    return encoder
 
 
 def reuse_port_socket(host: str, port: int) -> socket.socket:
@@ -181,7 +176,7 @@ def _run_workers(settings: Settings) -> int:
     from reward_server.encoders.onnx_runtime import available_cpus
 
     # Resolve (and, for the default model, export) once here, not concurrently in each worker.
-    model_dir = str(resolve_model_dir(settings.model))
+    model_dir = str(resolve_model_dir(settings))
     threads = settings.intra_op_threads or max(1, available_cpus() // settings.workers)
     child = dataclasses.replace(settings, model=model_dir, intra_op_threads=threads)
     ctx = multiprocessing.get_context("spawn")

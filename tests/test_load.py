@@ -1,0 +1,148 @@
+"""The real server process under load: correct answers, fast 429s, SIGTERM drain, restart.
+
+Every test starts ``sde2-reward serve`` as a subprocess with the real fp32 ONNX model, talks to
+it over 127.0.0.1 only, and bounds the number of requests and every wait.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+
+from reward_server.service.grpc_server import RewardStub, request_from_dict, response_to_dict
+from tests.service_fixtures import (  # noqa: F401  (fixtures)
+    REAL_MODEL_ATOL,
+    ServerProcess,
+    assert_same_response,
+    onnx_encoder_fixture,
+    onnx_model_dir_fixture,
+    reference_response,
+    step_items,
+    unique_items,
+)
+
+pytestmark = pytest.mark.slow
+#: One shared client: creating an httpx client per call builds an SSL context each time, which
+#: costs ~0.1 s of GIL-bound CPU and, with 16 threads, swamps the latencies being measured.
+CLIENT = httpx.Client(timeout=120.0, limits=httpx.Limits(max_connections=64))
+
+
+def post(url: str, body: dict[str, Any]) -> httpx.Response:
+    return CLIENT.post(url + "/v1/score", json=body)
+
+
+def grpc_score(server: ServerProcess, body: dict[str, Any]) -> dict[str, Any]:
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        return response_to_dict(RewardStub(channel).Score(request_from_dict(body), timeout=120))
+
+
+def test_concurrent_clients_get_the_in_process_answers(
+    onnx_model_dir: Path, onnx_encoder: Any
+) -> None:
+    bodies = [
+        {"items": step_items(seed=100 + i, prompts=1, generations=2), "diagnostics": i % 2 == 0}
+        for i in range(12)
+    ]
+    with ServerProcess(onnx_model_dir) as server, ThreadPoolExecutor(6) as pool:
+        responses = list(pool.map(lambda b: post(server.url, b), bodies))
+        assert [r.status_code for r in responses] == [200] * len(bodies)
+        for body, r in zip(bodies, responses, strict=True):
+            want = reference_response(body, onnx_encoder)
+            assert_same_response(r.json(), want, atol=REAL_MODEL_ATOL)
+        metrics = CLIENT.get(server.url + "/metrics").text
+        # Concurrent requests were coalesced: fewer encoder calls than requests needing one.
+        batches = _metric(metrics, "sde2_batch_requests_count")
+        assert 0 < batches < len(bodies)
+        # HTTP and gRPC give the same numbers for the same batch (cache hit: same bits).
+        via_http = post(server.url, bodies[0]).json()
+        assert grpc_score(server, bodies[0]) == via_http
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def test_overload_burst_gets_fast_429s_and_the_server_recovers(onnx_model_dir: Path) -> None:
+    extra = ("--queue-capacity", "2", "--cache-size", "0")
+    with ServerProcess(onnx_model_dir, *extra, grpc=False) as server:
+        bodies = [{"items": unique_items(seed=i, items=2, strategies=8)} for i in range(16)]
+
+        def timed(i: int) -> tuple[int, float, str | None]:
+            t0 = time.monotonic()
+            r = post(server.url, bodies[i])
+            return r.status_code, time.monotonic() - t0, r.headers.get("retry-after")
+
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(16) as pool:
+            results = list(pool.map(timed, range(16)))
+        wall = time.monotonic() - t0
+        codes = [code for code, _, _ in results]
+        assert set(codes) <= {200, 429}
+        assert codes.count(429) >= 8  # capacity 2: most of a 16-wide burst is refused
+        assert codes.count(200) >= 2
+        refusals = [(seconds, retry) for code, seconds, retry in results if code == 429]
+        assert max(seconds for seconds, _ in refusals) < 1.5  # refused at once, not queued
+        assert all(retry is not None and int(retry) >= 1 for _, retry in refusals)
+        assert wall < 120  # nothing hangs
+        after = post(server.url, {"items": unique_items(seed=99, items=1, strategies=3)})
+        assert after.status_code == 200
+        metrics = CLIENT.get(server.url + "/metrics").text
+        overloaded = _metric(metrics, 'sde2_failures_total{reason="overloaded"}')
+        assert overloaded == codes.count(429)
+        assert _metric(metrics, "sde2_admitted_requests") == 0
+
+
+def test_sigterm_drains_in_flight_requests_then_a_restart_serves(
+    onnx_model_dir: Path, onnx_encoder: Any
+) -> None:
+    bodies = [{"items": unique_items(seed=200 + i, items=2, strategies=8)} for i in range(4)]
+    server = ServerProcess(onnx_model_dir, "--cache-size", "0").start()
+    try:
+        with ThreadPoolExecutor(5) as pool:
+            http_calls = [pool.submit(post, server.url, b) for b in bodies]
+            grpc_call = pool.submit(grpc_score, server, {"items": unique_items(seed=250)})
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:  # wait until the requests are inside
+                text = CLIENT.get(server.url + "/metrics").text
+                if _metric(text, "sde2_admitted_requests") >= 3:
+                    break
+                time.sleep(0.05)
+            t0 = time.monotonic()
+            server.terminate()
+            responses = [f.result(timeout=120) for f in http_calls]
+            via_grpc = grpc_call.result(timeout=120)
+        assert server.wait(60) == 0
+        assert time.monotonic() - t0 < 60
+        assert [r.status_code for r in responses] == [200] * len(bodies)
+        for body, r in zip(bodies, responses, strict=True):
+            assert_same_response(
+                r.json(), reference_response(body, onnx_encoder), atol=REAL_MODEL_ATOL
+            )
+        assert len(via_grpc["rewards"]) == 2
+        assert "draining" in server.log()
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(server.url + "/healthz", timeout=5)
+    finally:
+        server.stop()
+    with ServerProcess(onnx_model_dir, grpc=False, port=server.port) as again:
+        assert post(again.url, bodies[0]).status_code == 200
+
+
+def test_two_worker_processes_share_the_ports(onnx_model_dir: Path) -> None:
+    with ServerProcess(onnx_model_dir, "--workers", "2") as server:
+        bodies = [{"items": unique_items(seed=300 + i, items=1, strategies=3)} for i in range(6)]
+        with ThreadPoolExecutor(6) as pool:
+            codes = [r.status_code for r in pool.map(lambda b: post(server.url, b), bodies)]
+        assert codes == [200] * 6
+        assert len(grpc_score(server, bodies[0])["rewards"]) == 1
+        server.terminate()
+        assert server.wait(60) == 0
