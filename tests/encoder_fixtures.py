@@ -45,7 +45,7 @@ def fp32_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
         from reward_server.encoders.onnx_export import export_model
 
         out = tmp_path_factory.mktemp("export") / "fp32"
-        return export_model(None, out, "fp32", n_texts=120)
+        return export_model(None, out, "fp32", n_texts=60)
 
     return _once("fp32_export", make)
 

@@ -93,7 +93,7 @@ def test_protocol_name_empty_and_stats(encoder: OnnxEncoder) -> None:
     assert stats.tokens == 5 + 2 + 8  # [CLS] ... [SEP] each
     assert stats.batches == 3 and stats.padded_tokens == 5 + 2 + 8  # lengths too different
     assert encoder.totals.texts == before[0] + 3
-    assert encoder.totals.batches == before[1] + 1
+    assert encoder.totals.batches == before[1] + 3
     encoder.warmup()
 
 

@@ -20,7 +20,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -99,13 +99,18 @@ def export_in_subprocess(
     out_dir: Path,
     variant: str,
     *,
+    export_args: Sequence[str] = (),
     timeout_s: float = DEFAULT_LOCK_TIMEOUT_S,
 ) -> Path:
-    """Run the exporter in a child Python so torch never loads into this process."""
+    """Run the exporter in a child Python so torch never loads into this process.
+
+    ``export_args`` are extra ``sde2-reward export`` options (e.g. ``--fidelity-texts 100``).
+    """
     cmd = [sys.executable, "-m", "reward_server.encoders.onnx_export", "--out", str(out_dir)]
     cmd += ["--variant", variant, "--overwrite"]
     if source is not None:
         cmd += ["--source", source]
+    cmd += list(export_args)
     env = dict(os.environ)
     # The package may be used from a source checkout rather than installed: make it importable.
     pkg_root = str(Path(__file__).resolve().parents[2])
@@ -122,7 +127,13 @@ def export_in_subprocess(
     return out_dir
 
 
-def _ensure(source: str | None, entry: str, variant: str, root: Path | None) -> Path:
+def _ensure(
+    source: str | None,
+    entry: str,
+    variant: str,
+    root: Path | None,
+    export_args: Sequence[str] = (),
+) -> Path:
     root = root or cache_dir()
     target = root / "models" / f"{entry}-{variant}"
     if is_export(target):
@@ -130,12 +141,17 @@ def _ensure(source: str | None, entry: str, variant: str, root: Path | None) -> 
     with file_lock(root / "locks" / f"{entry}-{variant}.lock"):
         if is_export(target):  # another process finished it while we waited
             return target
-        return export_in_subprocess(source, target, variant)
+        return export_in_subprocess(source, target, variant, export_args=export_args)
 
 
-def ensure_default_model(variant: str = "fp32", *, root: Path | None = None) -> Path:
-    """The default model's export in the cache, exporting it once (in a subprocess) if missing."""
-    return _ensure(None, DEFAULT_MODEL_NAME, variant, root)
+def ensure_default_model(
+    variant: str = "fp32", *, root: Path | None = None, export_args: Sequence[str] = ()
+) -> Path:
+    """The default model's export in the cache, exporting it once (in a subprocess) if missing.
+
+    ``root`` overrides :func:`cache_dir`; ``export_args`` are passed to the exporter.
+    """
+    return _ensure(None, DEFAULT_MODEL_NAME, variant, root, export_args)
 
 
 def resolve_model(model: str | None, variant: str = "fp32", *, root: Path | None = None) -> Path:
@@ -148,7 +164,7 @@ def resolve_model(model: str | None, variant: str = "fp32", *, root: Path | None
     * anything else is taken as a Hugging Face hub id and exported into the cache by name.
     """
     if model is None:
-        return ensure_default_model(variant, root=root)
+        return ensure_default_model(variant, root=root, export_args=export_args)
     path = Path(model).expanduser()
     if path.is_dir():
         if is_export(path):
@@ -159,7 +175,7 @@ def resolve_model(model: str | None, variant: str = "fp32", *, root: Path | None
                 "(no config.json)"
             )
         entry = f"{_safe_name(path.resolve().name)}-{folder_fingerprint(path)}"
-        return _ensure(str(path.resolve()), entry, variant, root)
+        return _ensure(str(path.resolve()), entry, variant, root, export_args)
     if path.exists() or model.startswith((".", "/", "~")):
         raise FileNotFoundError(f"model {model!r} is not a folder")
-    return _ensure(model, _safe_name(model), variant, root)
+    return _ensure(model, _safe_name(model), variant, root, export_args)
