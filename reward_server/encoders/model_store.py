@@ -154,7 +154,13 @@ def ensure_default_model(
     return _ensure(None, DEFAULT_MODEL_NAME, variant, root, export_args)
 
 
-def resolve_model(model: str | None, variant: str = "fp32", *, root: Path | None = None) -> Path:
+def resolve_model(
+    model: str | None,
+    variant: str = "fp32",
+    *,
+    root: Path | None = None,
+    export_args: Sequence[str] = (),
+) -> Path:
     """Turn what a user named into an ONNX export folder.
 
     * ``None`` -> the default model (exported once into the cache);
@@ -162,6 +168,8 @@ def resolve_model(model: str | None, variant: str = "fp32", *, root: Path | None
     * any other folder (Hugging Face / sentence-transformers layout) -> exported into the cache,
       keyed by folder name and content fingerprint;
     * anything else is taken as a Hugging Face hub id and exported into the cache by name.
+
+    ``root`` overrides :func:`cache_dir`; ``export_args`` are passed to the exporter.
     """
     if model is None:
         return ensure_default_model(variant, root=root, export_args=export_args)
