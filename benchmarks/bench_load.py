@@ -41,6 +41,7 @@ class LevelResult:
     seconds: float
     latencies: list[float] = field(default_factory=list)
     non_2xx: int = 0
+    statuses: dict[int, int] = field(default_factory=dict)
     mismatches: int = 0
     completions: int = 0
 
@@ -121,6 +122,7 @@ def run_level(
             with lock:
                 if not ok:
                     result.non_2xx += 1
+                    result.statuses[r.status_code] = result.statuses.get(r.status_code, 0) + 1
                     continue
                 result.latencies.append(elapsed)
                 result.completions += len(bodies[i]["items"])
@@ -166,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pool", type=int, default=48, help="distinct request bodies (cycled)")
     parser.add_argument("--url", default=None, help="use this running server instead")
     parser.add_argument("--model", default=None, help="model for the server and the checker")
+    parser.add_argument(
+        "--server-args", default="", help="extra flags for the server it starts, e.g. '--workers 2'"
+    )
     args = parser.parse_args(argv)
     levels = [int(x) for x in args.levels.split(",")]
 
@@ -180,7 +185,12 @@ def main(argv: list[str] | None = None) -> int:
         from tests.service_fixtures import ServerProcess
 
         model_dir = Path(args.model) if args.model else _default_model()
+        # Closed-loop clients queue by design (latency ~ concurrency x service time); on a
+        # small shared CPU 32 of them can outlast the default 120 s deadline, which would
+        # measure the deadline rather than the server.
         extra = ("--cache-size", "0", "--queue-capacity", str(max(levels) * 2))
+        extra += ("--request-timeout", "900")
+        extra += tuple(args.server_args.split())
         server = ServerProcess(model_dir, *extra, grpc=False).start()
         url = server.url
     results = []
@@ -191,7 +201,9 @@ def main(argv: list[str] | None = None) -> int:
             for level in levels:
                 res = run_level(client, url, bodies, expected, level, args.duration)
                 results.append(res)
-                print(res.row(), flush=True)
+                print(
+                    res.row() + (f"  statuses {res.statuses}" if res.statuses else ""), flush=True
+                )
             print(batch_stats(client, url))
     finally:
         if server is not None:

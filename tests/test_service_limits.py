@@ -299,3 +299,22 @@ def test_capacity_threads_do_not_leak() -> None:
         service.close()
     time.sleep(0.2)
     assert threading.active_count() <= before + 1
+
+
+def test_batcher_refuses_work_that_would_outlast_the_deadline() -> None:
+    encoder = SlowEncoder(delay=0.0)
+    encoder.gate.clear()
+    batcher = Batcher(encoder, capacity=100, batch_tokens=1000, max_backlog_seconds=1.0)
+    far = time.monotonic() + 30
+    blocker = batcher.submit(["block"], far)  # the worker holds this one at the gate
+    time.sleep(0.05)
+    # ~25k estimated tokens queued: at the starting estimate of 5k tokens/s, ~5 s of work.
+    queued = [batcher.submit(["t" * 1000 + str(i)], far) for i in range(100)]
+    with pytest.raises(Overloaded) as err:
+        batcher.admit()
+    assert err.value.retry_after >= 2
+    encoder.gate.set()
+    for f in [blocker, *queued]:
+        f.result(10)
+    batcher.admit().release()  # the backlog is gone: admitted again
+    batcher.close(5)

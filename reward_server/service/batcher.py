@@ -10,10 +10,11 @@ at once (no batching delay).
 
 Why admission is explicit and fails fast: a server that accepts everything turns a burst into
 unbounded latency for everyone. At most ``capacity`` requests are admitted at a time (from
-parsing to response); the next one is refused at once with an estimate of when to retry
-(HTTP 429 + Retry-After, gRPC RESOURCE_EXHAUSTED), like text-embeddings-inference does. Each
-admitted request also carries a deadline: a request still queued at its deadline is dropped
-without being encoded, so a stalled client never makes the queue grow.
+parsing to response), and none while the queued work is estimated (from the measured encoder
+throughput) to outlast a request's deadline; the next one is refused at once with an estimate
+of when to retry (HTTP 429 + Retry-After, gRPC RESOURCE_EXHAUSTED), as text-embeddings-inference
+does. Each admitted request also carries a deadline: a request still queued at its deadline is
+dropped without being encoded, so a stalled client never makes the queue grow.
 
 The worker is a plain thread with a lock-protected deque, not an asyncio task, so that the HTTP
 app (any event loop, including test clients' private loops) and the gRPC server share one
@@ -140,6 +141,7 @@ class Batcher:
         *,
         capacity: int,
         batch_tokens: int,
+        max_backlog_seconds: float | None = None,
         observer: BatchObserver | None = None,
     ) -> None:
         if capacity < 1 or batch_tokens < 1:
@@ -147,6 +149,9 @@ class Batcher:
         self.encoder = encoder
         self.capacity = capacity
         self.batch_tokens = batch_tokens
+        #: Refuse new requests while the queued work is estimated to take longer than this:
+        #: they would only wait and then miss their deadline, so refusing now is kinder.
+        self.max_backlog_seconds = max_backlog_seconds
         self.observer = observer or BatchObserver()
         self._cond = threading.Condition()
         self._jobs: deque[_Job] = deque()
@@ -167,7 +172,10 @@ class Batcher:
         with self._cond:
             if self._stopping:
                 raise ShuttingDown("the server is shutting down")
-            if self._admitted >= self.capacity:
+            if self._admitted >= self.capacity or (
+                self.max_backlog_seconds is not None
+                and self._backlog_seconds_locked() > self.max_backlog_seconds
+            ):
                 raise Overloaded(self._retry_after_locked())
             self._admitted += 1
             self._notify_depth_locked()
@@ -179,11 +187,14 @@ class Batcher:
             self._notify_depth_locked()
             self._cond.notify_all()
 
+    def _backlog_seconds_locked(self) -> float:
+        """Estimated seconds until the queued and running work is done."""
+        queued = self._queued_tokens / self._tokens_per_second
+        return queued + max(0.0, self._busy_until - time.monotonic())
+
     def _retry_after_locked(self) -> int:
         """Seconds until the queued work is likely done (at least 1)."""
-        backlog = self._queued_tokens / self._tokens_per_second
-        running = max(0.0, self._busy_until - time.monotonic())
-        return max(1, math.ceil(backlog + running))
+        return max(1, math.ceil(self._backlog_seconds_locked()))
 
     @property
     def admitted(self) -> int:

@@ -171,6 +171,7 @@ class ScoringService:
                 encoder,
                 capacity=self.settings.queue_capacity,
                 batch_tokens=self.settings.batch_tokens,
+                max_backlog_seconds=self.settings.request_timeout,
                 observer=self.metrics,
             )
             self.metrics.ready.set(1)
