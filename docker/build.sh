@@ -4,6 +4,7 @@
 #   bash docker/build.sh                 # CPU image  -> localhost/sde2-reward-server:latest
 #   bash docker/build.sh --gpu           # docker/Dockerfile.gpu -> localhost/sde2-reward-server:gpu
 #   bash docker/build.sh --if-changed    # skip when the image was built from the same sources
+#   bash docker/build.sh --print-hash    # print the source hash the image would be labelled with
 #   bash docker/build.sh -- --no-cache   # anything after -- goes to `podman build`
 #
 # Environment (all optional):
@@ -27,13 +28,15 @@ cd "$root"
 
 gpu=0
 if_changed=0
+print_hash=0
 extra=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --gpu) gpu=1 ;;
         --if-changed) if_changed=1 ;;
+        --print-hash) print_hash=1 ;;
         --) shift; extra=("$@"); break ;;
-        -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
         *) echo "unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
     shift
@@ -101,6 +104,11 @@ source_hash="$(
         printf '%s\n' "${build_args[@]}"
     } | sha256sum | cut -c1-16
 )"
+
+if [ "$print_hash" = 1 ]; then
+    printf '%s\n' "$source_hash"
+    exit 0
+fi
 
 if [ "$if_changed" = 1 ] && "${podman_cmd[@]}" image exists "$image"; then
     have="$("${podman_cmd[@]}" image inspect --format '{{index .Labels "org.sde2.source-hash"}}' "$image" 2>/dev/null || true)"
