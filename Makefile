@@ -11,7 +11,7 @@ PIP_OPTS ?=
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve test test-fast test-container lint setup-server setup-dev proto clean
+.PHONY: serve test test-fast test-container image image-gpu lint setup-server setup-dev clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,13 @@ test-fast: setup-dev
 test-container: setup-dev
 	bash docker/podman-setup.sh
 	$(PY) -m pytest -m container
+
+# The sde2-reward-server image (podman here, docker elsewhere: see docker/README.md).
+image:
+	bash docker/build.sh
+
+image-gpu:
+	bash docker/build.sh --gpu
 
 lint: setup-dev
 	$(VENV)/bin/ruff check .
