@@ -4,8 +4,9 @@ TRL calls each reward function with keyword arguments ``prompts``, ``completions
 ``completion_ids``, ``trainer_state``, ``log_extra``, ``log_metric`` and every dataset column (one
 value per completion) and expects one ``float | None`` per completion. It runs ``async def``
 functions concurrently on its own event loop, detecting them with ``inspect.iscoroutinefunction``
-— true for functions and bound methods, false for callable instances. It also pickles reward
-functions (multiprocessing, checkpoints of the trainer's arguments). Hence the shape chosen here:
+— true for functions and bound methods, false for callable instances — and its helpers name
+the "picklable reward forms" it supports (a reward function may cross process boundaries in
+multiprocess setups). Hence the shape chosen here:
 a small picklable class whose *bound async method*, named after the recipe (``sde2``, ``cfee``,
 ``cfl``, which TRL uses as the metric name), is the reward function.
 
