@@ -269,3 +269,17 @@ def test_fp16_on_cuda_matches_fp32(
     # fp32 graph on CUDA too: same numbers as on CPU.
     gpu32 = OnnxEncoder(fp32_export, provider="cuda")
     assert fidelity.row_cosines(ref, gpu32.encode(fidelity_texts)).min() >= MIN_COSINE
+
+
+# ------------------------------------------------------------------ the torch reference backend
+
+
+@pytest.mark.slow
+def test_reference_backend(reference_encoder: Any) -> None:  # noqa: F811
+    assert isinstance(reference_encoder, Encoder)
+    assert reference_encoder.name == "all-MiniLM-L6-v2 torch"
+    assert reference_encoder.max_seq_length == MAX_SEQ_LENGTH
+    assert reference_encoder.encode([]).shape == (0, EMBEDDING_DIM)
+    out = reference_encoder.encode(["So the answer is 18.", ""])
+    assert out.dtype == np.float32 and out.shape == (2, EMBEDDING_DIM)
+    np.testing.assert_allclose(np.linalg.norm(out, axis=1), 1.0, atol=1e-5)

@@ -173,7 +173,7 @@ class OnnxEncoder:
         min_row_fill: float = MIN_ROW_FILL,
         sequential: bool = True,
         graph_optimization: str = "all",
-        allow_spinning: bool | None = None,
+        allow_spinning: bool = False,
         device_id: int = 0,
     ) -> None:
         import onnxruntime as ort
@@ -213,10 +213,12 @@ class OnnxEncoder:
             "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
             "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
         }[graph_optimization]
-        if allow_spinning is not None:
-            opts.add_session_config_entry(
-                "session.intra_op.allow_spinning", "1" if allow_spinning else "0"
-            )
+        # Spinning worker threads burn the cores they wait on. The reward server shares its CPUs
+        # with request handling and often with a trainer; measured on a contended 2-core box,
+        # no-spin ran 1.4x faster than sentence-transformers vs 1.13x with spinning.
+        opts.add_session_config_entry(
+            "session.intra_op.allow_spinning", "1" if allow_spinning else "0"
+        )
         providers: list[Any] = (
             [(ort_provider, {"device_id": device_id}), "CPUExecutionProvider"]
             if provider == "cuda"
