@@ -193,6 +193,16 @@ def _optimize(raw: Path, out: Path, *, fp16: bool) -> dict[str, int]:
     return counts
 
 
+def _op_counts(path: Path) -> dict[str, int]:
+    """Node count per op type of an ONNX file (recorded in the manifest)."""
+    import onnx
+
+    counts: dict[str, int] = {}
+    for node in onnx.load(str(path), load_external_data=False).graph.node:
+        counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    return counts
+
+
 def _quantize_int8(fp32_path: Path, out: Path) -> None:
     """Dynamic int8 quantization of the weights of MatMul nodes, per output channel.
 
@@ -364,7 +374,7 @@ def export_model(
             report["fp16"] = "not measured at export: the fp16 graph runs on CUDA only"
         elif variant == "int8":
             _quantize_int8(fp32_dir / MODEL_FILE, stage / MODEL_FILE)
-            fused = {}
+            fused = _op_counts(stage / MODEL_FILE)
             _write_manifest(stage, src, "int8", max_len, {}, fused)
             int8_emb = _embed_onnx(stage, texts)
             report["int8_vs_sentence_transformers"] = _cosine_summary(
