@@ -261,3 +261,24 @@ def test_failed_subprocess_export_is_reported(tmp_path: Path) -> None:
     with pytest.raises(model_store.ModelExportError, match="exit code"):
         model_store.resolve_model(str(broken), root=tmp_path / "cache")
     assert not any((tmp_path / "cache" / "models").glob("broken-*"))
+
+
+@pytest.mark.slow
+def test_fp16_export_for_cuda(tmp_path: Path) -> None:
+    """The fp16 graph is converted here (it only *runs* on a GPU): float16 weights, int64 ids in,
+    float32 embedding out, and the CPU encoder refuses it instead of running it badly."""
+    import onnx
+
+    from reward_server.encoders.onnx_runtime import ProviderUnavailableError
+
+    out = export_model(None, tmp_path / "fp16", "fp16", n_texts=20)
+    manifest = verify_manifest(out)
+    assert manifest["variant"] == "fp16"
+    assert "CUDA" in manifest["fidelity"]["fp16"]
+    graph = onnx.load(str(out / "model.onnx")).graph
+    fp16_weights = [t for t in graph.initializer if t.data_type == onnx.TensorProto.FLOAT16]
+    assert len(fp16_weights) > 20
+    assert {i.type.tensor_type.elem_type for i in graph.input} == {onnx.TensorProto.INT64}
+    assert graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+    with pytest.raises(ProviderUnavailableError, match="CUDA only"):
+        OnnxEncoder(out)

@@ -185,7 +185,7 @@ def _optimize(raw: Path, out: Path, *, fp16: bool) -> dict[str, int]:
     )
     if fp16:
         # keep_io_types: inputs stay int64 and the embedding comes out as float32.
-        opt.convert_float_to_fp16(keep_io_types=True)
+        opt.convert_float_to_float16(keep_io_types=True)
     opt.save_model_to_file(str(out))
     counts: dict[str, int] = {}
     for node in opt.model.graph.node:
