@@ -342,6 +342,7 @@ def export_model(
             if (src.folder / name).is_file():
                 shutil.copy2(src.folder / name, stage / name)
         raw = work / "raw.onnx"
+        log.info("tracing %s to ONNX (opset %d)", src.label, opset)
         _export_graph(st_model, raw, opset)
         fp32_dir = stage if variant == "fp32" else work / "fp32"
         if fp32_dir != stage:
@@ -350,6 +351,7 @@ def export_model(
         _write_manifest(fp32_dir, src, "fp32", max_len, {}, fused)
 
         problems, text_source = fidelity.load_problems(gsm8k)
+        log.info("measuring fp32 fidelity on %d texts (%s)", n_texts, text_source)
         texts = fidelity.build_texts(problems, n_texts)
         ref = np.asarray(
             st_model.encode(
@@ -381,6 +383,7 @@ def export_model(
                 fidelity.row_cosines(ref, int8_emb)
             )
             report["int8_vs_fp32"] = _cosine_summary(fidelity.row_cosines(fp32_emb, int8_emb))
+            log.info("int8 Uniq gate on %d completions", n_completions)
             gate = int8_gate(fp32_dir, stage, problems, n_completions, int8_min_agreement)
             report["int8_uniq_gate"] = gate.to_dict()
             require_gate(gate)
@@ -500,7 +503,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the export; 0 on success, 2 when refused, 1 on other errors."""
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # WARNING for the libraries (the quantizer logs every tensor at INFO), INFO for our steps.
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    log.setLevel(logging.INFO)
     try:
         out = export_model(
             args.source,
