@@ -283,6 +283,21 @@ def test_sharded_mock_equals_single_server(normalize: bool, recipe: str) -> None
     assert max(single.batch_std.values()) > 0.1
 
 
+def test_batches_over_the_item_limit_are_split_and_merged() -> None:
+    calls: list[dict[str, Any]] = []
+    mock = httpx.MockTransport(core_handler(calls))
+    items = batch()  # 12 items
+    with RewardClient(A, transport=mock) as one:
+        single = one.score(items)
+    with RewardClient([A, B], transport=mock, max_items_per_request=5) as limited:
+        chunked = limited.score(items)
+    shard_calls = calls[1:]
+    assert [len(c["items"]) for c in shard_calls] == [4, 4, 4]  # ceil(12 / 5) = 3 shards
+    assert sorted(c["url"].split("/v1")[0] for c in shard_calls) == [A, A, B]
+    assert chunked.rewards == pytest.approx(single.rewards, abs=1e-12)
+    assert chunked.advantages == pytest.approx(single.advantages, abs=1e-9)
+
+
 def test_mixed_groups_are_rejected_before_sending() -> None:
     calls: list[dict[str, Any]] = []
     items = batch()

@@ -73,6 +73,7 @@ class _Plan:
         n_replicas: int,
         items: Sequence[ItemLike],
         *,
+        max_items: int,
         recipe: str,
         answer_type: str,
         params: RewardParams | Mapping[str, Any] | None,
@@ -89,12 +90,15 @@ class _Plan:
             common["params"] = p
         if diagnostics:
             common["diagnostics"] = True
-        ranges = split(len(wire), n_replicas)
+        # One shard per replica, more when a shard would exceed the server's item limit (the
+        # client-side merge makes the split invisible in the numbers either way).
+        n_shards = max(n_replicas, -(-len(wire) // max_items))
+        ranges = split(len(wire), n_shards)
         if len(ranges) == 1:
             body = {"items": wire, **common, "normalize": normalize}
             return cls([(0, body)], False, normalize, groups)
         shards = [
-            (i, {"items": wire[r.start : r.stop], **common, "normalize": False})
+            (i % n_replicas, {"items": wire[r.start : r.stop], **common, "normalize": False})
             for i, r in enumerate(ranges)
         ]
         return cls(shards, True, normalize, groups)
@@ -129,8 +133,13 @@ class _Base:
         retry: RetryPolicy | None = None,
         api_key: str | None = None,
         max_connections: int = 32,
+        max_items_per_request: int = 1024,
     ) -> None:
+        if max_items_per_request < 1:
+            raise ValueError("max_items_per_request must be >= 1")
         self.urls = _normalize_urls(urls)
+        #: Larger batches are split into several requests (the server's default ``max_items``).
+        self.max_items_per_request = max_items_per_request
         self.retry = retry or RetryPolicy()
         #: Failed attempts so far (retried or not): a cheap health signal for logs and tests.
         self.failed_attempts = 0
@@ -172,6 +181,7 @@ class RewardClient(_Base):
         retry: RetryPolicy | None = None,
         api_key: str | None = None,
         max_connections: int = 32,
+        max_items_per_request: int = 1024,
         transport: httpx.BaseTransport | None = None,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
@@ -182,6 +192,7 @@ class RewardClient(_Base):
             retry=retry,
             api_key=api_key,
             max_connections=max_connections,
+            max_items_per_request=max_items_per_request,
         )
         self._sleep = sleep
         self._http = httpx.Client(
@@ -243,6 +254,7 @@ class RewardClient(_Base):
         plan = _Plan.build(
             len(self.urls),
             items,
+            max_items=self.max_items_per_request,
             recipe=recipe,
             answer_type=answer_type,
             params=params,
@@ -294,6 +306,7 @@ class AsyncRewardClient(_Base):
         retry: RetryPolicy | None = None,
         api_key: str | None = None,
         max_connections: int = 32,
+        max_items_per_request: int = 1024,
         transport: httpx.AsyncBaseTransport | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
@@ -304,6 +317,7 @@ class AsyncRewardClient(_Base):
             retry=retry,
             api_key=api_key,
             max_connections=max_connections,
+            max_items_per_request=max_items_per_request,
         )
         self._sleep = sleep
         self._http = httpx.AsyncClient(
@@ -364,6 +378,7 @@ class AsyncRewardClient(_Base):
         plan = _Plan.build(
             len(self.urls),
             items,
+            max_items=self.max_items_per_request,
             recipe=recipe,
             answer_type=answer_type,
             params=params,
