@@ -159,4 +159,12 @@ def test_grpo_trains_on_server_rewards_then_evaluates(
         90.55, abs=0.01
     )
     assert k["tokens"] is not None and k["tokens"] > 10  # tokenized with --model's tokenizer
-    assert (tmp_path / "acc_vs_tok.png").stat().st_size > 1000
+    # The plot is optional by design (matplotlib is not a dependency): drawn when installed,
+    # otherwise the run still succeeds and says why there is no plot.
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "matplotlib is not installed" in proc.stderr
+        assert not (tmp_path / "acc_vs_tok.png").exists()
+    else:
+        assert (tmp_path / "acc_vs_tok.png").stat().st_size > 1000
