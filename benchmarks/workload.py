@@ -13,14 +13,19 @@ import re
 from pathlib import Path
 from typing import Any
 
+from reward_server.encoders.fidelity import find_gsm8k
+
 GSM8K_TRAIN = (
     Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k" / "train.jsonl"
 )
 _CALC = re.compile(r"<<[^>]*>>")
 
 
-def load_gsm8k(path: Path = GSM8K_TRAIN, limit: int = 2000) -> list[dict[str, str]]:
+def load_gsm8k(path: Path | None = None, limit: int = 2000) -> list[dict[str, str]]:
     """Questions with their worked solution (calculator annotations removed) and gold answer."""
+    path = path or find_gsm8k()
+    if path is None:
+        raise FileNotFoundError("GSM8K train.jsonl not found: set SDE2_GSM8K")
     rows = []
     with path.open(encoding="utf-8") as f:
         for line in f:

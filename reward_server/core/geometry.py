@@ -40,17 +40,29 @@ def diversity(cosines: npt.NDArray[np.float64]) -> float:
     return float(min(1.0, max(0.0, 1.0 - float(np.mean(upper)))))
 
 
+def kept_mask(cosines: npt.NDArray[np.float64], threshold: float) -> list[bool]:
+    """The ``Uniq`` walk's decision per strategy: kept iff its cosine to every kept one is ``<= δ``.
+
+    >>> kept_mask(cosine_matrix(np.array([[1.0, 0.0], [0.99, 0.1], [0.0, 1.0]])), 0.8)
+    [True, False, True]
+    """
+    kept: list[int] = []
+    decisions = []
+    for i in range(cosines.shape[0]):
+        keep = not kept or float(np.max(cosines[i, kept])) <= threshold
+        if keep:
+            kept.append(i)
+        decisions.append(keep)
+    return decisions
+
+
 def uniqueness(cosines: npt.NDArray[np.float64], threshold: float) -> int:
-    """``Uniq(H; δ)``: greedily keep ``h_i`` iff its cosine to every kept one is ``<= δ``.
+    """``Uniq(H; δ)``: how many strategies the greedy walk of :func:`kept_mask` keeps.
 
     >>> uniqueness(cosine_matrix(np.array([[1.0, 0.0], [0.99, 0.1], [0.0, 1.0]])), 0.8)
     2
     """
-    kept: list[int] = []
-    for i in range(cosines.shape[0]):
-        if not kept or float(np.max(cosines[i, kept])) <= threshold:
-            kept.append(i)
-    return len(kept)
+    return sum(kept_mask(cosines, threshold))
 
 
 def semantic_gain(embeddings: FloatArray, threshold: float) -> tuple[float, int, float]:

@@ -26,18 +26,20 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from reward_server.core.components import semantic_exploration
+from reward_server.core.geometry import cosine_matrix, kept_mask, semantic_gain
+from reward_server.core.params import RewardParams
+
 #: Where the GSM8K training split is looked for when no path is given (overridable by env).
+#: The project's shared data sits beside the repository checkout (``../shared``).
 DEFAULT_GSM8K_PATHS = (
-    Path("/work/shared/data/gsm8k/train.jsonl"),
+    Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k" / "train.jsonl",
     Path("data/gsm8k/train.jsonl"),
 )
 #: The similarity thresholds the int8 gate checks (the default δ is 0.80).
 GATE_DELTAS: tuple[float, ...] = (0.70, 0.75, 0.80, 0.85, 0.90)
 #: Minimum share of completions whose Uniq decisions must agree with fp32, at every δ.
 GATE_MIN_AGREEMENT = 0.995
-#: Default SD-E² exploration constants (SPEC §4), used to turn Uniq/Div into a reward difference.
-EXPLORE_RATE = 0.1
-EXPLORE_CAP = 0.5
 
 _CALC = re.compile(r"<<[^<>]*>>")
 
@@ -169,30 +171,14 @@ def build_completions(
 
 
 def uniq_keep(emb: npt.NDArray[np.float32], delta: float) -> tuple[bool, ...]:
-    """SPEC §3 Uniq walk: keep ``h_i`` iff its max cosine to the kept ones is <= δ."""
-    kept: list[int] = []
-    decisions = []
-    for i in range(emb.shape[0]):
-        keep = not kept or float(np.max(emb[kept] @ emb[i])) <= delta
-        if keep:
-            kept.append(i)
-        decisions.append(keep)
-    return tuple(decisions)
+    """SPEC §3 Uniq walk (the core's): keep ``h_i`` iff its max cosine to the kept ones is <= δ."""
+    return tuple(kept_mask(cosine_matrix(emb), delta))
 
 
 def sd_reward(emb: npt.NDArray[np.float32], delta: float) -> float:
-    """``min(cap, rate * Uniq * Div)`` for a completion with χ = 0 (the only case using E)."""
-    m = emb.shape[0]
-    if m == 0:
-        return 0.0
-    if m == 1:
-        div = 1.0
-    else:
-        sims = emb @ emb.T
-        iu = np.triu_indices(m, k=1)
-        div = float(np.clip(1.0 - sims[iu].mean(), 0.0, 1.0))
-    uniq = sum(uniq_keep(emb, delta))
-    return min(EXPLORE_CAP, EXPLORE_RATE * uniq * div)
+    """The core's ``R_sd`` for a completion with χ = 0 (the only case using the encoder)."""
+    gain, _, _ = semantic_gain(emb, delta)
+    return semantic_exploration(False, gain, RewardParams(similarity_threshold=delta))
 
 
 @dataclass
