@@ -81,8 +81,10 @@ class Settings:
     encoder_batch_tokens: int | None = field(
         default=None, metadata={"help": "padded tokens per onnxruntime run (default: encoder's)"}
     )
+    # ~1.7 kB per entry: 20k entries bound the cache near 35 MB, inside the memory budget, and
+    # still hold a few GRPO steps for retried or re-scored batches.
     cache_size: int = field(
-        default=100_000, metadata={"help": "embeddings kept in the LRU cache (0 disables it)"}
+        default=20_000, metadata={"help": "embeddings kept in the LRU cache (0 disables it)"}
     )
     drain_timeout: float = field(
         default=30.0, metadata={"help": "seconds SIGTERM waits for in-flight requests"}
