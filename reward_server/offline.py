@@ -85,7 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--answer-type", choices=["numeric", "choice", "exact", "math"], default="numeric"
     )
     parser.add_argument(
-        "--params", default="{}", help='reward parameters as JSON, e.g. \'{"explore_cap": 0.7}\''
+        "--params", default="{}", help="reward parameters as JSON, e.g. '{\"explore_cap\": 0.7}'"
     )
     parser.add_argument("--no-normalize", action="store_true", help="sum raw components")
     parser.add_argument("--diagnostics", action="store_true", help="Uniq/Div for every item")
