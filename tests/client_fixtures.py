@@ -10,103 +10,22 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shlex
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
-READY_TIMEOUT = float(os.environ.get("SDE2_TEST_READY_TIMEOUT", "300"))
+from tests.server_process import ServerProcess
+
 REPO = Path(__file__).resolve().parents[1]
 GSM8K_DIR = Path(os.environ.get("SDE2_GSM8K_DIR", REPO.parent / "shared" / "data" / "gsm8k"))
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
-#: Extra ``serve`` flags for every test server (e.g. ``--model DIR`` for a pre-exported encoder).
-SERVER_ARGS = tuple(shlex.split(os.environ.get("SDE2_TEST_SERVER_ARGS", "")))
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class ServerProcess:
-    """One ``sde2-reward serve`` child process on a fixed port (restartable on the same port)."""
-
-    def __init__(self, port: int | None = None, extra_args: tuple[str, ...] = ()) -> None:
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.extra_args = extra_args
-        self.proc: subprocess.Popen[bytes] | None = None
-        self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - lives as long as the server
-            prefix=f"sde2-server-{self.port}-", suffix=".log", delete=False
-        )
-        self.log_path = Path(self._log.name)
-
-    def start(self, wait: bool = True) -> ServerProcess:
-        """Spawn the server; with ``wait`` block until ``/readyz`` is 200 (bounded)."""
-        cmd = [sys.executable, "-m", "reward_server.cli", "serve", "--host", "127.0.0.1"]
-        cmd += ["--port", str(self.port), *SERVER_ARGS, *self.extra_args]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(
-            cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, env=env
-        )
-        if wait:
-            self.wait_ready()
-        return self
-
-    def log_tail(self, n: int = 40) -> str:
-        """The last lines of the server's output, for failure messages."""
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return "(no log)"
-
-    def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
-        """Poll ``/readyz`` until 200; fail with the log tail on exit or timeout."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                pytest.fail(
-                    f"reward server exited with {self.proc.returncode} before ready:\n"
-                    + self.log_tail()
-                )
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/readyz", timeout=2.0).status_code == 200:
-                    return
-            time.sleep(0.25)
-        self.stop()
-        pytest.fail(f"reward server not ready within {timeout:.0f}s:\n" + self.log_tail())
-
-    def kill(self) -> None:
-        """SIGKILL: the abrupt death a crashed or preempted replica suffers."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(timeout=30)
-
-    def stop(self) -> None:
-        """SIGTERM, then SIGKILL if it lingers."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.kill()
 
 
 @contextlib.contextmanager
 def running_server(*extra_args: str) -> Iterator[ServerProcess]:
     """A ready server for the duration of the block."""
-    server = ServerProcess(extra_args=extra_args).start()
+    server = ServerProcess(None, *extra_args).start()
     try:
         yield server
     finally:

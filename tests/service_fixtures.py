@@ -4,8 +4,8 @@ Kept out of ``conftest.py`` (owned by the project lead): tests import what they 
 
 * in-process apps over a deterministic encoder double (fast, exact numbers), or over the real
   ONNX encoder (:func:`real_model_dir`);
-* :class:`ServerProcess`: a real ``sde2-reward serve`` subprocess on free ports, for the load,
-  drain and restart tests;
+* real server processes (load, drain, restart) come from :mod:`tests.server_process`, shared
+  with the client tests;
 * :func:`reference_response`: the in-process scorer's answer to a request body, which every
   server answer is checked against.
 """
@@ -15,17 +15,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import numpy.typing as npt
 import pytest
@@ -164,98 +159,6 @@ def real_model_dir() -> Path:
     from reward_server.encoders import model_store
 
     return Path(model_store.resolve_model(None))
-
-
-def free_port() -> int:
-    """A TCP port free right now on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class ServerProcess:
-    """``python -m reward_server.cli serve`` on free ports; waits for ``/readyz``."""
-
-    def __init__(
-        self,
-        model_dir: Path,
-        *extra: str,
-        grpc: bool = True,
-        env: dict | None = None,
-        port: int | None = None,
-    ) -> None:
-        self.port = port or free_port()
-        self.grpc_port = free_port() if grpc else None
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.args = [
-            sys.executable,
-            "-m",
-            "reward_server.cli",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--model",
-            str(model_dir),
-            *(["--grpc-port", str(self.grpc_port)] if grpc else []),
-            *extra,
-        ]
-        self.env = {**os.environ, **(env or {})}
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.log_path: Path | None = None
-
-    def start(self, timeout: float = 120.0) -> ServerProcess:
-        """Start and wait until ready (the model is loaded and warm)."""
-        import tempfile
-
-        fd, name = tempfile.mkstemp(prefix="sde2-serve-", suffix=".log")
-        self.log_path = Path(name)
-        with os.fdopen(fd, "wb") as log:  # the child keeps its own copy of the descriptor
-            self.proc = subprocess.Popen(
-                self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env
-            )
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited {self.proc.returncode}: {self.log()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
-                    return self
-            time.sleep(0.2)
-        self.stop()
-        raise TimeoutError(f"server not ready in {timeout} s: {self.log()}")
-
-    def log(self) -> str:
-        """The server's output so far."""
-        return self.log_path.read_text(errors="replace") if self.log_path else ""
-
-    def terminate(self) -> None:
-        """Send SIGTERM (graceful drain)."""
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGTERM)
-
-    def wait(self, timeout: float) -> int:
-        """Exit status, waiting at most ``timeout`` seconds."""
-        assert self.proc is not None
-        return self.proc.wait(timeout)
-
-    def stop(self) -> None:
-        """SIGTERM, then SIGKILL if it does not exit in time."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-
-    def __enter__(self) -> ServerProcess:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 @pytest.fixture(scope="session", name="onnx_model_dir")

@@ -16,9 +16,9 @@ import httpx
 import pytest
 
 from reward_server.service.grpc_server import RewardStub, request_from_dict, response_to_dict
+from tests.server_process import ServerProcess
 from tests.service_fixtures import (  # noqa: F401  (fixtures)
     REAL_MODEL_ATOL,
-    ServerProcess,
     assert_same_response,
     onnx_encoder_fixture,
     onnx_model_dir_fixture,
@@ -49,7 +49,7 @@ def test_concurrent_clients_get_the_in_process_answers(
         {"items": step_items(seed=100 + i, prompts=1, generations=2), "diagnostics": i % 2 == 0}
         for i in range(12)
     ]
-    with ServerProcess(onnx_model_dir) as server, ThreadPoolExecutor(6) as pool:
+    with ServerProcess(onnx_model_dir, grpc=True) as server, ThreadPoolExecutor(6) as pool:
         responses = list(pool.map(lambda b: post(server.url, b), bodies))
         assert [r.status_code for r in responses] == [200] * len(bodies)
         for body, r in zip(bodies, responses, strict=True):
@@ -105,7 +105,7 @@ def test_sigterm_drains_in_flight_requests_then_a_restart_serves(
     onnx_model_dir: Path, onnx_encoder: Any
 ) -> None:
     bodies = [{"items": unique_items(seed=200 + i, items=2, strategies=8)} for i in range(4)]
-    server = ServerProcess(onnx_model_dir, "--cache-size", "0").start()
+    server = ServerProcess(onnx_model_dir, "--cache-size", "0", grpc=True).start()
     try:
         with ThreadPoolExecutor(5) as pool:
             http_calls = [pool.submit(post, server.url, b) for b in bodies]
@@ -138,7 +138,7 @@ def test_sigterm_drains_in_flight_requests_then_a_restart_serves(
 
 
 def test_two_worker_processes_share_the_ports(onnx_model_dir: Path) -> None:
-    with ServerProcess(onnx_model_dir, "--workers", "2") as server:
+    with ServerProcess(onnx_model_dir, "--workers", "2", grpc=True) as server:
         bodies = [{"items": unique_items(seed=300 + i, items=1, strategies=3)} for i in range(6)]
         with ThreadPoolExecutor(6) as pool:
             codes = [r.status_code for r in pool.map(lambda b: post(server.url, b), bodies)]
