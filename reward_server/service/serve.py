@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from reward_server.service.config import Settings, load_settings
 from reward_server.service.config import add_arguments as add_settings_arguments
+from reward_server.service.memory import tune_malloc
 
 if TYPE_CHECKING:
     from reward_server.encoders.base import Encoder
@@ -165,6 +166,7 @@ async def serve_async(
 
 
 def _worker_main(settings: Settings, index: int) -> None:
+    tune_malloc()
     logging.basicConfig(
         level=settings.log_level.upper(), format=f"%(levelname)s w{index} %(name)s: %(message)s"
     )
@@ -216,6 +218,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"sde2-reward serve: {exc}", file=sys.stderr)
         return 2
+    tune_malloc()
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -1,0 +1,37 @@
+"""Keep the server's resident memory flat under load (glibc malloc tuning).
+
+onnxruntime allocates activation buffers of tens of MB per batch. With glibc's defaults those
+land in per-thread arenas below a *dynamic* mmap threshold, and freed memory is kept for reuse:
+measured on the standard GRPO step, the server grew from 206 MB at ready to 377 MB after four
+steps. Fixing the mmap threshold at 1 MiB (large buffers are mapped and returned on free) and
+capping arenas at 2 kept it at 214 MB. ``mallopt`` is applied in-process at start-up, before
+worker threads exist, so ``sde2-reward serve`` needs no environment variables for it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import sys
+
+log = logging.getLogger("sde2.memory")
+
+_M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
+
+
+def tune_malloc(arena_max: int = 2, mmap_threshold: int = 1 << 20) -> bool:
+    """Apply the tuning above; ``False`` (and nothing changed) where glibc is not the allocator."""
+    if not sys.platform.startswith("linux"):
+        return False
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # musl and friends have no mallopt
+        return False
+    ok = mallopt(_M_ARENA_MAX, arena_max) == 1 and mallopt(_M_MMAP_THRESHOLD, mmap_threshold) == 1
+    if not ok:
+        log.warning("mallopt refused the memory tuning; resident memory may grow under load")
+    return bool(ok)
