@@ -113,3 +113,9 @@ def test_weights_and_unknown_fields() -> None:
     with pytest.raises(ValidationError):
         RewardParams.model_validate({"lambda": 1.0})
     assert RewardParams.model_validate({"weights": {"sd": -2.0}}).weights.sd == -2.0  # finite only
+
+
+def test_length_penalty_with_huge_integers_does_not_overflow() -> None:
+    assert C.length_penalty(10**400, P) == -1.0
+    assert C.length_penalty(10**400, RewardParams(length_target=10**401)) == pytest.approx(-0.0)
+    assert C.length_penalty(3 * 10**400, RewardParams(length_target=2 * 10**400)) == -0.5

@@ -57,3 +57,21 @@ def test_aggregate_with_groups_returns_advantages() -> None:
     assert out.advantages is not None
     assert out.advantages[0] > 0 > out.advantages[1]
     assert out.advantages[2:] == [0.0, 0.0]
+
+
+def test_zscore_near_the_float_limit_matches_the_exact_values() -> None:
+    z, mu, sigma = zscore([1e308, 1e308, 0.0], 1e-6)
+    assert mu == pytest.approx(1e308 / 3 * 2)
+    assert sigma == pytest.approx(np.sqrt(2) / 3 * 1e308)
+    assert z == pytest.approx([1 / np.sqrt(2), 1 / np.sqrt(2), -np.sqrt(2)])
+    z, mu, sigma = zscore([1.7e308, -1.7e308], 1e-6)
+    assert (mu, sigma) == (0.0, 1.7e308)
+    assert z == pytest.approx([1.0, -1.0])
+
+
+def test_zscore_ordinary_values_are_the_plain_formula_bit_for_bit() -> None:
+    values = [0.1, 0.7, 0.3, 1.9]
+    x = np.asarray(values)
+    z, mu, sigma = zscore(values, 1e-6)
+    assert (mu, sigma) == (float(x.mean()), float(x.std()))
+    assert z == ((x - x.mean()) / (x.std() + 1e-6)).tolist()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from reward_server.core import InvalidBatch, RewardParams, ScoreItem, prepare_batch, score_batch
@@ -195,3 +196,23 @@ def test_as_dict_has_the_wire_shape() -> None:
         "div": None,
     }
     assert out["params"]["similarity_threshold"] == 0.8
+
+
+def test_non_finite_embeddings_are_an_error_not_a_reward() -> None:
+    from reward_server.core import finish_batch
+
+    prepared = prepare_batch([ScoreItem(strat("a", "1") + strat("b", "2"), "9")])
+    bad = np.full((len(prepared.texts), 384), np.nan, dtype=np.float32)
+    with pytest.raises(ValueError, match="non-finite"):
+        finish_batch(prepared, bad)
+
+
+def test_huge_num_tokens_and_parameters_stay_finite() -> None:
+    items = [
+        ScoreItem("<final_answer>18</final_answer>", "18", num_tokens=10**400),
+        ScoreItem("<final_answer>17</final_answer>", "18"),
+    ]
+    out = score_batch(items, HashEncoder(), recipe="cfl", params=RewardParams(lambda_oc=1e308))
+    assert out.components["len"] == [-1.0, -0.0]
+    assert out.normalized["oc"] == pytest.approx([1.0, -1.0])
+    assert out.aggregate.std["oc"] == 5e307

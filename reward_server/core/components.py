@@ -68,7 +68,15 @@ def count_exploration(strategy_correct: bool, n_strat: int, p: RewardParams) -> 
 def length_penalty(length: int, p: RewardParams) -> float:
     """``R_len = −min(1, max(0, ℓ − target) / target)`` (GRPO-CFL).
 
+    Integers may be arbitrarily large (JSON allows it), so the cap is decided on the exact
+    integers before any division could overflow a float.
+
     >>> length_penalty(768, RewardParams()), length_penalty(100, RewardParams())
     (-0.5, -0.0)
+    >>> length_penalty(10**400, RewardParams())
+    -1.0
     """
-    return -min(1.0, max(0.0, length - p.length_target) / p.length_target)
+    excess = max(0, length - p.length_target)
+    if excess >= p.length_target:
+        return -1.0
+    return -(excess / p.length_target)

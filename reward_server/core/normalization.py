@@ -6,10 +6,12 @@ batch after scoring shards of it on several replicas: the same code gives the sa
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from reward_server.core.params import RewardParams
 
@@ -25,6 +27,26 @@ class Aggregate:
     advantages: list[float] | None
 
 
+def _mean_std(x: npt.NDArray[np.float64]) -> tuple[float, float, npt.NDArray[np.float64]]:
+    """``μ``, population ``σ`` and ``x − μ``, exact to the plain formulas, without overflow.
+
+    Valid rewards can be as large as ``1.7e308`` (any finite parameter is allowed), where the
+    plain sum or squares overflow. Only then are the values scaled by a power of two, which is
+    exact, so ordinary batches get bit-for-bit the plain computation.
+    """
+    with np.errstate(over="ignore", invalid="ignore"):
+        mu = float(np.mean(x))
+        centered = x - mu
+        sigma = float(np.std(x))
+    if math.isfinite(mu) and math.isfinite(sigma) and np.all(np.isfinite(centered)):
+        return mu, sigma, centered
+    e = math.frexp(float(np.max(np.abs(x))))[1]
+    xs = np.ldexp(x, -e)
+    mu_s, sigma_s = float(np.mean(xs)), float(np.std(xs))
+    with np.errstate(over="ignore"):
+        return math.ldexp(mu_s, e), math.ldexp(sigma_s, e), np.ldexp(xs - mu_s, e)
+
+
 def zscore(values: Sequence[float], eps: float) -> tuple[list[float], float, float]:
     """``(R − μ)/(σ + eps)`` if ``σ > eps`` else ``R − μ``, with population ``σ``.
 
@@ -34,13 +56,20 @@ def zscore(values: Sequence[float], eps: float) -> tuple[list[float], float, flo
     [-0.9999990000010001, 0.9999990000010001]
     >>> zscore([2.0, 2.0], 1e-6)
     ([0.0, 0.0], 2.0, 0.0)
+    >>> [round(z, 6) for z in zscore([1e308, -1e308], 1e-6)[0]]
+    [1.0, -1.0]
     """
     x = np.asarray(values, dtype=np.float64)
     if x.size == 0:
         return [], 0.0, 0.0
-    mu = float(np.mean(x))
-    sigma = float(np.std(x))
-    centered = x - mu
+    mu, sigma, centered = _mean_std(x)
+    if sigma > eps and not np.all(np.isfinite(centered)):
+        # Centred values beyond float range (R − μ ≈ 2e308): divide before rescaling.
+        e = math.frexp(sigma)[1]
+        scaled = (np.ldexp(x, -e) - math.ldexp(mu, -e)) / (
+            math.ldexp(sigma, -e) + math.ldexp(eps, -e)
+        )
+        return scaled.tolist(), mu, sigma
     out = centered / (sigma + eps) if sigma > eps else centered
     return out.tolist(), mu, sigma
 

@@ -213,6 +213,9 @@ def finish_batch(
     """Phase 2: components, normalization and advantages from the embeddings of ``texts``."""
     if embeddings.shape[0] != len(prepared.texts):
         raise ValueError(f"got {embeddings.shape[0]} embeddings for {len(prepared.texts)} texts")
+    if not np.all(np.isfinite(embeddings)):
+        # NaN cosines would silently drop strategies (NaN <= δ is false): fail loudly instead.
+        raise ValueError("the encoder returned non-finite embeddings")
     row = {text: i for i, text in enumerate(prepared.texts)}
     p = prepared.params
     keys = RECIPE_COMPONENTS[prepared.recipe]

@@ -94,6 +94,7 @@ class Scored:
 def _all_finite(score: BatchScore) -> bool:
     arrays: list[Sequence[float]] = [score.rewards, *score.components.values()]
     arrays += list(score.normalized.values())
+    arrays += [list(score.aggregate.mean.values()), list(score.aggregate.std.values())]
     if score.advantages is not None:
         arrays.append(score.advantages)
     return all(math.isfinite(v) for a in arrays for v in a)
