@@ -15,30 +15,11 @@ from reward_server.core.answers import canonical_choice, canonical_numeric
 from reward_server.core.parsing import parse_completion
 from reward_server.core.text import preprocess
 from tests.doubles import HashEncoder
+from tests.hostile import PIECES
 
-TAGS = [
-    "<strategy>",
-    '<strategy id="1">',
-    "</strategy>",
-    "<reasoning>",
-    "</reasoning>",
-    "<strategy_outcome>",
-    "</strategy_outcome>",
-    "<final_answer>",
-    "</final_answer>",
-    "<answer>",
-    "</answer>",
-    "<",
-    ">",
-    "</",
-    "```",
-    "**",
-    " ",
-    "\n",
-    "#### ",
-    "\\frac{1}{2}",
-]
-tag_soup = st.lists(st.one_of(st.sampled_from(TAGS), st.text(max_size=8)), max_size=60).map("".join)
+tag_soup = st.lists(st.one_of(st.sampled_from(PIECES), st.text(max_size=8)), max_size=60).map(
+    "".join
+)
 
 
 @given(st.one_of(st.text(), tag_soup))

@@ -16,56 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.doubles import HashEncoder
+from tests.hostile import PIECES
 from tests.service_fixtures import http_client, make_service, reference_response
 
 MAX_ITEMS = 64
-PIECES = [
-    "<strategy>",
-    '<strategy id="1">',
-    "<Strategy id=x>",
-    "</strategy>",
-    "</ strategy>",
-    "</strategy >",
-    "<reasoning>",
-    "</reasoning>",
-    "<strategy_outcome>",
-    "</strategy_outcome>",
-    "<final_answer>",
-    "</final_answer>",
-    "<answer>",
-    "</answer>",
-    "<ｓtrategy>",
-    "<",
-    ">",
-    "</",
-    "```python",
-    "~~~",
-    "**",
-    "__",
-    "####",
-    "\\boxed{",
-    "\\frac{1}{0}",
-    "}",
-    "{",
-    "18",
-    "-0.000",
-    "9" * 1200,
-    "1/0",
-    "(B)",
-    "answer is c",
-    "\x00",
-    "\x1b[31m",
-    "\u200b",
-    "\ufeff",
-    "\u2028",
-    "ǅ",
-    "ﬁ",
-    "𝟙𝟠",
-    "\U0001f600",
-    " ",
-    "\n",
-    "\t",
-]
 hostile_text = st.lists(st.one_of(st.sampled_from(PIECES), st.text(max_size=20)), max_size=60).map(
     "".join
 )
