@@ -146,3 +146,19 @@ def test_two_worker_processes_share_the_ports(onnx_model_dir: Path) -> None:
         assert len(grpc_score(server, bodies[0])["rewards"]) == 1
         server.terminate()
         assert server.wait(60) == 0
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.5, 2.0])
+def test_sigterm_while_workers_start_is_a_clean_stop(onnx_model_dir: Path, delay: float) -> None:
+    """A stop that lands while the workers start or load is a requested stop: exit 0."""
+    server = ServerProcess(onnx_model_dir, "--workers", "2", grpc=False).start(wait=False)
+    try:
+        deadline = time.monotonic() + 60
+        while "started 2 workers" not in server.log() and time.monotonic() < deadline:
+            time.sleep(0.05)  # the supervisor's handlers are installed once it says so
+        time.sleep(delay)
+        server.terminate()
+        assert server.wait(60) == 0, server.log_tail()
+        assert "exited with" not in server.log()
+    finally:
+        server.stop()

@@ -9,11 +9,11 @@ own signal handlers instead of uvicorn's, because uvicorn re-raises the captured
 its graceful shutdown, which would kill the process before gRPC has drained.
 
 ``--workers N`` (N > 1) runs N copies of that process. Each binds the same HTTP and gRPC ports
-with ``SO_REUSEPORT`` (the kernel spreads connections) and owns its encoder, batcher and
-metrics; CPU threads are split between them. On a small CPU one worker is best (one batcher
-coalesces everything and onnxruntime already uses every core); several workers help on large
-machines where one Python process cannot keep the encoder busy. ``/metrics`` then shows the
-worker that answered the scrape.
+with ``SO_REUSEPORT`` (the kernel spreads connections) once its encoder is warm, and owns its
+encoder, batcher and metrics; CPU threads are split between them. On a small CPU one worker is
+best (one batcher coalesces everything and onnxruntime already uses every core); several workers
+help on large machines where one Python process cannot keep the encoder busy. ``/metrics`` then
+shows the worker that answered the scrape.
 
 The module top level imports nothing heavy: ``sde2-reward`` imports it to build its parser.
 """
@@ -102,6 +102,7 @@ async def serve_async(
         if encoder is not None
         else ScoringService(settings, loader=lambda: build_encoder(settings))
     )
+    service.start()  # loading begins now (the app's lifespan would start it only once bound)
     app = create_app(service)
     config = uvicorn.Config(
         app,
@@ -113,18 +114,10 @@ async def serve_async(
     )
     server = uvicorn.Server(config)
     server.capture_signals = _no_signal_capture  # type: ignore[method-assign]
-    grpc_server = None
-    if settings.grpc_port is not None:
-        from reward_server.service.grpc_server import create_server
-
-        grpc_server, bound = create_server(
-            service, settings.host, settings.grpc_port, reuse_port=reuse_port
-        )
-        await grpc_server.start()
-        log.info("gRPC listening on %s:%d", settings.host, bound)
 
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
+    failed = asyncio.Event()
 
     def request_stop(sig: signal.Signals) -> None:
         log.info("received %s: draining in-flight requests", sig.name)
@@ -133,11 +126,6 @@ async def serve_async(
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, request_stop, sig)
-
-    async def stop_grpc() -> None:
-        await stopping.wait()
-        if grpc_server is not None:
-            await grpc_server.stop(grace=settings.drain_timeout)
 
     async def watch_loading() -> None:
         await loop.run_in_executor(None, service.wait_loaded)
@@ -148,17 +136,42 @@ async def serve_async(
         else:
             log.info("ready: %s", service.encoder_name)
 
-    failed = asyncio.Event()
-    sockets = [reuse_port_socket(settings.host, settings.port)] if reuse_port else None
-    grpc_stopper = asyncio.create_task(stop_grpc())
     watcher = asyncio.create_task(watch_loading())
+    grpc_server = None
     try:
-        await server.serve(sockets=sockets)
+        if reuse_port:
+            # A worker sharing the ports listens only once warm: the kernel hands connections
+            # to listening sockets only, so a loading worker never answers 503 while another
+            # one is ready.
+            stop_wait = asyncio.create_task(stopping.wait())
+            await asyncio.wait({watcher, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+            stop_wait.cancel()
+            if stopping.is_set():
+                return 1 if failed.is_set() else 0
+        if settings.grpc_port is not None:
+            from reward_server.service.grpc_server import create_server
+
+            grpc_server, bound = create_server(
+                service, settings.host, settings.grpc_port, reuse_port=reuse_port
+            )
+            await grpc_server.start()
+            log.info("gRPC listening on %s:%d", settings.host, bound)
+
+        async def stop_grpc() -> None:
+            await stopping.wait()
+            if grpc_server is not None:
+                await grpc_server.stop(grace=settings.drain_timeout)
+
+        sockets = [reuse_port_socket(settings.host, settings.port)] if reuse_port else None
+        grpc_stopper = asyncio.create_task(stop_grpc())
+        try:
+            await server.serve(sockets=sockets)
+        finally:
+            stopping.set()  # uvicorn may also stop on its own (startup failure)
+            await grpc_stopper
     finally:
-        stopping.set()  # uvicorn may also stop on its own (startup failure)
-        await grpc_stopper
         watcher.cancel()
-        await asyncio.get_running_loop().run_in_executor(None, service.close)
+        await loop.run_in_executor(None, service.close)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
     log.info("stopped")
@@ -186,28 +199,40 @@ def _run_workers(settings: Settings) -> int:
         ctx.Process(target=_worker_main, args=(child, i), name=f"sde2-worker-{i}")
         for i in range(settings.workers)
     ]
-    for p in procs:
-        p.start()
+    stop_requested: list[int] = []  # signals the supervisor received and forwarded
 
-    def forward(signum: int, frame: Any) -> None:
+    def stop_all(signum: int) -> None:
         for p in procs:
             if p.is_alive() and p.pid is not None:
                 os.kill(p.pid, signum)
 
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
+    def on_signal(signum: int, frame: Any) -> None:
+        stop_requested.append(signum)
+        stop_all(signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    for p in procs:
+        if stop_requested:  # a stop during startup: start no more
+            break
+        p.start()
+    started = [p for p in procs if p.pid is not None]
+    log.info("started %d workers", len(started))
     from multiprocessing.connection import wait
 
-    pending: dict[Any, Any] = {p.sentinel: p for p in procs}
+    pending: dict[Any, Any] = {p.sentinel: p for p in started}
     status = 0
     while pending:
         for sentinel in wait(list(pending)):
             proc = pending.pop(sentinel)
             proc.join()
-            if proc.exitcode:
+            # A forwarded stop that lands before a worker installed its handlers kills it
+            # with that signal: a requested stop, not a failure.
+            stopped = proc.exitcode is not None and -proc.exitcode in stop_requested
+            if proc.exitcode and not stopped:
                 status = status or 1
                 log.error("%s exited with %s; stopping the others", proc.name, proc.exitcode)
-                forward(signal.SIGTERM, None)
+                stop_all(signal.SIGTERM)
     return status
 
 
