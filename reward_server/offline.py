@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from reward_server.core import BatchScore, RewardParams, ScoreItem, finish_batch, prepare_batch
 from reward_server.core.params import RECIPE_COMPONENTS
 from reward_server.encoders.base import EMBEDDING_DIM, Encoder
+from reward_server.math_judge import IsolatedMathJudge
 
 #: Texts per encoder call: small enough for a live progress bar, large enough to batch well.
 CHUNK = 256
@@ -87,6 +88,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--params", default="{}", help="reward parameters as JSON, e.g. '{\"explore_cap\": 0.7}'"
     )
+    parser.add_argument(
+        "--math-timeout",
+        type=float,
+        default=2.0,
+        help="seconds one answer-type=math check may run before it counts as not equivalent",
+    )
     parser.add_argument("--no-normalize", action="store_true", help="sum raw components")
     parser.add_argument("--diagnostics", action="store_true", help="Uniq/Div for every item")
     parser.add_argument("--backend", choices=["onnx", "torch"], default="onnx")
@@ -96,6 +103,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Score ``--in`` into ``--out``; exit status 2 on bad input."""
+    if args.math_timeout <= 0:
+        print(
+            f"sde2-reward score: --math-timeout must be > 0, got {args.math_timeout}",
+            file=sys.stderr,
+        )
+        return 2
+    judge = IsolatedMathJudge(time_limit=args.math_timeout)  # starts a process only if used
     try:
         params = RewardParams.model_validate_json(args.params)
         with args.input.open(encoding="utf-8") as f:
@@ -106,10 +120,18 @@ def run(args: argparse.Namespace) -> int:
             answer_type=args.answer_type,
             params=params,
             diagnostics=args.diagnostics,
+            math_judge=judge,
         )
-    except (InputError, ValidationError, ValueError, OSError) as exc:
+    except (InputError, ValidationError, ValueError, OSError, RuntimeError) as exc:
         print(f"sde2-reward score: {exc}", file=sys.stderr)
         return 2
+    finally:
+        judge.close()
+    if judge.timeouts:
+        print(
+            f"{judge.timeouts} math checks ran past {args.math_timeout} s (not equivalent)",
+            file=sys.stderr,
+        )
     show = not args.quiet
     if show:
         print(f"{len(items)} items, {len(prepared.texts)} texts to embed", file=sys.stderr)

@@ -50,3 +50,11 @@ PIECES = [
     "\n",
     "\t",
 ]
+
+#: Answers that send math-verify (sympy) into integer arithmetic lasting hours while holding the
+#: GIL; each was measured to outlive a 3 s limit.
+PATHOLOGICAL_MATH = [
+    "$9^{9^{9^{9}}}$",
+    "\\boxed{10^{10^{10^{10}}}}",
+    "$(10^{10})!$",
+]

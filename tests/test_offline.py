@@ -12,6 +12,7 @@ from benchmarks.workload import grpo_step
 from reward_server.cli import main
 from reward_server.core import ScoreItem, score_batch
 from reward_server.encoders.loading import load_encoder
+from tests.hostile import PATHOLOGICAL_MATH
 
 
 def write_jsonl(path: Path, rows: list[object]) -> Path:
@@ -72,3 +73,21 @@ def test_bad_params_and_empty_file(tmp_path: Path, capsys: pytest.CaptureFixture
     empty = write_jsonl(tmp_path / "empty.jsonl", [])
     assert main(["score", "--in", str(empty), "--out", out]) == 2
     assert "empty" in capsys.readouterr().err
+
+
+def test_offline_math_survives_a_pathological_answer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    evil = PATHOLOGICAL_MATH[0]
+    rows = [
+        {"completion": f"<answer>{evil}</answer>", "answer": "$5$"},
+        {"completion": "<answer>$\\frac{10}{2}$</answer>", "answer": "$5$"},
+    ]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    args = ["score", "--in", str(src), "--out", "-", "--recipe", "cfl", "--answer-type", "math"]
+    assert main([*args, "--quiet", "--math-timeout", "1"]) == 0
+    captured = capsys.readouterr()
+    assert [json.loads(line)["correct"] for line in captured.out.splitlines()] == [False, True]
+    assert "1 math checks ran past 1.0 s" in captured.err
+    assert main([*args, "--math-timeout", "0"]) == 2
+    assert "--math-timeout" in capsys.readouterr().err

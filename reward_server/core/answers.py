@@ -16,6 +16,10 @@ from reward_server.core.text import field_text
 
 #: A canonical numeric answer: an exact rational, or a string when there is no usable number.
 Canonical = Fraction | str
+#: ``(prediction, gold) -> equivalent?`` for ``answer_type = "math"``. The service and the
+#: offline scorer pass one that runs each check in a killable process
+#: (:mod:`reward_server.math_judge`); :func:`math_equivalent` is the in-process default.
+MathJudge = Callable[[str, str], bool]
 
 _FRAC = re.compile(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
 # Longest first, so that `\textbf` is not read as `\text` + "bf".
@@ -111,7 +115,11 @@ def canonical_exact(text: str) -> str:
 
 
 def math_equivalent(prediction: str, gold: str) -> bool:
-    """``answer_type = "math"``: equivalence by ``math-verify`` (optional extra), gold first."""
+    """``answer_type = "math"``: equivalence by ``math-verify`` (optional extra), gold first.
+
+    In process and unbounded off the main thread: for untrusted model output use the isolated
+    judge of :mod:`reward_server.math_judge`, which runs this in a process it can kill.
+    """
     try:
         from math_verify import parse, verify
     except ImportError as exc:  # pragma: no cover - depends on the installed extras
@@ -136,10 +144,13 @@ def math_available() -> bool:
     return True
 
 
-def make_matcher(answer_type: AnswerType, gold: str) -> Callable[[str], bool]:
+def make_matcher(
+    answer_type: AnswerType, gold: str, math_judge: MathJudge = math_equivalent
+) -> Callable[[str], bool]:
     """A predicate telling whether a predicted answer text matches ``gold`` (both preprocessed).
 
     The gold side is canonicalized once, since one completion asks it for every strategy.
+    ``math_judge`` decides ``answer_type = "math"``.
 
     >>> matches = make_matcher("numeric", "#### 72")
     >>> matches("72.0"), matches("73")
@@ -157,7 +168,7 @@ def make_matcher(answer_type: AnswerType, gold: str) -> Callable[[str], bool]:
         gold_exact = canonical_exact(gold)
         return lambda prediction: canonical_exact(prediction) == gold_exact
     if answer_type == "math":
-        return lambda prediction: math_equivalent(prediction, gold)
+        return lambda prediction: math_judge(prediction, gold)
     raise ValueError(f"unknown answer_type {answer_type!r}")
 
 

@@ -24,7 +24,7 @@ from pydantic import ConfigDict, Field
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from reward_server.core import components as C
-from reward_server.core.answers import make_matcher
+from reward_server.core.answers import MathJudge, make_matcher, math_equivalent
 from reward_server.core.geometry import semantic_gain
 from reward_server.core.normalization import Aggregate, aggregate
 from reward_server.core.params import RECIPE_COMPONENTS, AnswerType, Recipe, RewardParams
@@ -159,10 +159,11 @@ def analyze_item(
     answer_type: AnswerType,
     params: RewardParams,
     diagnostics: bool,
+    math_judge: MathJudge = math_equivalent,
 ) -> ItemAnalysis:
     """Parse one completion and match its answers; decide whether it needs the encoder."""
     parsed = parse_completion(preprocess(item.completion), params.max_strategies)
-    matches = make_matcher(answer_type, preprocess(item.answer))
+    matches = make_matcher(answer_type, preprocess(item.answer), math_judge)
     strategy_correct = any(matches(s.outcome) for s in parsed.strategies)
     correct = parsed.final_answer is not None and matches(parsed.final_answer)
     length = item.num_tokens if item.num_tokens is not None else len(item.completion.split())
@@ -178,13 +179,20 @@ def prepare_batch(
     answer_type: AnswerType = "numeric",
     params: RewardParams | None = None,
     diagnostics: bool = False,
+    math_judge: MathJudge = math_equivalent,
 ) -> PreparedBatch:
-    """Phase 1: everything but the embeddings. Raises :class:`InvalidBatch` on a bad batch."""
+    """Phase 1: everything but the embeddings. Raises :class:`InvalidBatch` on a bad batch.
+
+    ``math_judge`` decides ``answer_type = "math"`` (in process by default; services pass an
+    isolated one, see :mod:`reward_server.math_judge`).
+    """
     params = params or RewardParams()
     if not items:
         raise InvalidBatch(("items",), "the batch is empty: send at least one item")
     groups = _groups(items)
-    analyses = [analyze_item(it, recipe, answer_type, params, diagnostics) for it in items]
+    analyses = [
+        analyze_item(it, recipe, answer_type, params, diagnostics, math_judge) for it in items
+    ]
     texts = dict.fromkeys(
         s.reasoning for a in analyses if a.needs_geometry for s in a.parsed.strategies
     )
@@ -252,10 +260,16 @@ def score_batch(
     params: RewardParams | None = None,
     normalize: bool = True,
     diagnostics: bool = False,
+    math_judge: MathJudge = math_equivalent,
 ) -> BatchScore:
     """Score a batch in process: :func:`prepare_batch`, encode, :func:`finish_batch`."""
     prepared = prepare_batch(
-        items, recipe=recipe, answer_type=answer_type, params=params, diagnostics=diagnostics
+        items,
+        recipe=recipe,
+        answer_type=answer_type,
+        params=params,
+        diagnostics=diagnostics,
+        math_judge=math_judge,
     )
     embeddings = (
         encoder.encode(prepared.texts)

@@ -86,6 +86,13 @@ class Settings:
     cache_size: int = field(
         default=20_000, metadata={"help": "embeddings kept in the LRU cache (0 disables it)"}
     )
+    math_timeout: float = field(
+        default=2.0,
+        metadata={
+            "help": "seconds one answer_type=math equivalence check may run (in a child process "
+            "that is killed after it); a check that runs out counts as not equivalent"
+        },
+    )
     drain_timeout: float = field(
         default=30.0, metadata={"help": "seconds SIGTERM waits for in-flight requests"}
     )
@@ -97,8 +104,8 @@ class Settings:
                 raise ValueError(f"{name} must be >= 1")
         if self.queue_capacity < 1 or self.batch_tokens < 1 or self.workers < 1:
             raise ValueError("queue_capacity, batch_tokens and workers must be >= 1")
-        if self.request_timeout <= 0 or self.drain_timeout < 0:
-            raise ValueError("request_timeout must be > 0 and drain_timeout >= 0")
+        if self.request_timeout <= 0 or self.drain_timeout < 0 or self.math_timeout <= 0:
+            raise ValueError("request_timeout and math_timeout must be > 0 and drain_timeout >= 0")
         if self.cache_size < 0:
             raise ValueError("cache_size must be >= 0")
         if self.variant not in ("fp32", "fp16", "int8"):

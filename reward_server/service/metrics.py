@@ -141,6 +141,11 @@ class Metrics(BatchObserver):
             "queued requests skipped because of their deadline or a gone caller",
             registry=r,
         )
+        self.math_timeouts = Counter(
+            "sde2_math_check_timeouts",
+            "answer_type=math checks stopped at --math-timeout (counted as not equivalent)",
+            registry=r,
+        )
         self.admitted = Gauge("sde2_admitted_requests", "requests admitted now", registry=r)
         self.queue_depth = Gauge("sde2_queue_depth", "requests waiting for the encoder", registry=r)
         self.queue_tokens = Gauge(

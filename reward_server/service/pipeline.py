@@ -33,7 +33,9 @@ from reward_server.core import (
     finish_batch,
     prepare_batch,
 )
+from reward_server.core.answers import MathJudge, math_available
 from reward_server.encoders.base import EMBEDDING_DIM, Encoder
+from reward_server.math_judge import IsolatedMathJudge, MathDeadlineExceeded
 from reward_server.service.batcher import Batcher, DeadlineExceeded
 from reward_server.service.config import Settings
 from reward_server.service.metrics import Metrics
@@ -148,6 +150,8 @@ class ScoringService:
         self._loaded = threading.Event()  # set when loading ended, successfully or not
         self._started = False
         self._cpu = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sde2-cpu")
+        self._math_judge: IsolatedMathJudge | None = None
+        self._math_lock = threading.Lock()
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -206,6 +210,20 @@ class ScoringService:
         if self.batcher is not None:
             self.batcher.close(timeout=self.settings.drain_timeout)
         self._cpu.shutdown(wait=False, cancel_futures=True)
+        if self._math_judge is not None:
+            self._math_judge.close()
+
+    def math_judge(self, deadline: float) -> MathJudge:
+        """The isolated ``math`` matcher bounded by ``deadline`` (its processes start on first
+        use: most servers never see ``answer_type = "math"``)."""
+        with self._math_lock:
+            if self._math_judge is None:
+                self._math_judge = IsolatedMathJudge(
+                    time_limit=self.settings.math_timeout,
+                    workers=2,  # one per CPU-pool thread
+                    on_timeout=self.metrics.math_timeouts.inc,
+                )
+            return self._math_judge.bounded(deadline)
 
     # -- scoring ------------------------------------------------------------------------------
 
@@ -222,6 +240,14 @@ class ScoringService:
         def add(loc: Loc, msg: str) -> None:
             issues.append(issue(loc_map(loc) if loc_map else loc, msg, "too_long"))
 
+        if request.answer_type == "math" and not math_available():
+            issues.append(
+                issue(
+                    loc_map(("answer_type",)) if loc_map else ("answer_type",),
+                    "'math' needs the server's optional extra sde2[math], not installed here",
+                    "unsupported",
+                )
+            )
         if len(request.items) > s.max_items:
             add(("items",), f"at most {s.max_items} items per request, got {len(request.items)}")
         for i, item in enumerate(request.items):
@@ -276,11 +302,14 @@ class ScoringService:
                         answer_type=request.answer_type,
                         params=request.params,
                         diagnostics=request.diagnostics,
+                        math_judge=self.math_judge(deadline),
                     )
                 )
             except InvalidBatch as exc:
                 loc = loc_map(exc.loc) if loc_map else exc.loc
                 raise RequestInvalid([issue(loc, exc.message, "invalid_batch")]) from None
+            except MathDeadlineExceeded as exc:
+                raise DeadlineExceeded(str(exc)) from None
             self.metrics.items.observe(len(request.items))
             t1 = time.monotonic()
             queue_s = encode_s = 0.0

@@ -1,0 +1,250 @@
+"""The ``math`` matcher run in child processes, each check under a hard time limit.
+
+Why a process: ``math-verify`` hands model output to sympy, and some strings models do emit
+(``$9^{9^{9^{9}}}$``) start an integer power that runs in C for hours while holding the GIL. In
+the server's threads math-verify's own (signal-based) timeouts cannot run at all, and even on a
+main thread a signal cannot interrupt that C loop: the only safe stop is to kill the process
+doing it. :class:`IsolatedMathJudge` sends each ``(prediction, gold)`` pair to a small pool of
+child processes and kills a child whose check outlives ``time_limit``.
+
+A check that times out counts as *not equivalent*, which is what math-verify itself answers when
+its own timeout fires; every such case is logged and counted (``on_timeout``). A check that runs
+into the caller's deadline raises :class:`MathDeadlineExceeded` instead, so the request fails
+rather than score on a verdict nobody reached.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import select
+import subprocess
+import sys
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from functools import partial
+from typing import IO, Any
+
+from reward_server.core.answers import MathJudge
+
+log = logging.getLogger(__name__)
+
+#: Pairs longer than this (characters, both sides) are not cached: the cache stays small.
+_CACHEABLE_CHARS = 512
+
+
+class MathDeadlineExceeded(TimeoutError):
+    """The caller's deadline passed before a math equivalence check finished."""
+
+
+def serve_checks(requests: IO[str], replies: IO[str]) -> None:
+    """The child's loop: one JSON ``[prediction, gold]`` line in, one JSON verdict line out."""
+    from reward_server.core.answers import math_available, math_equivalent
+
+    if not math_available():
+        message = "answer_type 'math' needs the optional extra: pip install sde2[math]"
+        replies.write(json.dumps({"error": message}) + "\n")
+        replies.flush()
+        return
+    replies.write(json.dumps({"ready": True}) + "\n")
+    replies.flush()
+    for line in requests:
+        prediction, gold = json.loads(line)
+        try:
+            reply: dict[str, Any] = {"equivalent": math_equivalent(prediction, gold)}
+        except Exception as exc:  # math-verify catches its own; anything else is reported
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        replies.write(json.dumps(reply) + "\n")
+        replies.flush()
+
+
+class _ChildDied(Exception):
+    """The child's pipe closed: it exited or was killed."""
+
+
+class _Child:
+    """One ``python -m reward_server.math_judge`` process and its pipes."""
+
+    def __init__(self, start_timeout: float) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "reward_server.math_judge"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            start_new_session=True,  # Ctrl-C on the terminal is the parent's to handle
+        )
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self._stdin, self._stdout = self.process.stdin, self.process.stdout
+        self._buffer = b""
+        try:
+            hello = self.read(start_timeout)
+        except _ChildDied:
+            hello = {"error": f"the math checker exited with {self.process.wait()}"}
+        if hello is None or "error" in hello:
+            self.kill()
+            why = "did not start in time" if hello is None else hello["error"]
+            raise RuntimeError(f"cannot check math answers: {why}")
+
+    def send(self, prediction: str, gold: str) -> None:
+        try:
+            self._stdin.write(json.dumps([prediction, gold]).encode() + b"\n")
+            self._stdin.flush()
+        except OSError as exc:
+            raise _ChildDied from exc
+
+    def read(self, timeout: float) -> dict[str, Any] | None:
+        """The next reply, or ``None`` when none came within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        fd = self._stdout.fileno()
+        while b"\n" not in self._buffer:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+                return None
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise _ChildDied
+            self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        reply: dict[str, Any] = json.loads(line)
+        return reply
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait(5)
+        self._stdin.close()
+        self._stdout.close()
+
+
+class IsolatedMathJudge:
+    """``(prediction, gold) -> bool`` by math-verify, in ``workers`` killable child processes.
+
+    Thread-safe: concurrent callers use different children (and wait for a free one). Children
+    start on first use (importing sympy takes a second or two) and are replaced when killed.
+    Verdicts of short pairs are cached, timeouts included, so a repeated pathological answer
+    costs ``time_limit`` once.
+    """
+
+    def __init__(
+        self,
+        *,
+        time_limit: float = 2.0,
+        workers: int = 1,
+        cache_size: int = 4096,
+        start_timeout: float = 60.0,
+        on_timeout: Callable[[], None] | None = None,
+    ) -> None:
+        if time_limit <= 0 or workers < 1 or cache_size < 0:
+            raise ValueError("time_limit must be > 0, workers >= 1, cache_size >= 0")
+        self.time_limit = time_limit
+        self.start_timeout = start_timeout
+        self.on_timeout = on_timeout
+        self.timeouts = 0
+        self._slots: queue.LifoQueue[_Child | None] = queue.LifoQueue()
+        for _ in range(workers):
+            self._slots.put(None)
+        self._cache: OrderedDict[tuple[str, str], bool] = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def __call__(self, prediction: str, gold: str, deadline: float | None = None) -> bool:
+        """Whether ``prediction`` equals ``gold``; ``deadline`` is a ``time.monotonic()`` time."""
+        key = (prediction, gold)
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        limit, by_deadline = self.time_limit, False
+        if deadline is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise MathDeadlineExceeded("request deadline passed while checking math answers")
+            limit, by_deadline = min(limit, remaining), remaining < limit
+        verdict = self._check(prediction, gold, limit, by_deadline, deadline)
+        self._remember(key, verdict)
+        return verdict
+
+    def bounded(self, deadline: float | None) -> MathJudge:
+        """This judge with ``deadline`` fixed: what :func:`~reward_server.core.prepare_batch`
+        takes."""
+        return partial(self, deadline=deadline)
+
+    def close(self) -> None:
+        """Stop the children (idle ones now; busy ones when their check returns)."""
+        self._closed = True
+        while True:
+            try:
+                child = self._slots.get_nowait()
+            except queue.Empty:
+                return
+            if child is not None:
+                child.kill()
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _check(
+        self, prediction: str, gold: str, limit: float, by_deadline: bool, deadline: float | None
+    ) -> bool:
+        wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            child = self._slots.get(timeout=wait)
+        except queue.Empty:
+            raise MathDeadlineExceeded(
+                "request deadline passed waiting for the math checker"
+            ) from None
+        try:
+            if self._closed:
+                raise RuntimeError("the math checker is closed")
+            if child is None or not child.alive():
+                child = _Child(self.start_timeout)
+            try:
+                child.send(prediction, gold)
+                reply = child.read(limit)
+                if reply is not None:
+                    if "error" in reply:
+                        raise RuntimeError(f"math check failed: {reply['error']}")
+                    return bool(reply["equivalent"])
+                why = f"exceeded {limit:.1f} s"
+            except _ChildDied:  # the check killed its process (memory, most likely)
+                why = "crashed its process"
+            child.kill()
+            child = None
+        finally:
+            if self._closed and child is not None:
+                child.kill()
+                child = None
+            self._slots.put(child)
+        if by_deadline:
+            raise MathDeadlineExceeded("request deadline passed while checking math answers")
+        self.timeouts += 1
+        if self.on_timeout is not None:
+            self.on_timeout()
+        log.warning(
+            "math check of %r against %r %s: counted as not equivalent",
+            _preview(prediction),
+            _preview(gold),
+            why,
+        )
+        return False
+
+    def _remember(self, key: tuple[str, str], verdict: bool) -> None:
+        if self._cache_size == 0 or len(key[0]) + len(key[1]) > _CACHEABLE_CHARS:
+            return
+        with self._lock:
+            self._cache[key] = verdict
+            if len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+
+
+def _preview(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+if __name__ == "__main__":  # the child process of :class:`IsolatedMathJudge`
+    serve_checks(sys.stdin, sys.stdout)

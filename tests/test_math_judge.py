@@ -1,0 +1,144 @@
+"""The isolated ``math`` matcher: same verdicts as math-verify in process, and a pathological
+answer (an integer power that holds the GIL for hours) costs ``time_limit``, not the server."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from reward_server.core import ScoreItem, prepare_batch
+from reward_server.core.answers import math_equivalent
+from reward_server.math_judge import IsolatedMathJudge, MathDeadlineExceeded
+from tests.hostile import PATHOLOGICAL_MATH
+
+PAIRS = [
+    ("$0.5$", "$\\frac{1}{2}$"),
+    ("$\\sqrt{4}$", "$2$"),
+    ("$0.4$", "$\\frac{1}{2}$"),
+    ("$x^2 + 2x + 1$", "$(x+1)^2$"),
+    ("$\\{1, 2\\}$", "$\\{2, 1\\}$"),
+    ("no answer", "$3$"),
+    ("$\\frac{1}{0}$", "$3$"),
+]
+
+
+TIMEOUTS: list[str] = []  # what ``on_timeout`` reported, per test
+
+
+@pytest.fixture()
+def judge() -> Iterator[IsolatedMathJudge]:
+    TIMEOUTS.clear()
+    j = IsolatedMathJudge(time_limit=1.5, on_timeout=lambda: TIMEOUTS.append("timeout"))
+    yield j
+    j.close()
+
+
+def test_same_verdicts_as_in_process_math_verify(judge: IsolatedMathJudge) -> None:
+    got = [judge(p, g) for p, g in PAIRS]
+    assert got == [math_equivalent(p, g) for p, g in PAIRS]
+    assert got[:2] == [True, True] and got[2] is False  # the cases are not all one verdict
+
+
+@pytest.mark.parametrize("evil", PATHOLOGICAL_MATH)
+def test_pathological_answer_costs_the_time_limit_and_not_the_process(
+    judge: IsolatedMathJudge, evil: str
+) -> None:
+    judge("$1$", "$1$")  # the child is up: what follows times the check, not the start
+    ticks: list[float] = []
+    stop = threading.Event()
+
+    def tick() -> None:  # would stall if the check held this process's GIL
+        while not stop.is_set():
+            ticks.append(time.monotonic())
+            time.sleep(0.02)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    t0 = time.monotonic()
+    try:
+        verdict = judge(evil, "$5$")
+    finally:
+        stop.set()
+        ticker.join()
+    elapsed = time.monotonic() - t0
+    assert verdict is False
+    assert 1.4 < elapsed < 1.5 + 5.0
+    assert max(b - a for a, b in itertools.pairwise(ticks)) < 1.0
+    assert judge.timeouts == 1 and TIMEOUTS == ["timeout"]
+    t0 = time.monotonic()
+    assert judge(evil, "$5$") is False  # remembered: a repeated answer costs nothing
+    assert time.monotonic() - t0 < 0.1
+    assert judge("$\\sqrt{9}$", "$3$") is True  # a fresh child took over
+
+
+def test_the_callers_deadline_raises_instead_of_deciding(judge: IsolatedMathJudge) -> None:
+    judge("$1$", "$1$")
+    with pytest.raises(MathDeadlineExceeded):
+        judge(PATHOLOGICAL_MATH[0], "$7$", deadline=time.monotonic() + 0.3)
+    with pytest.raises(MathDeadlineExceeded):
+        judge("$2$", "$2$", deadline=time.monotonic() - 1)
+    assert judge.timeouts == 0  # a deadline is not a verdict: nothing counted, nothing cached
+    t0 = time.monotonic()
+    assert judge(PATHOLOGICAL_MATH[0], "$7$") is False
+    assert time.monotonic() - t0 > 1.4
+
+
+def test_a_crashed_child_is_replaced(judge: IsolatedMathJudge) -> None:
+    assert judge("$2$", "$2$")
+    child = judge._slots.get()
+    assert child is not None
+    child.process.kill()
+    child.process.wait()
+    judge._slots.put(child)
+    assert judge("$\\frac{6}{3}$", "$2$") is True
+
+
+def test_concurrent_callers_get_their_own_answers() -> None:
+    judge = IsolatedMathJudge(time_limit=5.0, workers=2, cache_size=0)
+    try:
+        pairs = [(f"${i}/2$", f"${i / 2}$") for i in range(12)] + [("$3$", "$4$")] * 4
+        results: dict[int, bool] = {}
+
+        def check(i: int) -> None:
+            results[i] = judge(*pairs[i])
+
+        threads = [threading.Thread(target=check, args=(i,)) for i in range(len(pairs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert [results[i] for i in range(len(pairs))] == [True] * 12 + [False] * 4
+    finally:
+        judge.close()
+
+
+def test_close_stops_the_children() -> None:
+    judge = IsolatedMathJudge()
+    judge("$1$", "$1$")
+    child = judge._slots.get()
+    judge._slots.put(child)
+    assert child is not None and child.alive()
+    judge.close()
+    assert not child.alive()
+
+
+def test_prepare_batch_decides_math_with_the_judge_it_is_given() -> None:
+    seen: list[tuple[str, str]] = []
+
+    def judge(prediction: str, gold: str) -> bool:
+        seen.append((prediction, gold))
+        return prediction == "forty-two"
+
+    item = ScoreItem(
+        completion="<strategy><reasoning>r</reasoning>"
+        "<strategy_outcome>forty-two</strategy_outcome></strategy>"
+        "<final_answer>forty-two</final_answer>",
+        answer="42",
+    )
+    prepared = prepare_batch([item], answer_type="math", math_judge=judge)
+    assert prepared.analyses[0].correct and prepared.analyses[0].strategy_correct
+    assert ("forty-two", "42") in seen
