@@ -16,6 +16,7 @@
 #   TORCH_FIND_LINKS   folder with the torch CPU wheel (/opt/wheels when it holds a torch wheel;
 #                      mounted read-only into the build)
 #   TORCH_INDEX_URL    torch index when TORCH_FIND_LINKS is empty (https://download.pytorch.org/whl/cpu)
+#   SERVER_EXTRAS      extras of the server venv (server; "server math" adds the math matcher)
 #   SKIP_SETUP=1       do not run podman-setup.sh first
 #
 # Prints the image id, the build time and the image size; labels the image with
@@ -36,7 +37,7 @@ while [ $# -gt 0 ]; do
         --if-changed) if_changed=1 ;;
         --print-hash) print_hash=1 ;;
         --) shift; extra=("$@"); break ;;
-        -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
         *) echo "unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
     shift
@@ -81,6 +82,7 @@ build_args=(
     --build-arg "BASE_IMAGE=$base"
     --build-arg "TORCH_FIND_LINKS=$TORCH_FIND_LINKS"
     --build-arg "TORCH_INDEX_URL=$TORCH_INDEX_URL"
+    --build-arg "SERVER_EXTRAS=${SERVER_EXTRAS:-server}"
 )
 if [ "$gpu" = 1 ]; then
     build_args+=(--build-arg "EXPORT_BASE_IMAGE=${EXPORT_BASE_IMAGE:-$cpu_base}")

@@ -31,10 +31,13 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.hostile import PATHOLOGICAL_MATH
+
 pytestmark = [pytest.mark.container, pytest.mark.timeout(3600)]
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_IMAGE = "localhost/sde2-reward-server:latest"
+MATH_IMAGE = "localhost/sde2-reward-server:math"
 CONTAINERS_CONF = Path(
     os.environ.get("CONTAINERS_CONF", ROOT / "docker" / ".podman" / "containers.conf")
 )
@@ -158,14 +161,8 @@ def remove_container(name: str) -> None:
 # --- fixtures -------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def image() -> str:
-    """The image under test: built by docker/build.sh unless SDE2_TEST_IMAGE names one."""
-    given = os.environ.get("SDE2_TEST_IMAGE")
-    if given:
-        if podman("image", "exists", given, check=False).returncode != 0:
-            pytest.fail(f"SDE2_TEST_IMAGE={given} does not exist locally")
-        return given
+def build_image(name: str, **env: str) -> str:
+    """``docker/build.sh --if-changed`` into ``name`` (``env``: its build variables)."""
     _podman_base()
     t0 = time.monotonic()
     cmd = ["bash", str(ROOT / "docker" / "build.sh"), "--if-changed"]
@@ -176,7 +173,7 @@ def image() -> str:
             text=True,
             timeout=BUILD_TIMEOUT,
             cwd=ROOT,
-            env={**_env(), "SKIP_SETUP": "1", "IMAGE": DEFAULT_IMAGE},
+            env={**_env(), "SKIP_SETUP": "1", "IMAGE": name, **env},
             check=False,
         )
     except subprocess.TimeoutExpired:
@@ -187,8 +184,19 @@ def image() -> str:
             f"could not be pulled, {SETUP_HINT}):\n"
             f"{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
         )
-    print(f"\nimage {DEFAULT_IMAGE} ready in {time.monotonic() - t0:.1f}s (build or reuse)")
-    return DEFAULT_IMAGE
+    print(f"\nimage {name} ready in {time.monotonic() - t0:.1f}s (build or reuse)")
+    return name
+
+
+@pytest.fixture(scope="module")
+def image() -> str:
+    """The image under test: built by docker/build.sh unless SDE2_TEST_IMAGE names one."""
+    given = os.environ.get("SDE2_TEST_IMAGE")
+    if given:
+        if podman("image", "exists", given, check=False).returncode != 0:
+            pytest.fail(f"SDE2_TEST_IMAGE={given} does not exist locally")
+        return given
+    return build_image(DEFAULT_IMAGE)
 
 
 @pytest.fixture(scope="module")
@@ -470,5 +478,32 @@ def test_sigterm_stops_cleanly(image: str) -> None:
         print(f"stopped in {stop_s:.2f}s, exit code {code}")
         assert code != "137", "the server ignored SIGTERM and was killed"
         assert stop_s < 20
+    finally:
+        remove_container(running.name)
+
+
+def test_math_variant_survives_pathological_answers() -> None:
+    """``SERVER_EXTRAS="server math"``: the math matcher works as the image's non-root user, and
+    an answer sympy would compute for hours costs ``SDE2_MATH_TIMEOUT``, not the container."""
+    image = build_image(MATH_IMAGE, SERVER_EXTRAS="server math")
+    size = int(podman("image", "inspect", "--format", "{{.Size}}", image).stdout.strip())
+    print(f"\n{image}: {size / 1e6:.1f} MB")
+    running = start_container(image)
+    try:
+        items = [
+            {"completion": _completion([("by powers", evil), ("halve ten", "$\\frac{10}{2}$")],
+                                       evil),
+             "answer": "$5$"}
+            for evil in PATHOLOGICAL_MATH
+        ]  # fmt: skip
+        r = httpx.post(
+            f"{running.http}/v1/score",
+            json={"items": items, "answer_type": "math", "recipe": "cfee"},
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        assert [it["strategy_correct"] for it in r.json()["items"]] == [True] * len(items)
+        assert [it["correct"] for it in r.json()["items"]] == [False] * len(items)
+        assert httpx.get(f"{running.http}/healthz", timeout=5).status_code == 200
     finally:
         remove_container(running.name)
