@@ -15,6 +15,7 @@ rather than score on a verdict nobody reached.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -71,7 +72,7 @@ class _Child:
 
     def __init__(self, start_timeout: float) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "reward_server.math_judge"],
+            [sys.executable, "-m", "reward_server.math_judge", str(os.getpid())],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             start_new_session=True,  # Ctrl-C on the terminal is the parent's to handle
@@ -117,8 +118,9 @@ class _Child:
     def kill(self) -> None:
         self.process.kill()
         self.process.wait(5)
-        self._stdin.close()
-        self._stdout.close()
+        for pipe in (self._stdin, self._stdout):
+            with contextlib.suppress(OSError):  # unsent bytes to a dead child: nothing to do
+                pipe.close()
 
 
 class IsolatedMathJudge:
@@ -201,20 +203,28 @@ class IsolatedMathJudge:
         try:
             if self._closed:
                 raise RuntimeError("the math checker is closed")
-            if child is None or not child.alive():
-                child = _Child(self.start_timeout)
-            try:
-                child.send(prediction, gold)
-                reply = child.read(limit)
-                if reply is not None:
-                    if "error" in reply:
-                        raise RuntimeError(f"math check failed: {reply['error']}")
-                    return bool(reply["equivalent"])
-                why = f"exceeded {limit:.1f} s"
-            except _ChildDied:  # the check killed its process (memory, most likely)
-                why = "crashed its process"
-            child.kill()
-            child = None
+            for _attempt in (1, 2):
+                if child is None or not child.alive():
+                    child = _Child(self.start_timeout)
+                try:
+                    child.send(prediction, gold)
+                    reply = child.read(limit)
+                except _ChildDied:
+                    # Killed mid-check: by the check itself (memory), or because the thread
+                    # that started it ended (PR_SET_PDEATHSIG follows the thread). A fresh
+                    # child tells the two apart; a second death is the check's doing.
+                    child.kill()
+                    child, why = None, "crashed its process twice"
+                    continue
+                if reply is None:
+                    why = f"exceeded {limit:.1f} s"
+                    break
+                if "error" in reply:
+                    raise RuntimeError(f"math check failed: {reply['error']}")
+                return bool(reply["equivalent"])
+            if child is not None:
+                child.kill()
+                child = None
         finally:
             if self._closed and child is not None:
                 child.kill()
@@ -246,5 +256,20 @@ def _preview(text: str, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+def _die_with_parent(parent: int) -> None:
+    """Linux: SIGKILL this child when its parent dies, even mid-check (a killed server must not
+    leave a child computing ``9^(9^(9^9))`` for hours). Elsewhere the closed pipe ends it after
+    the check."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
+    if os.getppid() != parent:  # the parent died before the line above took effect
+        sys.exit(0)
+
+
 if __name__ == "__main__":  # the child process of :class:`IsolatedMathJudge`
+    _die_with_parent(int(sys.argv[1]))
     serve_checks(sys.stdin, sys.stdout)

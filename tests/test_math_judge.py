@@ -4,9 +4,12 @@ answer (an integer power that holds the GIL for hours) costs ``time_limit``, not
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -142,3 +145,60 @@ def test_prepare_batch_decides_math_with_the_judge_it_is_given() -> None:
     prepared = prepare_batch([item], answer_type="math", math_judge=judge)
     assert prepared.analyses[0].correct and prepared.analyses[0].strategy_correct
     assert ("forty-two", "42") in seen
+
+
+def test_a_child_killed_mid_check_is_retried_once(
+    judge: IsolatedMathJudge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A death that is not the check's doing (e.g. the thread that started the child ended) must
+    not turn into a verdict: the check runs again in a fresh child."""
+    from reward_server import math_judge
+
+    judge("$1$", "$1$")
+    real_send = math_judge._Child.send
+    killed: list[int] = []
+
+    def send_then_die(self: math_judge._Child, prediction: str, gold: str) -> None:
+        if not killed:
+            killed.append(self.process.pid)
+            self.process.kill()
+            self.process.wait()
+        real_send(self, prediction, gold)
+
+    monkeypatch.setattr(math_judge._Child, "send", send_then_die)
+    assert judge("$\\frac{4}{2}$", "$2$") is True
+    assert killed and judge.timeouts == 0
+
+
+def test_a_busy_child_dies_with_its_parent(tmp_path: Path) -> None:
+    """A server killed mid-check leaves no child computing for hours (Linux PR_SET_PDEATHSIG)."""
+    script = (
+        "import sys, threading, time\n"
+        "from reward_server.math_judge import IsolatedMathJudge\n"
+        "judge = IsolatedMathJudge(time_limit=600)\n"
+        "judge('$1$', '$1$')\n"
+        "child = judge._slots.get(); judge._slots.put(child)\n"
+        "print(child.process.pid, flush=True)\n"
+        "threading.Thread(target=judge, args=(sys.argv[1], '$5$'), daemon=True).start()\n"
+        "time.sleep(1.0)\n"
+    )
+    parent = subprocess.run(
+        [sys.executable, "-c", script, PATHOLOGICAL_MATH[0]],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    child_pid = int(parent.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while _running(child_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _running(child_pid)
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
