@@ -70,7 +70,8 @@ class _ChildDied(Exception):
 class _Child:
     """One ``python -m reward_server.math_judge`` process and its pipes."""
 
-    def __init__(self, start_timeout: float) -> None:
+    def __init__(self) -> None:
+        """Start the process; it imports sympy while the caller goes on (see :meth:`started`)."""
         self.process = subprocess.Popen(
             [sys.executable, "-m", "reward_server.math_judge", str(os.getpid())],
             stdin=subprocess.PIPE,
@@ -80,14 +81,22 @@ class _Child:
         assert self.process.stdin is not None and self.process.stdout is not None
         self._stdin, self._stdout = self.process.stdin, self.process.stdout
         self._buffer = b""
+        self._started = False
+
+    def started(self, timeout: float) -> _Child:
+        """Wait (once) for the child's hello; raise if it cannot check math answers."""
+        if self._started:
+            return self
         try:
-            hello = self.read(start_timeout)
+            hello = self.read(timeout)
         except _ChildDied:
             hello = {"error": f"the math checker exited with {self.process.wait()}"}
         if hello is None or "error" in hello:
             self.kill()
             why = "did not start in time" if hello is None else hello["error"]
             raise RuntimeError(f"cannot check math answers: {why}")
+        self._started = True
+        return self
 
     def send(self, prediction: str, gold: str) -> None:
         try:
@@ -147,7 +156,8 @@ class IsolatedMathJudge:
         self.start_timeout = start_timeout
         self.on_timeout = on_timeout
         self.timeouts = 0
-        self._slots: queue.LifoQueue[_Child | None] = queue.LifoQueue()
+        # FIFO: a successor still booting after a kill waits its turn behind a ready child.
+        self._slots: queue.Queue[_Child | None] = queue.Queue()
         for _ in range(workers):
             self._slots.put(None)
         self._cache: OrderedDict[tuple[str, str], bool] = OrderedDict()
@@ -205,7 +215,8 @@ class IsolatedMathJudge:
                 raise RuntimeError("the math checker is closed")
             for _attempt in (1, 2):
                 if child is None or not child.alive():
-                    child = _Child(self.start_timeout)
+                    child = _Child()
+                child.started(self.start_timeout)
                 try:
                     child.send(prediction, gold)
                     reply = child.read(limit)
@@ -224,7 +235,7 @@ class IsolatedMathJudge:
                 return bool(reply["equivalent"])
             if child is not None:
                 child.kill()
-                child = None
+            child = None if self._closed else _Child()  # its successor boots meanwhile
         finally:
             if self._closed and child is not None:
                 child.kill()
