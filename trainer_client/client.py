@@ -121,6 +121,58 @@ def _check_response(url: str, response: httpx.Response) -> tuple[Any, Attempt | 
     return None, failure, response.status_code in RETRYABLE_STATUSES
 
 
+class _Attempts:
+    """One request's retry loop without its I/O, shared by the blocking and asyncio clients:
+    which URL to try next (each retry moves to the next replica), what failed, how long to
+    wait, and when to give up with an error that lists every attempt."""
+
+    def __init__(self, client: _Base, method: str, path: str, replica: int, what: str) -> None:
+        self.client, self.path, self.replica = client, path, replica
+        self.what = what or f"{method} {path}"
+        self.failures: list[Attempt] = []
+        self.started = time.monotonic()
+        self.number = 0
+        self.data: Any = None
+        self._retryable = True
+        self._retry_after: float | None = None
+
+    def url(self) -> str:
+        """Where the current attempt goes."""
+        return self.client._url(self.replica, self.number) + self.path
+
+    def succeeded(self, url: str, outcome: httpx.Response | httpx.TransportError) -> bool:
+        """Record the attempt's outcome; True when :attr:`data` holds the decoded answer."""
+        if isinstance(outcome, httpx.TransportError):
+            failure = Attempt(url, None, f"{type(outcome).__name__}: {outcome}")
+            retryable, retry_after = True, None
+        else:
+            self.data, maybe_failure, retryable = _check_response(url, outcome)
+            if maybe_failure is None:
+                return True
+            failure = maybe_failure
+            retry_after = parse_retry_after(outcome.headers.get("retry-after"))
+        self.failures.append(failure)
+        self.client.failed_attempts += 1
+        self._retryable, self._retry_after = retryable, retry_after
+        return False
+
+    def next_wait(self) -> float:
+        """Seconds to wait before the next attempt; raises the give-up error when there is none
+        (not retryable, attempts used up, or the policy's deadline would pass)."""
+        policy = self.client.retry
+        attempt, self.number = self.number, self.number + 1
+        if self._retryable and self.number < policy.max_attempts:
+            wait = policy.delay(attempt, self._retry_after)
+            deadline = policy.deadline
+            if deadline is None or time.monotonic() - self.started + wait <= deadline:
+                return wait
+        if self._retryable:
+            raise RewardServiceError(f"reward service failed to {self.what}", self.failures)
+        raise RewardRequestError(
+            f"reward service rejected the request to {self.what}", self.failures
+        )
+
+
 class _Base:
     """Configuration shared by the blocking and the asyncio client."""
 
@@ -154,15 +206,6 @@ class _Base:
     def _url(self, replica: int, attempt: int) -> str:
         # Each retry moves to the next replica: a dead replica costs one attempt, not all.
         return self.urls[(replica + attempt) % len(self.urls)]
-
-    def _give_up(self, what: str, attempts: list[Attempt], retryable: bool) -> RewardServiceError:
-        if retryable:
-            return RewardServiceError(f"reward service failed to {what}", attempts)
-        return RewardRequestError(f"reward service rejected the request to {what}", attempts)
-
-    def _out_of_time(self, started: float, wait: float) -> bool:
-        deadline = self.retry.deadline
-        return deadline is not None and time.monotonic() - started + wait > deadline
 
 
 class RewardClient(_Base):
@@ -213,31 +256,17 @@ class RewardClient(_Base):
         self, method: str, path: str, body: Any = None, *, replica: int = 0, what: str = ""
     ) -> Any:
         """One JSON request with retries and replica failover; returns the decoded body."""
-        attempts: list[Attempt] = []
-        started = time.monotonic()
-        for attempt in range(self.retry.max_attempts):
-            url = self._url(replica, attempt) + path
-            retry_after: float | None = None
-            failure: Attempt | None
+        attempts = _Attempts(self, method, path, replica, what)
+        while True:
+            url = attempts.url()
+            outcome: httpx.Response | httpx.TransportError
             try:
-                response = self._http.request(method, url, json=body)
+                outcome = self._http.request(method, url, json=body)
             except httpx.TransportError as exc:
-                failure, retryable = Attempt(url, None, f"{type(exc).__name__}: {exc}"), True
-            else:
-                data, failure, retryable = _check_response(url, response)
-                if failure is None:
-                    return data
-                retry_after = parse_retry_after(response.headers.get("retry-after"))
-            assert failure is not None
-            attempts.append(failure)
-            self.failed_attempts += 1
-            if not retryable or attempt + 1 == self.retry.max_attempts:
-                break
-            wait = self.retry.delay(attempt, retry_after)
-            if self._out_of_time(started, wait):
-                break
-            self._sleep(wait)
-        raise self._give_up(what or f"{method} {path}", attempts, retryable)
+                outcome = exc
+            if attempts.succeeded(url, outcome):
+                return attempts.data
+            self._sleep(attempts.next_wait())
 
     def score(
         self,
@@ -338,31 +367,17 @@ class AsyncRewardClient(_Base):
         self, method: str, path: str, body: Any = None, *, replica: int = 0, what: str = ""
     ) -> Any:
         """One JSON request with retries and replica failover; returns the decoded body."""
-        attempts: list[Attempt] = []
-        started = time.monotonic()
-        for attempt in range(self.retry.max_attempts):
-            url = self._url(replica, attempt) + path
-            retry_after: float | None = None
-            failure: Attempt | None
+        attempts = _Attempts(self, method, path, replica, what)
+        while True:
+            url = attempts.url()
+            outcome: httpx.Response | httpx.TransportError
             try:
-                response = await self._http.request(method, url, json=body)
+                outcome = await self._http.request(method, url, json=body)
             except httpx.TransportError as exc:
-                failure, retryable = Attempt(url, None, f"{type(exc).__name__}: {exc}"), True
-            else:
-                data, failure, retryable = _check_response(url, response)
-                if failure is None:
-                    return data
-                retry_after = parse_retry_after(response.headers.get("retry-after"))
-            assert failure is not None
-            attempts.append(failure)
-            self.failed_attempts += 1
-            if not retryable or attempt + 1 == self.retry.max_attempts:
-                break
-            wait = self.retry.delay(attempt, retry_after)
-            if self._out_of_time(started, wait):
-                break
-            await self._sleep(wait)
-        raise self._give_up(what or f"{method} {path}", attempts, retryable)
+                outcome = exc
+            if attempts.succeeded(url, outcome):
+                return attempts.data
+            await self._sleep(attempts.next_wait())
 
     async def score(
         self,
