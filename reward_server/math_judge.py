@@ -281,6 +281,15 @@ def _die_with_parent(parent: int) -> None:
         sys.exit(0)
 
 
+def _reply_channel() -> IO[str]:
+    """The pipe to the parent, taken off fd 1 so that anything the libraries print goes to
+    stderr instead of into the protocol."""
+    channel = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return channel
+
+
 if __name__ == "__main__":  # the child process of :class:`IsolatedMathJudge`
     _die_with_parent(int(sys.argv[1]))
-    serve_checks(sys.stdin, sys.stdout)
+    serve_checks(sys.stdin, _reply_channel())

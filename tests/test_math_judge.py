@@ -202,3 +202,17 @@ def _running(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"
+
+
+def test_what_the_child_prints_stays_out_of_the_protocol() -> None:
+    script = (
+        "from reward_server.math_judge import _reply_channel\n"
+        "channel = _reply_channel()\n"
+        "print('sympy says hello')\n"
+        "channel.write('{\"ready\": true}\\n'); channel.flush()\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert proc.stdout == '{"ready": true}\n'
+    assert "sympy says hello" in proc.stderr
