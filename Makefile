@@ -17,9 +17,10 @@ $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
-# The server: runtime plus the export toolchain that builds the embedded default model once.
+# The server: runtime, the `math` matcher, and the export toolchain that builds the embedded
+# default model once.
 $(VENV)/.server-installed: pyproject.toml | $(VENV)/bin/python
-	$(PIP) install -q $(PIP_OPTS) -e ".[server,export]"
+	$(PIP) install -q $(PIP_OPTS) -e ".[server,export,math]"
 	$(PY) -m reward_server.service.protogen
 	touch $@
 
