@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     server = None
     url = args.url
     if url is None:
-        from tests.service_fixtures import ServerProcess
+        from tests.server_process import ServerProcess
 
         model_dir = Path(args.model) if args.model else _default_model()
         # Closed-loop clients queue by design (latency ~ concurrency x service time); on a

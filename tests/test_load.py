@@ -162,3 +162,20 @@ def test_sigterm_while_workers_start_is_a_clean_stop(onnx_model_dir: Path, delay
         assert "exited with" not in server.log()
     finally:
         server.stop()
+
+
+def test_load_benchmark_runs_end_to_end(
+    onnx_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A short run of ``benchmarks/bench_load.py``: it starts its own server and checks answers."""
+    from benchmarks import bench_load
+
+    argv = ["--duration", "1", "--levels", "1,2", "--pool", "3", "--completions", "2"]
+    status = bench_load.main([*argv, "--model", str(onnx_model_dir)])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "OK: every answer 2xx and equal to the in-process scorer" in out
+    lines = out.splitlines()
+    table = [line.split() for line in lines[lines.index(bench_load.HEADER) + 1 :][:2]]
+    assert [row[0] for row in table] == ["1", "2"], out
+    assert all(int(row[1]) > 0 and row[2:4] == ["0", "0"] for row in table), out
