@@ -225,6 +225,24 @@ def test_get_reward_query_parameters_and_errors(client: Any) -> None:
     assert bad_q.status_code == 422
 
 
+def test_get_reward_finds_the_prompt_after_special_tokens_or_refuses(client: Any) -> None:
+    """OpenRLHF decodes with special tokens kept: padding may precede the prompt."""
+    prompt = "Q: 9 + 9? Answer in <strategy> blocks, then <final_answer>17</final_answer>\n"
+    c = completion(("add nine and nine", "18"), final="18")
+    padded = {"query": ["<pad><pad><s>" + prompt + c], "prompts": [prompt], "labels": ["18"]}
+    r = client.post("/get_reward", json=padded)
+    assert r.status_code == 200, r.text
+    want = score_batch([ScoreItem(c, "18", prompt, None, None)], HashEncoder(), normalize=False)
+    assert r.json()["rewards"] == want.rewards
+    assert r.json()["extra_logs"]["correct"] == [1.0]
+    # A query without its prompt would be scored with the prompt's example tags in it: refused.
+    other = {"query": [c, prompt + c], "prompts": [prompt + " ", prompt], "labels": ["18"] * 2}
+    r = client.post("/get_reward", json=other)
+    assert r.status_code == 422
+    assert [d["field"] for d in r.json()["detail"]] == ["prompts.0"]
+    assert "does not occur in query[0]" in r.json()["detail"][0]["msg"]
+
+
 def test_info_and_metrics(client: Any) -> None:
     info = client.get("/v1/info").json()
     assert info["encoder"] == "hash"

@@ -60,6 +60,9 @@ def test_limits_on_items_and_characters() -> None:
             json={"query": ["p" + "y" * 60], "prompts": ["p"], "labels": ["1"]},
         )
         assert r.status_code == 422 and r.json()["detail"][0]["field"] == "query.0"
+        four = {"query": ["pa"] * 4, "prompts": ["p"] * 4, "labels": ["1"] * 4}
+        r = c.post("/get_reward", json=four)
+        assert r.status_code == 422 and r.json()["detail"][0]["field"] == "query"
 
 
 def test_body_limit_is_413_declared_or_streamed() -> None:

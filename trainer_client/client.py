@@ -211,8 +211,10 @@ class _Base:
 class RewardClient(_Base):
     """Blocking client; thread-safe (one pooled ``httpx.Client``).
 
-    >>> # with RewardClient(["http://10.0.0.1:8000", "http://10.0.0.2:8000"]) as rc:
-    >>> #     result = rc.score([{"completion": text, "answer": "18"}], recipe="sde2")
+    Usage (needs running servers)::
+
+        with RewardClient(["http://10.0.0.1:8000", "http://10.0.0.2:8000"]) as rc:
+            result = rc.score([{"completion": text, "answer": "18"}], recipe="sde2")
     """
 
     def __init__(

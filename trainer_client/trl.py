@@ -246,7 +246,9 @@ def sde2_reward(
     the same numbers as one server. The function is ``async`` (TRL awaits it concurrently with
     other reward functions), picklable, and named after the recipe.
 
-    >>> # trainer = GRPOTrainer(model, reward_funcs=[sde2_reward("http://127.0.0.1:8000")], ...)
+    Usage::
+
+        trainer = GRPOTrainer(model, reward_funcs=[sde2_reward("http://127.0.0.1:8000")], ...)
     """
     holder = SDE2Reward(
         url,

@@ -89,7 +89,11 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 def _openrlhf_loc(loc: Loc) -> Loc:
     """Map a path inside the derived ``items`` back to the OpenRLHF request's own fields."""
-    if len(loc) >= 3 and loc[0] == "items" and isinstance(loc[1], int):
+    if loc[:1] != ("items",):
+        return loc
+    if len(loc) == 1:  # the batch as a whole (e.g. too many samples)
+        return ("query",)
+    if len(loc) >= 3 and isinstance(loc[1], int):
         field = {"completion": "query", "answer": "labels", "prompt": "prompts"}.get(str(loc[2]))
         if field:
             return (field, loc[1])
@@ -97,11 +101,29 @@ def _openrlhf_loc(loc: Loc) -> Loc:
 
 
 def openrlhf_items(request: OpenRLHFRequest) -> list[ScoreItem]:
-    """One item per sample: completion = query minus its prompt prefix, answer = label."""
+    """One item per sample: completion = what follows the prompt in the query, answer = label.
+
+    The prompt is looked for, not only at the start: OpenRLHF decodes the query with special
+    tokens kept, so padding or a BOS token can precede it. A query that does not contain its
+    prompt is refused (422 naming ``prompts.i``) rather than scored whole: the prompt's own
+    schema example would count as a strategy and as the final answer, a silently wrong reward.
+
+    >>> req = OpenRLHFRequest(query=["<pad>Q: 2+2? A: 4"], prompts=["Q: 2+2?"], labels=["4"])
+    >>> openrlhf_items(req)[0].completion
+    ' A: 4'
+    """
     items = []
-    for query, prompt, label in zip(request.query, request.prompts, request.labels, strict=True):
-        completion = query[len(prompt) :] if prompt and query.startswith(prompt) else query
-        items.append(ScoreItem(completion, label, prompt, None, None))
+    issues = []
+    rows = zip(request.query, request.prompts, request.labels, strict=True)
+    for i, (query, prompt, label) in enumerate(rows):
+        start = query.find(prompt)
+        if start < 0:
+            msg = f"does not occur in query[{i}]: the response cannot be separated from its prompt"
+            issues.append(issue(("prompts", i), msg, "prompt_not_in_query"))
+            continue
+        items.append(ScoreItem(query[start + len(prompt) :], label, prompt, None, None))
+    if issues:
+        raise RequestInvalid(issues)
     return items
 
 
@@ -225,7 +247,7 @@ def create_app(service: ScoringService) -> FastAPI:
     ) -> Response:
         """``{"query", "prompts", "labels"}`` -> ``{"rewards", "scores", "extra_logs"}``.
 
-        The completion is the query minus its prompt prefix; labels are the gold answers.
+        The completion is what follows the prompt in the query; labels are the gold answers.
         Normalization is off unless asked for (see the ``normalize`` parameter). Empty lists
         are valid and give empty lists.
         """

@@ -90,14 +90,15 @@ class OpenRLHFRequest(BaseModel):
     """OpenRLHF's remote reward protocol (``--reward.remote_url``).
 
     ``query[i]`` is the prompt followed by the response; ``prompts[i]`` is that prompt and
-    ``labels[i]`` the gold answer. The completion scored is ``query[i]`` with its ``prompts[i]``
-    prefix removed (the whole query when it does not start with the prompt).
+    ``labels[i]`` the gold answer. The completion scored is what follows ``prompts[i]`` in
+    ``query[i]`` (special tokens such as padding may precede it); a query that does not contain
+    its prompt is refused with a 422 naming ``prompts.i``.
     """
 
     model_config = _STRICT
 
     query: list[str] = Field(description="prompt + response, one per sample")
-    prompts: list[str] = Field(description="the prompt of each sample (a prefix of its query)")
+    prompts: list[str] = Field(description="the prompt of each sample (it must occur in its query)")
     labels: list[str] = Field(description="the gold answer of each sample")
 
 
