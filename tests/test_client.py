@@ -193,6 +193,53 @@ def test_validation_error_is_not_retried() -> None:
     assert len(transport.urls) == 1
 
 
+def test_server_faults_are_retried_then_raised_as_service_errors() -> None:
+    """500 is the server's own failure (its encoder), never the request's: retried, and when
+    it persists the error is a service error, not a rejection of the request."""
+    flaky = Scripted([httpx.Response(500, text="encoder failed")])
+    rc = RewardClient(A, transport=httpx.MockTransport(flaky), sleep=lambda s: None)
+    assert len(rc.score(ONE)) == 1 and len(flaky.urls) == 2
+    for status in (500, 501):
+        transport = Scripted([httpx.Response(status, text="broken")] * 5)
+        rc = RewardClient(
+            A,
+            retry=policy(max_attempts=3, backoff_base=0.0),
+            transport=httpx.MockTransport(transport),
+            sleep=lambda s: None,
+        )
+        with pytest.raises(RewardServiceError, match=f"HTTP {status}") as info:
+            rc.score(ONE)
+        assert not isinstance(info.value, RewardRequestError)
+        assert len(transport.urls) == (3 if status == 500 else 1)
+
+
+@pytest.mark.parametrize(
+    ("env", "given", "sent"),
+    [
+        ({"SDE2_API_KEY": "k-env"}, None, "Bearer k-env"),
+        ({"SDE2_API_KEY": "k-env"}, "k-arg", "Bearer k-arg"),
+        ({"SDE2_API_KEY": ""}, None, None),
+        ({}, None, None),
+    ],
+)
+def test_the_key_comes_from_the_argument_or_sde2_api_key(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], given: str | None, sent: str | None
+) -> None:
+    monkeypatch.delenv("SDE2_API_KEY", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    seen: list[str | None] = []
+    core = core_handler([])
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers.get("authorization"))
+        return core(request)
+
+    with RewardClient(A, api_key=given, transport=httpx.MockTransport(handler)) as rc:
+        rc.score(ONE)
+    assert seen == [sent]
+
+
 def test_non_json_200_is_transient() -> None:
     transport = Scripted([httpx.Response(200, text="<html>proxy</html>")])
     rc = RewardClient(A, transport=httpx.MockTransport(transport), sleep=lambda s: None)

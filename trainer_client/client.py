@@ -14,6 +14,7 @@ server did not compute.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -166,11 +167,12 @@ class _Attempts:
             deadline = policy.deadline
             if deadline is None or time.monotonic() - self.started + wait <= deadline:
                 return wait
-        if self._retryable:
-            raise RewardServiceError(f"reward service failed to {self.what}", self.failures)
-        raise RewardRequestError(
-            f"reward service rejected the request to {self.what}", self.failures
-        )
+        status = self.failures[-1].status
+        if not self._retryable and status is not None and 400 <= status < 500:
+            raise RewardRequestError(
+                f"reward service rejected the request to {self.what}", self.failures
+            )
+        raise RewardServiceError(f"reward service failed to {self.what}", self.failures)
 
 
 class _Base:
@@ -200,6 +202,8 @@ class _Base:
             max_connections=max_connections, max_keepalive_connections=max_connections
         )
         self._headers = {"accept": "application/json"}
+        if api_key is None:  # the same variable the server reads its key from
+            api_key = os.environ.get("SDE2_API_KEY") or None
         if api_key:
             self._headers["authorization"] = f"Bearer {api_key}"
 

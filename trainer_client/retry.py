@@ -2,8 +2,9 @@
 
 Scoring is a pure function of the request, so repeating a request is always safe; the only
 question is whether a failure is *transient*. Connection errors, timeouts, 429 (the server shed
-load) and 502/503/504 (restarting, not ready, or a proxy in between) are transient; any other
-status is an answer about the request itself and is raised at once. A trainer must never proceed
+load), 500 (the server's encoder failed: never bad input, and another replica or a moment later
+may succeed) and 502/503/504 (restarting, not ready, or a proxy in between) are transient; any
+other 4xx is an answer about the request itself and is raised at once. A trainer must never proceed
 on invented rewards, so when the retries run out the caller gets :class:`RewardServiceError`
 naming every attempt, never a default value.
 """
@@ -16,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 #: HTTP statuses worth another try (see the module docstring).
-RETRYABLE_STATUSES: frozenset[int] = frozenset({429, 502, 503, 504})
+RETRYABLE_STATUSES: frozenset[int] = frozenset({429, 500, 502, 503, 504})
 
 
 @dataclass(frozen=True)

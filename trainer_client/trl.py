@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -107,7 +106,7 @@ class SDE2Reward:
         self.diagnostics = diagnostics
         self.timeout = timeout
         self.retry = retry
-        self.api_key = api_key if api_key is not None else os.environ.get("SDE2_API_KEY")
+        self.api_key = api_key  # None: the client reads SDE2_API_KEY
         self.last_result: ScoreResult | None = None
         self._client: tuple[asyncio.AbstractEventLoop, AsyncRewardClient] | None = None
 
