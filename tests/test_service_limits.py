@@ -4,7 +4,9 @@ coalescing / dedup / token budget, encoder failures, and the settings' flags and
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import re
 import threading
 import time
 from collections.abc import Sequence
@@ -106,6 +108,18 @@ def test_full_server_answers_429_at_once_then_recovers() -> None:
         assert [r.status_code for r in rejected] == [429] * 5
         assert elapsed < 2.0  # fail fast: nothing waited for the encoder
         assert all(int(r.headers["retry-after"]) >= 1 for r in rejected)
+        # The body is received only once admitted: a full server buffers none of it.
+        received: list[bool] = []
+
+        async def receive() -> None:
+            received.append(True)
+
+        def parse() -> Any:
+            raise AssertionError("a refused request is never parsed")
+
+        with pytest.raises(Overloaded):
+            asyncio.run(service.score(parse, receive=receive))
+        assert received == []
         encoder.gate.set()
         assert [f.result(timeout=10).status_code for f in held] == [200, 200]
         after = c.post("/v1/score", json={"items": [needs_encoder("after")]})
@@ -287,12 +301,30 @@ def test_settings_flags_then_env_then_defaults() -> None:
 
 
 @pytest.mark.parametrize(
-    "env",
-    [{"SDE2_MAX_ITEMS": "0"}, {"SDE2_PORT": "eighty"}, {"SDE2_PROVIDER": "tpu"}],
+    ("env", "named"),
+    [
+        ({"SDE2_MAX_ITEMS": "0"}, "max_items (--max-items / SDE2_MAX_ITEMS) must be an integer"),
+        ({"SDE2_PORT": "eighty"}, "SDE2_PORT='eighty'"),
+        ({"SDE2_PORT": "70000"}, "port (--port / SDE2_PORT) must be a port number"),
+        ({"SDE2_PROVIDER": "tpu"}, "provider (--provider / SDE2_PROVIDER) must be one of"),
+        ({"SDE2_QUEUE_CAPACITY": "0"}, "queue_capacity (--queue-capacity"),
+        ({"SDE2_WORKERS": "0"}, "workers (--workers / SDE2_WORKERS)"),
+        ({"SDE2_BATCH_TOKENS": "-1"}, "batch_tokens (--batch-tokens"),
+        ({"SDE2_MATH_TIMEOUT": "0"}, "math_timeout (--math-timeout / SDE2_MATH_TIMEOUT) must be"),
+        ({"SDE2_DRAIN_TIMEOUT": "-1"}, "drain_timeout (--drain-timeout"),
+        ({"SDE2_LOG_LEVEL": "verbose"}, "log_level (--log-level / SDE2_LOG_LEVEL) must be one of"),
+        ({"SDE2_INTRA_OP_THREADS": "0"}, "intra_op_threads (--intra-op-threads"),
+    ],
 )
-def test_bad_settings_are_refused(env: dict[str, str]) -> None:
-    with pytest.raises(ValueError):
+def test_bad_settings_are_refused_naming_the_setting(env: dict[str, str], named: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(named)):
         load_settings(None, env)
+
+
+def test_an_empty_api_key_variable_means_no_key() -> None:
+    assert load_settings(None, {"SDE2_API_KEY": ""}).api_key is None
+    assert load_settings(None, {"SDE2_API_KEY": ""}).public()["api_key"] is False
+    assert Settings(drain_timeout=0.0).drain_timeout == 0.0  # 0: cancel at once, not "forever"
 
 
 def test_capacity_threads_do_not_leak() -> None:

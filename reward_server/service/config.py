@@ -16,6 +16,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 Provider = Literal["cpu", "cuda"]
+VARIANTS = ("fp32", "fp16", "int8")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+_AT_LEAST_ONE = (
+    "max_body_bytes", "max_items", "max_completion_chars", "max_answer_chars",
+    "queue_capacity", "batch_tokens", "workers",
+)  # fmt: skip
+_POSITIVE = ("request_timeout", "math_timeout")
 
 
 @dataclass(frozen=True)
@@ -99,19 +106,30 @@ class Settings:
     log_level: str = field(default="info", metadata={"help": "uvicorn / server log level"})
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_items", "max_completion_chars", "max_answer_chars"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        if self.queue_capacity < 1 or self.batch_tokens < 1 or self.workers < 1:
-            raise ValueError("queue_capacity, batch_tokens and workers must be >= 1")
-        if self.request_timeout <= 0 or self.drain_timeout < 0 or self.math_timeout <= 0:
-            raise ValueError("request_timeout and math_timeout must be > 0 and drain_timeout >= 0")
-        if self.cache_size < 0:
-            raise ValueError("cache_size must be >= 0")
-        if self.variant not in ("fp32", "fp16", "int8"):
-            raise ValueError("variant must be fp32, fp16 or int8")
-        if self.provider not in ("cpu", "cuda"):
-            raise ValueError("provider must be 'cpu' or 'cuda'")
+        rules: list[tuple[str, bool, str]] = [
+            *((name, getattr(self, name) >= 1, "an integer >= 1") for name in _AT_LEAST_ONE),
+            *((name, getattr(self, name) > 0, "a number > 0") for name in _POSITIVE),
+            ("drain_timeout", self.drain_timeout >= 0, "a number >= 0"),
+            ("cache_size", self.cache_size >= 0, "an integer >= 0"),
+            ("port", 0 <= self.port <= 65535, "a port number (0-65535)"),
+            (
+                "grpc_port",
+                self.grpc_port is None or 0 <= self.grpc_port <= 65535,
+                "a port number (0-65535)",
+            ),
+            ("variant", self.variant in VARIANTS, "one of " + ", ".join(VARIANTS)),
+            ("provider", self.provider in ("cpu", "cuda"), "one of cpu, cuda"),
+            ("log_level", self.log_level in LOG_LEVELS, "one of " + ", ".join(LOG_LEVELS)),
+        ]
+        for name in ("intra_op_threads", "encoder_batch_tokens"):
+            value = getattr(self, name)
+            rules.append((name, value is None or value >= 1, "an integer >= 1 (or unset)"))
+        for name, ok, rule in rules:
+            if not ok:
+                raise ValueError(
+                    f"{name} (--{name.replace('_', '-')} / {env_name(name)}) must be {rule}, "
+                    f"got {getattr(self, name)!r}"
+                )
 
     def public(self) -> dict[str, Any]:
         """The settings as reported by ``/v1/info`` (never the key itself)."""
@@ -156,7 +174,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if f.name == "provider":
             kwargs["choices"] = ["cpu", "cuda"]
         if f.name == "variant":
-            kwargs["choices"] = ["fp32", "fp16", "int8"]
+            kwargs["choices"] = list(VARIANTS)
+        if f.name == "log_level":
+            kwargs["choices"] = list(LOG_LEVELS)
         parser.add_argument(flag, **kwargs)
 
 
@@ -172,6 +192,8 @@ def load_settings(
             values[f.name] = given
         elif env_name(f.name) in environ:
             raw = environ[env_name(f.name)]
+            if f.metadata.get("env") and not raw:
+                continue  # SDE2_API_KEY= (an unset shell variable) means no key, not ""
             try:
                 values[f.name] = _converter(f)(raw)
             except ValueError as exc:

@@ -171,9 +171,14 @@ def create_app(service: ScoringService) -> FastAPI:
         loc_map: Callable[[Loc], Loc] | None = None,
     ) -> tuple[Scored | None, Response | None]:
         """Read, score and translate failures to responses (one place for every status)."""
-        try:
+        body = b""
+
+        async def receive() -> None:  # only once admitted (see ScoringService.score)
+            nonlocal body
             body = await read_body(request, settings.max_body_bytes)
-            scored = await service.score(lambda: parse_body(body), loc_map=loc_map)
+
+        try:
+            scored = await service.score(lambda: parse_body(body), receive=receive, loc_map=loc_map)
             return scored, None
         except BodyTooLarge:
             reason, resp = (

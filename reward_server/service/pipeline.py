@@ -16,7 +16,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -271,6 +271,7 @@ class ScoringService:
         self,
         parse: Callable[[], ScoreRequest],
         *,
+        receive: Callable[[], Awaitable[object]] | None = None,
         loc_map: LocMap | None = None,
         timeout: float | None = None,
     ) -> Scored:
@@ -278,7 +279,10 @@ class ScoringService:
         :class:`~reward_server.service.batcher.Overloaded`,
         :class:`~reward_server.service.batcher.DeadlineExceeded`, :class:`NotReady`.
 
-        ``timeout`` (seconds) tightens the server's ``request_timeout`` for this request.
+        ``receive`` is awaited once the request is admitted and before ``parse``: HTTP reads
+        its body there, so a full server answers 429 at once without buffering the body, and
+        the bodies held in memory are bounded by the queue's capacity. ``timeout`` (seconds)
+        tightens the server's ``request_timeout`` for this request.
         """
         t0 = time.monotonic()
         if self.batcher is None or self.encoder is None:
@@ -288,6 +292,8 @@ class ScoringService:
             budget = min(budget, max(0.0, timeout))
         deadline = t0 + budget
         with self.batcher.admit():
+            if receive is not None:
+                await receive()
             try:
                 request = await self._in_pool(parse)
             except ValidationError as exc:

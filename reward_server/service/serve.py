@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import multiprocessing
 import os
 import signal
@@ -109,7 +110,7 @@ async def serve_async(
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
-        timeout_graceful_shutdown=int(settings.drain_timeout) or None,
+        timeout_graceful_shutdown=math.ceil(settings.drain_timeout),  # 0: cancel at once
         access_log=False,
     )
     server = uvicorn.Server(config)
