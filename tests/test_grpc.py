@@ -149,6 +149,19 @@ async def test_unauthenticated_without_the_key() -> None:
         assert len(ok.rewards) == 1
 
 
+async def test_oversized_message_is_resource_exhausted_without_retry_after() -> None:
+    """gRPC refuses a message over ``max_body_bytes`` itself; no ``retry-after`` tells a client
+    that this RESOURCE_EXHAUSTED is not "busy, retry" (see the proto's header)."""
+    big = request_from_dict({"items": [{"completion": "z" * 5000, "answer": "1"}]})
+    async with Running(make_service(max_body_bytes=1000)) as running:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await running.stub.Score(big)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "retry-after" not in dict(err.value.trailing_metadata() or ())
+        small = request_from_dict({"items": [{"completion": "a", "answer": "1"}]})
+        assert len((await running.stub.Score(small)).rewards) == 1
+
+
 def _needs_encoder(seed: int) -> Any:
     """One item with two wrong strategies (so the encoder must run), distinct per seed."""
     c = (
@@ -206,16 +219,12 @@ def test_generated_code_is_regenerated_when_the_proto_changes() -> None:
     assert not protogen.is_stale()
     proto = protogen.PROTO_ROOT / protogen.PROTO_FILE
     out = protogen.GENERATED_DIR / "sde2" / "v1" / "reward_pb2.py"
-    later = out.stat().st_mtime + 10
-    os.utime(proto, (later, later))
-    try:
-        assert protogen.is_stale()
-        module = protogen.ensure_generated()
-        assert not protogen.is_stale()
-        assert hasattr(module, "ScoreRequest")
-    finally:
-        now = time.time()
-        os.utime(out, (now + 20, now + 20))
+    earlier = proto.stat().st_mtime - 10  # the output is older than the proto: stale
+    os.utime(out, (earlier, earlier))
+    assert protogen.is_stale()
+    module = protogen.ensure_generated()
+    assert not protogen.is_stale()
+    assert hasattr(module, "ScoreRequest")
 
 
 def test_generated_code_is_not_committed() -> None:
