@@ -66,7 +66,9 @@ def make_settings(**overrides: Any) -> Settings:
 
 def make_service(encoder: Encoder | None = None, **overrides: Any) -> ScoringService:
     """A started, ready service over ``encoder`` (default: the hash double)."""
-    service = ScoringService(make_settings(**overrides), encoder=encoder or HashEncoder())
+    service = ScoringService(
+        make_settings(**overrides), encoder=encoder if encoder is not None else HashEncoder()
+    )
     service.start(background=False)
     assert service.ready
     return service

@@ -84,6 +84,7 @@ def test_zero_disables() -> None:
     cached.encode(["a"])
     assert inner.calls == [["a"], ["a"]]
     assert len(cached) == 0
+    assert cached, "an empty cache is still a (truthy) encoder"
     assert (cached.hits, cached.misses) == (0, 2)
     with pytest.raises(ValueError):
         CachedEncoder(inner, -1)

@@ -260,6 +260,30 @@ def test_info_and_metrics(client: Any) -> None:
     assert "sde2_ready 1.0" in text
 
 
+def test_metrics_count_cache_hits_and_batch_tokens() -> None:
+    """The cache hit ratio and the tokens per encoder call are exported and move with traffic."""
+    from reward_server.encoders.cache import CachedEncoder
+
+    service = make_service(CachedEncoder(HashEncoder(), 1000))
+    body = {"items": step_items(seed=8)[:8]}
+    with http_client(service) as c:
+        first = c.post("/v1/score", json=body)
+        second = c.post("/v1/score", json=body)  # every text is now cached
+        assert first.status_code == second.status_code == 200
+        assert first.json()["rewards"] == second.json()["rewards"]
+        text = c.get("/metrics").text
+    values = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("sde2_")
+    }
+    hits = values['sde2_cache_lookups_total{result="hit"}']
+    misses = values['sde2_cache_lookups_total{result="miss"}']
+    assert hits == misses > 0  # the second request hit exactly what the first one missed
+    assert values["sde2_cache_hit_ratio"] == 0.5
+    assert values["sde2_batch_tokens_count"] >= 1 and values["sde2_batch_tokens_sum"] > 0
+
+
 class BlockingLoader:
     """A loader that waits for the test to let it finish (or fail)."""
 

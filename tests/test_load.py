@@ -59,6 +59,10 @@ def test_concurrent_clients_get_the_in_process_answers(
         # Concurrent requests were coalesced: fewer encoder calls than requests needing one.
         batches = _metric(metrics, "sde2_batch_requests_count")
         assert 0 < batches < len(bodies)
+        # The ONNX encoder reports its own work: real tokens, with padding, per run.
+        tokens = _metric(metrics, "sde2_encoder_tokens_total")
+        assert 0 < tokens <= _metric(metrics, "sde2_encoder_padded_tokens_total")
+        assert _metric(metrics, "sde2_encoder_batches_total") >= batches
         # HTTP and gRPC give the same numbers for the same batch (cache hit: same bits).
         via_http = post(server.url, bodies[0]).json()
         assert grpc_score(server, bodies[0]) == via_http

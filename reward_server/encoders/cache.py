@@ -51,6 +51,11 @@ class CachedEncoder:
         """The inner encoder's name: caching does not change what is computed."""
         return self.inner.name
 
+    def __bool__(self) -> bool:
+        """Always true: an empty cache is still an encoder (``__len__`` alone would make a fresh
+        one falsy, and ``encoder or default`` would silently drop it)."""
+        return True
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._entries)
