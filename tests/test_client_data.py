@@ -83,6 +83,26 @@ def test_wilson_interval_and_table() -> None:
         summarize("x", [ItemDiagnostics(2, None, False, False)], ["a"], None)
 
 
+def test_the_paper_defaults_reach_grpo_and_lora_configs(tmp_path: Path) -> None:
+    """Sec. 4 of the paper, as TRL and PEFT receive it (not only as flag defaults)."""
+    from trainer_client.train import grpo_config, lora_config
+
+    argv = ["--model", "m", "--reward-url", "http://h:1", "--output-dir", str(tmp_path)]
+    args = build_parser().parse_args(argv)
+    config = grpo_config(args, quantize_4bit=False, cuda=False)
+    assert config.learning_rate == 5e-6
+    assert config.lr_scheduler_type.value == "cosine"
+    assert config.warmup_steps == 0.1 and config.max_grad_norm == 0.1
+    assert config.num_generations == 6 and config.per_device_train_batch_size == 6
+    assert config.max_completion_length == 1024  # + prompts of <= 1024 tokens = max length 2048
+    assert config.use_cpu and not config.bf16 and config.optim.value == "adamw_torch"
+    assert config.gradient_checkpointing
+    lora = lora_config(args)
+    assert (lora.r, lora.lora_alpha, lora.target_modules) == (64, 32, "all-linear")
+    quantized = grpo_config(args, quantize_4bit=True, cuda=False)
+    assert quantized.optim.value == "adamw_8bit"  # 4-bit weights train with 8-bit Adam
+
+
 def test_train_flags_and_reward_params(tmp_path: Path) -> None:
     assert parse_assignments(["sd=0", "x=abc"], "--weight") == {"sd": 0, "x": "abc"}
     with pytest.raises(argparse.ArgumentTypeError):

@@ -163,8 +163,7 @@ def build_trainer(
     ``model``/``tokenizer`` may be passed preloaded (tests reuse one load across trainers);
     otherwise they are loaded from ``--model``.
     """
-    from peft import LoraConfig
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from trainer_client.client import RewardClient
     from trainer_client.modeling import (
@@ -199,16 +198,30 @@ def build_trainer(
         timeout=args.reward_timeout,
         retry=retry,
     )
-    batch_size = args.batch_size or args.num_generations
-    cuda = cuda_available()
-    config = GRPOConfig(
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[holder.reward_function],
+        args=grpo_config(args, quantize_4bit=quantize, cuda=cuda_available()),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=lora_config(args),
+    )
+    return trainer, holder
+
+
+def grpo_config(args: argparse.Namespace, *, quantize_4bit: bool, cuda: bool) -> Any:
+    """TRL's ``GRPOConfig`` from the flags: the paper's Sec. 4 setup with the defaults (cosine
+    decay, warmup 0.1, grad clip 0.1, G = 6); 8-bit Adam with 4-bit weights, bf16 on CUDA."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(
         output_dir=args.output_dir,
         learning_rate=args.lr,
         lr_scheduler_type="cosine",
         warmup_steps=args.warmup_ratio,  # a float in [0, 1) is a ratio of the total steps
         max_grad_norm=args.max_grad_norm,
         num_generations=args.num_generations,
-        per_device_train_batch_size=batch_size,
+        per_device_train_batch_size=args.batch_size or args.num_generations,
         gradient_accumulation_steps=args.grad_accum,
         max_completion_length=args.max_new_tokens,
         temperature=args.temperature,
@@ -221,27 +234,24 @@ def build_trainer(
         report_to=args.report_to,
         seed=args.seed,
         gradient_checkpointing=not args.no_gradient_checkpointing,
-        optim="adamw_8bit" if quantize else "adamw_torch",
+        optim="adamw_8bit" if quantize_4bit else "adamw_torch",
         bf16=cuda and _bf16_ok(),
         use_cpu=not cuda,
         log_completions=False,
     )
-    peft_config = LoraConfig(
+
+
+def lora_config(args: argparse.Namespace) -> Any:
+    """PEFT's ``LoraConfig`` from the flags (paper: r = 64, alpha = 32, every linear layer)."""
+    from peft import LoraConfig
+
+    return LoraConfig(
         r=args.lora_r,
         lora_alpha=args.lora_alpha,
         lora_dropout=args.lora_dropout,
         target_modules=args.lora_target,
         task_type="CAUSAL_LM",
     )
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=[holder.reward_function],
-        args=config,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        peft_config=peft_config,
-    )
-    return trainer, holder
 
 
 def _bf16_ok() -> bool:
