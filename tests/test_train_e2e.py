@@ -159,8 +159,8 @@ def test_grpo_trains_on_server_rewards_then_evaluates(
         90.55, abs=0.01
     )
     assert k["tokens"] is not None and k["tokens"] > 10  # tokenized with --model's tokenizer
-    # The plot is optional by design (matplotlib is not a dependency): drawn when installed,
-    # otherwise the run still succeeds and says why there is no plot.
+    # matplotlib comes with the train extra; in a client-only install the run still succeeds
+    # and says why there is no plot.
     try:
         import matplotlib  # noqa: F401
     except ImportError:
