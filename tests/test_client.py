@@ -359,8 +359,13 @@ def test_mixed_groups_are_rejected_before_sending() -> None:
 
 def test_bad_item_type_fails_in_the_caller() -> None:
     rc = RewardClient(A, transport=httpx.MockTransport(core_handler([])))
-    with pytest.raises(Exception, match="answer"):
-        rc.score([{"completion": "x", "answer": 18}])
+    ok = {"completion": "x", "answer": "18"}
+    with pytest.raises(ValueError, match=r"items\[1\]\.answer: Input should be a valid string"):
+        rc.score([ok, {"completion": "x", "answer": 18}])
+    with pytest.raises(ValueError, match=r"items\[2\]\.unexpected_field: "):
+        rc.score([ok, ok, {**ok, "unexpected_field": 1}])
+    with pytest.raises(TypeError, match=r"items\[0\] must be a mapping or a ScoreItem, not str"):
+        rc.score(["just a completion"])  # type: ignore[list-item]
 
 
 async def test_async_client_retries_and_shards() -> None:

@@ -81,7 +81,7 @@ class _Plan:
         normalize: bool,
         diagnostics: bool,
     ) -> _Plan:
-        wire = [item_to_json(it) for it in items]
+        wire = [item_to_json(it, i) for i, it in enumerate(items)]
         if not wire:
             raise ValueError("nothing to score: items is empty")
         groups = check_groups(wire)

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pydantic import ValidationError
+
 from reward_server.core.normalization import aggregate
 from reward_server.core.params import RewardParams
 from reward_server.core.scoring import ScoreItem
@@ -21,13 +23,25 @@ from trainer_client.results import ScoreResult
 ItemLike = ScoreItem | Mapping[str, Any]
 
 
-def item_to_json(item: ItemLike) -> dict[str, Any]:
+def item_to_json(item: ItemLike, index: int = 0) -> dict[str, Any]:
     """Validate one item with the core's own :class:`ScoreItem` and give its wire form.
 
     Validating here means a wrong type fails in the trainer with a Python traceback pointing at
-    the caller, instead of as a 422 from a remote server.
+    the caller, instead of as a 422 from a remote server; the error names ``items[index]``.
     """
-    it = item if isinstance(item, ScoreItem) else ScoreItem(**dict(item))
+    if not isinstance(item, ScoreItem | Mapping):
+        raise TypeError(
+            f"items[{index}] must be a mapping or a ScoreItem, not {type(item).__name__}"
+        )
+    try:
+        it = item if isinstance(item, ScoreItem) else ScoreItem(**dict(item))
+    except ValidationError as exc:
+        raise ValueError(
+            "; ".join(
+                f"items[{index}].{'.'.join(map(str, e['loc'])) or 'item'}: {e['msg']}"
+                for e in exc.errors()
+            )
+        ) from exc
     body: dict[str, Any] = {"completion": it.completion, "answer": it.answer}
     for key in ("prompt", "group", "num_tokens"):
         value = getattr(it, key)
