@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from tests.client_fixtures import ServerProcess, reward_server  # noqa: F401 - fixture
+from tests.server_process import free_port
 from tests.test_client import completion
 from trainer_client import RewardClient
 from trainer_client.trl import SDE2Reward, completion_text, prompt_key, sde2_reward
@@ -183,3 +184,7 @@ def test_verl_compute_score(reward_server: ServerProcess, monkeypatch: pytest.Mo
     monkeypatch.delenv("SDE2_URL")
     with pytest.raises(ValueError, match="SDE2_URL"):
         verl.compute_score("gsm8k", GOOD, "72")
+    # Several replicas in one string (an env var): a dead one costs a retry, not the sample.
+    dead = f"http://127.0.0.1:{free_port()}"
+    both = {"reward_url": f"{dead},{reward_server.url}"}
+    assert verl.compute_score("openai/gsm8k", GOOD, "72", both)["score"] == out["score"]
