@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import email.utils
 import json
+import math
 import random
 import time
 from collections.abc import Callable
@@ -343,6 +344,21 @@ def test_batches_over_the_item_limit_are_split_and_merged() -> None:
     assert sorted(c["url"].split("/v1")[0] for c in shard_calls) == [A, A, B]
     assert chunked.rewards == pytest.approx(single.rewards, abs=1e-12)
     assert chunked.advantages == pytest.approx(single.advantages, abs=1e-9)
+
+
+def test_sharded_overflow_is_an_error_not_inf() -> None:
+    """Finite raw sums on each replica can still overflow once z-scored over the whole batch."""
+    mock = httpx.MockTransport(core_handler([]))
+    items = [{k: v for k, v in it.items() if k != "group"} for it in batch()]
+    params = {"weights": {"oc": 1.7e308}}  # raw oc is 0 or 1; its z-scores reach 1.18
+    with RewardClient(A, transport=mock) as one:
+        raw = one.score(items, params=params, normalize=False)
+    assert all(math.isfinite(r) for r in raw.rewards)  # each shard's own check passes
+    with (
+        RewardClient([A, B], transport=mock) as two,
+        pytest.raises(ValueError, match=r"^params: .*non-finite"),
+    ):
+        two.score(items, params=params, normalize=True)
 
 
 def test_mixed_groups_are_rejected_before_sending() -> None:

@@ -10,6 +10,7 @@ merged result equals what a single server returns for the whole batch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -111,6 +112,13 @@ def merge(
     fields = RewardParams.model_fields
     params = RewardParams.model_validate({k: v for k, v in first.params.items() if k in fields})
     agg = aggregate(components, params, normalize=normalize, groups=groups)
+    merged = agg.rewards + (agg.advantages or [])
+    if not all(math.isfinite(v) for v in merged):
+        # Each replica checked its own raw sums; the batch z-scores can still overflow.
+        raise ValueError(
+            "params: these parameters make a reward overflow to a non-finite value "
+            "once the shards are normalized together"
+        )
     return ScoreResult(
         rewards=agg.rewards,
         components=components,

@@ -112,7 +112,10 @@ def aggregate(
         z, mean[key], std[key] = zscore(values, params.eps)
         normalized[key] = z
         chosen = z if normalize else values
-        total += params.weights.of(key) * np.asarray(chosen, dtype=np.float64)  # type: ignore[arg-type]
+        # Extreme weights may overflow to inf; callers reject non-finite rewards with the
+        # parameters named, so numpy's warning would only be noise in the server log.
+        with np.errstate(over="ignore", invalid="ignore"):
+            total += params.weights.of(key) * np.asarray(chosen, dtype=np.float64)  # type: ignore[arg-type]
     rewards = total.tolist()
     advantages = group_advantages(rewards, groups, params.eps) if groups is not None else None
     return Aggregate(rewards, normalized, mean, std, advantages)
