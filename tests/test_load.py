@@ -6,6 +6,7 @@ it over 127.0.0.1 only, and bounds the number of requests and every wait.
 
 from __future__ import annotations
 
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -183,3 +184,19 @@ def test_load_benchmark_runs_end_to_end(
     table = [line.split() for line in lines[lines.index(bench_load.HEADER) + 1 :][:2]]
     assert [row[0] for row in table] == ["1", "2"], out
     assert all(int(row[1]) > 0 and row[2:4] == ["0", "0"] for row in table), out
+
+
+def test_score_benchmark_runs_end_to_end(
+    onnx_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A short run of ``benchmarks/bench_score.py`` (one small timed step): A, B and C agree."""
+    from benchmarks import bench_score
+
+    status = bench_score.main(
+        ["--rounds", "1", "--prompts", "1", "--port", "18739", "--model", str(onnx_model_dir)]
+    )
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "rewards agree (<= 1e-5): yes" in out
+    assert re.search(r"ratio A/B = [0-9.]+ +ratio A/C = [0-9.]+", out), out
+    assert re.search(r"-> \d+% of floor", out), out
