@@ -18,7 +18,14 @@ from typing import Any, TextIO
 import numpy as np
 from pydantic import ValidationError
 
-from reward_server.core import BatchScore, RewardParams, ScoreItem, finish_batch, prepare_batch
+from reward_server.core import (
+    BatchScore,
+    NonFiniteRewardError,
+    RewardParams,
+    ScoreItem,
+    finish_batch,
+    prepare_batch,
+)
 from reward_server.core.params import RECIPE_COMPONENTS
 from reward_server.encoders.base import EMBEDDING_DIM, Encoder
 from reward_server.math_judge import IsolatedMathJudge
@@ -142,7 +149,11 @@ def run(args: argparse.Namespace) -> int:
         embeddings = encode_with_progress(
             load_encoder(args.backend, args.model), prepared.texts, show
         )
-    score = finish_batch(prepared, embeddings, normalize=not args.no_normalize)
+    try:
+        score = finish_batch(prepared, embeddings, normalize=not args.no_normalize)
+    except NonFiniteRewardError as exc:
+        print(f"sde2-reward score: {exc}", file=sys.stderr)
+        return 2
     out = sys.stdout if str(args.out) == "-" else args.out.open("w", encoding="utf-8")
     try:
         for record in output_records(score):

@@ -5,7 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from reward_server.core.normalization import aggregate, group_advantages, zscore
+from reward_server.core.normalization import (
+    NonFiniteRewardError,
+    aggregate,
+    group_advantages,
+    zscore,
+)
 from reward_server.core.params import RewardParams
 
 
@@ -42,6 +47,19 @@ def test_aggregate_without_normalization_is_weighted_raw_sum() -> None:
     comps = {"oc": [1.0, 0.0], "fa": [0.6, 0.2]}
     out = aggregate(comps, RewardParams(weights={"fa": 0.5}), normalize=False, groups=None)
     assert out.rewards == pytest.approx([1.3, 0.1])
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_aggregate_refuses_an_overflowing_reward(normalize: bool) -> None:
+    """Values of about 1 and 0 (raw or z-scored): one weight of 1.7e308 is finite, two overflow."""
+    comps = {"oc": [1.0, 0.0], "fa": [1.0, 0.0]}
+    one = aggregate(
+        comps, RewardParams(weights={"oc": 1.7e308, "fa": 0.0}), normalize=normalize, groups=None
+    )
+    assert one.rewards[0] == pytest.approx(1.7e308, rel=1e-5)  # z = 0.5 / (0.5 + eps)
+    two = RewardParams(weights={"oc": 1.7e308, "fa": 1.7e308})
+    with pytest.raises(NonFiniteRewardError, match=r"^params: .*non-finite"):
+        aggregate(comps, two, normalize=normalize, groups=None)
 
 
 def test_group_advantages_per_group() -> None:

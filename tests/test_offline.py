@@ -75,6 +75,22 @@ def test_bad_params_and_empty_file(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "empty" in capsys.readouterr().err
 
 
+def test_overflowing_parameters_exit_2_and_write_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rows = [
+        {"completion": "<final_answer>1</final_answer>", "answer": "1"},
+        {"completion": "x", "answer": "1"},
+    ]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    params = json.dumps({"lambda_oc": 1e308, "gamma_answer": 1e308})
+    argv = ["score", "--in", str(src), "--out", str(out), "--quiet", "--no-normalize"]
+    assert main([*argv, "--params", params]) == 2
+    assert "params: these parameters make a reward overflow" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_offline_math_survives_a_pathological_answer(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

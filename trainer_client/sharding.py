@@ -10,7 +10,6 @@ merged result equals what a single server returns for the whole batch.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -97,7 +96,11 @@ def merge(
     normalize: bool,
     groups: Sequence[str] | None,
 ) -> ScoreResult:
-    """Concatenate raw-scored shards (in batch order) and redo SPEC §5 over the whole batch."""
+    """Concatenate raw-scored shards (in batch order) and redo SPEC §5 over the whole batch.
+
+    Each replica checked its own shard, yet z-scores over the whole batch can still overflow under
+    extreme weights: the core's ``aggregate`` then raises ``NonFiniteRewardError`` (``params: …``).
+    """
     if not shards:
         raise ValueError("nothing to merge")
     first = shards[0]
@@ -112,13 +115,6 @@ def merge(
     fields = RewardParams.model_fields
     params = RewardParams.model_validate({k: v for k, v in first.params.items() if k in fields})
     agg = aggregate(components, params, normalize=normalize, groups=groups)
-    merged = agg.rewards + (agg.advantages or [])
-    if not all(math.isfinite(v) for v in merged):
-        # Each replica checked its own raw sums; the batch z-scores can still overflow.
-        raise ValueError(
-            "params: these parameters make a reward overflow to a non-finite value "
-            "once the shards are normalized together"
-        )
     return ScoreResult(
         rewards=agg.rewards,
         components=components,

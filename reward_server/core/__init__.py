@@ -4,7 +4,13 @@ No I/O and no globals: every function takes what it needs and returns a value. T
 passed in (see :class:`reward_server.encoders.base.Encoder`).
 """
 
-from reward_server.core.normalization import Aggregate, aggregate, group_advantages, zscore
+from reward_server.core.normalization import (
+    Aggregate,
+    NonFiniteRewardError,
+    aggregate,
+    group_advantages,
+    zscore,
+)
 from reward_server.core.params import (
     RECIPE_COMPONENTS,
     AnswerType,
@@ -32,6 +38,7 @@ __all__ = [
     "ComponentKey",
     "InvalidBatch",
     "ItemResult",
+    "NonFiniteRewardError",
     "PreparedBatch",
     "Recipe",
     "RewardParams",

@@ -15,6 +15,22 @@ import numpy.typing as npt
 
 from reward_server.core.params import RewardParams
 
+#: Why a batch has no reward: SPEC §4 allows any finite parameter, so weighted sums can overflow.
+NON_FINITE_REASON = "these parameters make a reward overflow to a non-finite value"
+
+
+class NonFiniteRewardError(ValueError):
+    """Some reward, component or batch statistic is not finite: the parameters are to blame.
+
+    Raised by :func:`aggregate`, the one place every scorer (server, offline scorer, the client's
+    merge of shards) passes through, so that none of them can emit ``inf`` or ``NaN`` as a reward.
+    """
+
+    field = "params"
+
+    def __init__(self) -> None:
+        super().__init__(f"{self.field}: {NON_FINITE_REASON}")
+
 
 @dataclass(frozen=True)
 class Aggregate:
@@ -101,7 +117,8 @@ def aggregate(
     """``R_final = Σ_k w_k · R̃_k`` (or ``Σ_k w_k · R_k`` without normalization), per item.
 
     ``components`` maps each component of the recipe to its values in item order; ``groups``
-    (one id per item, or ``None``) adds group-relative advantages.
+    (one id per item, or ``None``) adds group-relative advantages. Raises
+    :class:`NonFiniteRewardError` rather than return a value that is not finite.
     """
     n = len(next(iter(components.values()), []))
     total = np.zeros(n, dtype=np.float64)
@@ -112,10 +129,14 @@ def aggregate(
         z, mean[key], std[key] = zscore(values, params.eps)
         normalized[key] = z
         chosen = z if normalize else values
-        # Extreme weights may overflow to inf; callers reject non-finite rewards with the
-        # parameters named, so numpy's warning would only be noise in the server log.
+        # Extreme weights may overflow to inf, rejected below with the parameters named;
+        # numpy's warning would only be noise in the server log.
         with np.errstate(over="ignore", invalid="ignore"):
             total += params.weights.of(key) * np.asarray(chosen, dtype=np.float64)  # type: ignore[arg-type]
     rewards = total.tolist()
     advantages = group_advantages(rewards, groups, params.eps) if groups is not None else None
+    arrays: list[Sequence[float]] = [rewards, *components.values(), *normalized.values()]
+    arrays += [list(mean.values()), list(std.values()), advantages or []]
+    if not all(math.isfinite(v) for a in arrays for v in a):
+        raise NonFiniteRewardError()
     return Aggregate(rewards, normalized, mean, std, advantages)

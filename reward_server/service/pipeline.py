@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -29,11 +28,13 @@ from reward_server import __version__
 from reward_server.core import (
     BatchScore,
     InvalidBatch,
+    NonFiniteRewardError,
     RewardParams,
     finish_batch,
     prepare_batch,
 )
 from reward_server.core.answers import MathJudge, math_available
+from reward_server.core.normalization import NON_FINITE_REASON
 from reward_server.encoders.base import EMBEDDING_DIM, Encoder
 from reward_server.math_judge import IsolatedMathJudge, MathDeadlineExceeded
 from reward_server.service.batcher import Batcher, DeadlineExceeded
@@ -91,15 +92,6 @@ class Scored:
     def as_dict(self) -> dict[str, Any]:
         """The SPEC §6 response."""
         return {**self.score.as_dict(), "encoder": self.encoder}
-
-
-def _all_finite(score: BatchScore) -> bool:
-    arrays: list[Sequence[float]] = [score.rewards, *score.components.values()]
-    arrays += list(score.normalized.values())
-    arrays += [list(score.aggregate.mean.values()), list(score.aggregate.std.values())]
-    if score.advantages is not None:
-        arrays.append(score.advantages)
-    return all(math.isfinite(v) for a in arrays for v in a)
 
 
 def _warm_up(encoder: Encoder) -> None:
@@ -332,19 +324,14 @@ class ScoringService:
                 embeddings = result.embeddings
                 queue_s, encode_s = result.queue_seconds, result.encode_seconds
             t2 = time.monotonic()
-            score = await self._in_pool(
-                partial(finish_batch, prepared, embeddings, normalize=request.normalize)
-            )
-            if not _all_finite(score):
-                raise RequestInvalid(
-                    [
-                        issue(
-                            ("params",),
-                            "these parameters make a reward overflow to a non-finite value",
-                            "non_finite",
-                        )
-                    ]
+            try:
+                score = await self._in_pool(
+                    partial(finish_batch, prepared, embeddings, normalize=request.normalize)
                 )
+            except NonFiniteRewardError as exc:
+                raise RequestInvalid(
+                    [issue((exc.field,), NON_FINITE_REASON, "non_finite")]
+                ) from None
             t3 = time.monotonic()
         timings = {
             "parse": t1 - t0,
