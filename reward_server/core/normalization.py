@@ -15,9 +15,6 @@ import numpy.typing as npt
 
 from reward_server.core.params import RewardParams
 
-#: Why a batch has no reward: SPEC §4 allows any finite parameter, so weighted sums can overflow.
-NON_FINITE_REASON = "these parameters make a reward overflow to a non-finite value"
-
 
 class NonFiniteRewardError(ValueError):
     """Some reward, component or batch statistic is not finite: the parameters are to blame.
@@ -26,10 +23,12 @@ class NonFiniteRewardError(ValueError):
     merge of shards) passes through, so that none of them can emit ``inf`` or ``NaN`` as a reward.
     """
 
+    #: SPEC §4 allows any finite parameter, so weighted sums can overflow: the field to blame.
     field = "params"
+    reason = "these parameters make a reward overflow to a non-finite value"
 
     def __init__(self) -> None:
-        super().__init__(f"{self.field}: {NON_FINITE_REASON}")
+        super().__init__(f"{self.field}: {self.reason}")
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,6 @@ from reward_server.core import (
     prepare_batch,
 )
 from reward_server.core.answers import MathJudge, math_available
-from reward_server.core.normalization import NON_FINITE_REASON
 from reward_server.encoders.base import EMBEDDING_DIM, Encoder
 from reward_server.math_judge import IsolatedMathJudge, MathDeadlineExceeded
 from reward_server.service.batcher import Batcher, DeadlineExceeded
@@ -329,9 +328,7 @@ class ScoringService:
                     partial(finish_batch, prepared, embeddings, normalize=request.normalize)
                 )
             except NonFiniteRewardError as exc:
-                raise RequestInvalid(
-                    [issue((exc.field,), NON_FINITE_REASON, "non_finite")]
-                ) from None
+                raise RequestInvalid([issue((exc.field,), exc.reason, "non_finite")]) from None
             t3 = time.monotonic()
         timings = {
             "parse": t1 - t0,
