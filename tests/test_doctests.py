@@ -11,7 +11,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 MODULES = sorted(
     ".".join(path.relative_to(REPO).with_suffix("").parts)
-    for package in ("reward_server", "trainer_client")
+    for package in ("reward_server", "trainer_client", "benchmarks")
     for path in (REPO / package).rglob("*.py")
     if "_generated" not in path.parts and ">>> " in path.read_text(encoding="utf-8")
 )

@@ -6,6 +6,12 @@ measured on the standard GRPO step, the server grew from 206 MB at ready to 377 
 steps. Fixing the mmap threshold at 1 MiB (large buffers are mapped and returned on free) and
 capping arenas at 2 kept it at 214 MB. ``mallopt`` is applied in-process at start-up, before
 worker threads exist, so ``sde2-reward serve`` needs no environment variables for it.
+
+The price of a fixed threshold: a large block freed and allocated again is faulted in (and zeroed
+by the kernel) page by page each time. The encoder's activation buffers are exactly that, so they
+must be kept by onnxruntime's own arena, which ``OnnxEncoder`` enables by default; without it a
+GRPO step cost ~570k page faults and the encoder ran 1.45x slower (``tests/test_memory.py``
+counts the faults).
 """
 
 from __future__ import annotations
