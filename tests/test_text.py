@@ -1,6 +1,10 @@
 """SPEC §1 preprocessing and field-text cleaning, rule by rule."""
 
+import unicodedata
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from reward_server.core.text import field_text, preprocess
 
@@ -51,3 +55,31 @@ def test_field_text_order_fences_before_emphasis() -> None:
     assert field_text("```**x**") == "x"
     # `**` removed before `__`: "*_*_" contains neither pair intact -> unchanged
     assert field_text("*_*_") == "*_*_"
+
+
+_QUOTES, _DOUBLE_QUOTES = "\u2018\u2019\u201a\u201b\u2032", "\u201c\u201d\u201e\u201f\u2033"
+_DASHES = "\u2010\u2011\u2012\u2013\u2014\u2015\u2212"
+_SPEC_MAP = str.maketrans(
+    {
+        **dict.fromkeys(_QUOTES, "'"),
+        **dict.fromkeys(_DOUBLE_QUOTES, '"'),
+        **dict.fromkeys(_DASHES, "-"),
+    }
+)
+_TYPOGRAPHY = _QUOTES + _DOUBLE_QUOTES + _DASHES
+
+
+@settings(max_examples=500)
+@given(
+    st.text(
+        alphabet=st.one_of(
+            st.characters(codec="ascii"),
+            st.sampled_from(_TYPOGRAPHY + "\uff11\u00bd\ufb01"),
+            st.characters(),
+        )
+    )
+)
+def test_preprocess_is_the_spec_map_then_nfkc(text: str) -> None:
+    """The fast paths (ASCII returned as is, one ``str.replace`` per mapped character) give
+    exactly SPEC §1's simultaneous map followed by NFKC, on any text."""
+    assert preprocess(text) == unicodedata.normalize("NFKC", text.translate(_SPEC_MAP))

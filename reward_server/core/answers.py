@@ -24,7 +24,7 @@ MathJudge = Callable[[str, str], bool]
 _FRAC = re.compile(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
 # Longest first, so that `\textbf` is not read as `\text` + "bf".
 _LATEX_WORDS = re.compile(r"\\(?:textbf|text|boxed|mathrm|left|right)")
-_DROP_CHARS = str.maketrans(dict.fromkeys("{}$€£¥%", None))
+_DROP_CHARS = re.compile("[{}$€£¥%]")
 _DIGIT_COMMA = re.compile(r"(?<=[0-9]),(?=[0-9])")
 _NUMBER = re.compile(r"-?[0-9]+(?:\.[0-9]+)?(?:/[0-9]+)?")
 _MAX_DIGITS = 1000
@@ -33,7 +33,7 @@ _MAX_DIGITS = 1000
 def _strip_latex(text: str) -> str:
     """Step 2 of numeric ``N``: fractions to ``a/b``, LaTeX words and currency marks removed."""
     text = _FRAC.sub(r"\1/\2", text)
-    text = _LATEX_WORDS.sub("", text).translate(_DROP_CHARS)
+    text = _DROP_CHARS.sub("", _LATEX_WORDS.sub("", text))
     return _DIGIT_COMMA.sub("", text)
 
 
