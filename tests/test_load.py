@@ -200,3 +200,4 @@ def test_score_benchmark_runs_end_to_end(
     assert "rewards agree (<= 1e-5): yes" in out
     assert re.search(r"ratio A/B = [0-9.]+ +ratio A/C = [0-9.]+", out), out
     assert re.search(r"-> \d+% of floor", out), out
+    assert re.search(r"fp32 ceiling: .* A/C at most (inf|[0-9.]+) ", out), out
