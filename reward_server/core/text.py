@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import re
 import unicodedata
+from bisect import bisect_left, bisect_right
+from dataclasses import dataclass, field
 
 #: SPEC §1's typographic map. No replacement is itself a key, so replacing one character at a
 #: time gives what a simultaneous mapping would; ``str.replace`` scans at memchr speed, where
@@ -53,3 +55,107 @@ def field_text(raw: str) -> str:
     text = _FENCE.sub(" ", raw).replace("**", "").replace("__", "")
     # str.split() with no argument splits on runs of str.isspace characters and drops the ends.
     return " ".join(text.split())
+
+
+# A run of non-ASCII characters with the ASCII character before it, if any (it may compose with
+# the run: "e" + U+0301 is "é", ">" + U+0338 is "≯"). NFKC never changes ASCII characters and
+# no ASCII character composes with what precedes it, so text can be cut before every ASCII
+# character: NFKC of the whole is the NFKC of the pieces, joined.
+_NON_ASCII_RUN = re.compile(r"[\x00-\x7f]?[^\x00-\x7f]+")
+_PUNCTUATION_TABLE = str.maketrans(dict(_PUNCTUATION))
+
+
+@dataclass(frozen=True)
+class OffsetMap:
+    """Offsets in ``preprocess(text)`` mapped back to offsets in ``text`` (code points).
+
+    Preprocessing keeps most characters in place; a piece NFKC changes in length (a ligature
+    ``ﬁ`` → ``fi``, ``e`` + combining accent → ``é``) is a *segment*: any offset inside its
+    output maps to the whole input piece. ``segments`` holds ``(pre_start, pre_end,
+    orig_start, orig_end)`` in order; elsewhere offsets shift by the segments before them.
+    """
+
+    segments: tuple[tuple[int, int, int, int], ...] = ()
+    _pre_starts: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_pre_starts", tuple(s[0] for s in self.segments))
+
+    def start(self, pre: int) -> int:
+        """Where the character at preprocessed offset ``pre`` comes from (its first char)."""
+        i = bisect_right(self._pre_starts, pre) - 1
+        if i < 0:
+            return pre
+        _, pre_end, orig_start, orig_end = self.segments[i]
+        return orig_start if pre < pre_end else orig_end + (pre - pre_end)
+
+    def end(self, pre: int) -> int:
+        """The original offset just after the characters before preprocessed offset ``pre``."""
+        i = bisect_left(self._pre_starts, pre) - 1
+        if i < 0:
+            return pre
+        _, pre_end, _, orig_end = self.segments[i]
+        return orig_end if pre <= pre_end else orig_end + (pre - pre_end)
+
+    def span(self, start: int, end: int) -> tuple[int, int]:
+        """The original span of the preprocessed span ``[start, end)``."""
+        if end <= start:
+            origin = self.start(start)
+            return origin, origin
+        return self.start(start), self.end(end)
+
+
+def _pieces(text: str) -> list[str]:
+    """``text`` cut where NFKC of the whole is NFKC of the pieces joined: before every
+    character that neither is a combining mark nor composes with what precedes it (Hangul
+    jamo do). Checked pairwise here; :func:`preprocess_with_offsets` checks the whole."""
+    out: list[str] = []
+    for char in text:
+        if out and (
+            unicodedata.combining(char)
+            or unicodedata.normalize("NFKC", out[-1] + char)
+            != unicodedata.normalize("NFKC", out[-1]) + unicodedata.normalize("NFKC", char)
+        ):
+            out[-1] += char
+        else:
+            out.append(char)
+    return out
+
+
+def preprocess_with_offsets(text: str) -> tuple[str, OffsetMap]:
+    """:func:`preprocess` and the map from its offsets back to ``text``'s (for explanations).
+
+    >>> pre, offsets = preprocess_with_offsets("\ufb01 <a>")  # the ligature "ﬁ" becomes "fi"
+    >>> pre, pre.index("<"), offsets.start(pre.index("<")), offsets.span(0, 2)
+    ('fi <a>', 3, 2, (0, 1))
+    """
+    if text.isascii():
+        return text, OffsetMap()
+    parts: list[str] = []
+    segments: list[tuple[int, int, int, int]] = []
+    pos = 0  # next unread offset of text
+    shift = 0  # len(preprocessed so far) - pos
+    for run in _NON_ASCII_RUN.finditer(text):
+        parts.append(text[pos : run.start()])
+        piece = run.group(0).translate(_PUNCTUATION_TABLE)
+        out = unicodedata.normalize("NFKC", piece)
+        pre_at = run.start() + shift
+        if out != piece:
+            clusters = _pieces(piece)
+            outs = [unicodedata.normalize("NFKC", c) for c in clusters]
+            if "".join(outs) == out:
+                orig_at = run.start()
+                for cluster, cluster_out in zip(clusters, outs, strict=True):
+                    if cluster_out != cluster and (len(cluster) > 1 or len(cluster_out) != 1):
+                        segments.append(
+                            (pre_at, pre_at + len(cluster_out), orig_at, orig_at + len(cluster))
+                        )
+                    pre_at += len(cluster_out)
+                    orig_at += len(cluster)
+            else:  # never seen; should the pairwise check miss a case, the run is one segment
+                segments.append((pre_at, pre_at + len(out), run.start(), run.end()))
+        parts.append(out)
+        shift += len(out) - len(piece)
+        pos = run.end()
+    parts.append(text[pos:])
+    return "".join(parts), OffsetMap(tuple(segments))
