@@ -11,7 +11,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from reward_server.core.text import field_text
 
@@ -126,9 +126,9 @@ def field_list(text: str, name: str) -> list[str]:
 BlockStatus = Literal["kept", "invalid", "duplicate", "beyond_max"]
 
 
-@dataclass(frozen=True)
-class Block:
-    """A completed ``<strategy…>…</strategy>`` block, as :func:`scan_strategies` saw it."""
+class Block(NamedTuple):
+    """A completed ``<strategy…>…</strategy>`` block, as :func:`scan_strategies` saw it (a
+    named tuple: the reward's hot path makes one per block, and tuples are cheap to build)."""
 
     start: int  # the opening tag's first character
     end: int  # just after the closing tag
@@ -138,8 +138,7 @@ class Block:
     status: BlockStatus
 
 
-@dataclass(frozen=True)
-class StrayTag:
+class StrayTag(NamedTuple):
     """A ``<strategy>`` tag that made no block: an opening dropped because another opening came
     before its closing (or none came), or a closing with no pending opening."""
 
