@@ -20,6 +20,7 @@ import hmac
 import json
 import logging
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import grpc
@@ -154,37 +155,59 @@ class RewardServicer:
             await self._fail(context, "unauthorized", grpc.StatusCode.UNAUTHENTICATED, "bad key")
 
     async def _fail(
-        self, context: grpc.aio.ServicerContext, reason: str, code: grpc.StatusCode, msg: str
+        self,
+        context: grpc.aio.ServicerContext,
+        reason: str,
+        code: grpc.StatusCode,
+        msg: str,
+        method: str = "Score",
     ) -> None:
         self.service.metrics.failures.labels(reason).inc()
-        self.service.metrics.requests.labels("grpc:Score", code.name).inc()
+        self.service.metrics.requests.labels(f"grpc:{method}", code.name).inc()
         await context.abort(code, msg)
 
-    async def Score(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        """Score one batch (``POST /v1/score``)."""
+    async def _scored(
+        self, request: Any, context: grpc.aio.ServicerContext, method: str = "Score"
+    ) -> Scored:
+        """The pipeline's answer to a ``ScoreRequest``, or an abort with the matching status."""
         await self._authorize(context)
         remaining = context.time_remaining()
         body = request_to_json(request)
+        fail = partial(self._fail, context, method=method)
         try:
             scored = await self.service.score(
-                lambda: ScoreRequest.model_validate_json(body), timeout=remaining
+                lambda: ScoreRequest.model_validate_json(body),
+                timeout=remaining,
+                explain=method == "Explain",
             )
         except RequestInvalid as exc:
-            await self._fail(context, "invalid", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await fail("invalid", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Overloaded as exc:
             context.set_trailing_metadata((("retry-after", str(exc.retry_after)),))
-            await self._fail(context, "overloaded", grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            await fail("overloaded", grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except DeadlineExceeded as exc:
-            await self._fail(context, "deadline", grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
+            await fail("deadline", grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
         except (NotReady, ShuttingDown) as exc:
-            await self._fail(context, "not_ready", grpc.StatusCode.UNAVAILABLE, str(exc))
+            await fail("not_ready", grpc.StatusCode.UNAVAILABLE, str(exc))
         except EncoderFailed as exc:
-            await self._fail(context, "encoder", grpc.StatusCode.INTERNAL, str(exc))
+            await fail("encoder", grpc.StatusCode.INTERNAL, str(exc))
         context.set_trailing_metadata(
             tuple((f"x-{k}-time", f"{v * 1000:.3f}") for k, v in scored.timings.items())
         )
-        self.service.metrics.requests.labels("grpc:Score", "OK").inc()
-        return scored_to_proto(scored)
+        self.service.metrics.requests.labels(f"grpc:{method}", "OK").inc()
+        return scored
+
+    async def Score(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        """Score one batch (``POST /v1/score``)."""
+        return scored_to_proto(await self._scored(request, context))
+
+    async def Explain(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        """Score one batch and explain every item (``POST /v1/explain``)."""
+        scored = await self._scored(request, context, "Explain")
+        return pb.ExplainResponse(
+            score=scored_to_proto(scored),
+            explanation_json=json.dumps(scored.explanation, ensure_ascii=False),
+        )
 
     async def Info(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         """Encoder, variant, provider, version, defaults and limits (``GET /v1/info``)."""
@@ -215,6 +238,7 @@ _METHODS: dict[str, tuple[str, str]] = {
     "Score": ("ScoreRequest", "ScoreResponse"),
     "Info": ("InfoRequest", "InfoResponse"),
     "Health": ("HealthRequest", "HealthResponse"),
+    "Explain": ("ScoreRequest", "ExplainResponse"),
 }
 
 
@@ -251,7 +275,7 @@ def create_server(
 
 
 class RewardStub:
-    """Client for ``sde2.v1.RewardService`` (``Score``, ``Info``, ``Health`` callables)."""
+    """Client for ``sde2.v1.RewardService`` (``Score``, ``Info``, ``Health``, ``Explain``)."""
 
     def __init__(self, channel: grpc.Channel | grpc.aio.Channel) -> None:
         def method(name: str) -> Callable[..., Any]:
@@ -265,6 +289,7 @@ class RewardStub:
         self.Score = method("Score")
         self.Info = method("Info")
         self.Health = method("Health")
+        self.Explain = method("Explain")
 
 
 def request_from_dict(body: dict[str, Any]) -> Any:

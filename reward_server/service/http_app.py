@@ -34,6 +34,7 @@ from reward_server.service.batcher import (
     Overloaded,
     ShuttingDown,
 )
+from reward_server.service.explain_routes import install_explain_routes
 from reward_server.service.pipeline import (
     Loc,
     NotReady,
@@ -169,6 +170,7 @@ def create_app(service: ScoringService) -> FastAPI:
         route: str,
         parse_body: Callable[[bytes], Any],
         loc_map: Callable[[Loc], Loc] | None = None,
+        explain: bool = False,
     ) -> tuple[Scored | None, Response | None]:
         """Read, score and translate failures to responses (one place for every status)."""
         body = b""
@@ -178,7 +180,9 @@ def create_app(service: ScoringService) -> FastAPI:
             body = await read_body(request, settings.max_body_bytes)
 
         try:
-            scored = await service.score(lambda: parse_body(body), receive=receive, loc_map=loc_map)
+            scored = await service.score(
+                lambda: parse_body(body), receive=receive, loc_map=loc_map, explain=explain
+            )
             return scored, None
         except BodyTooLarge:
             reason, resp = (
@@ -347,6 +351,14 @@ def create_app(service: ScoringService) -> FastAPI:
         metrics.requests.labels(request.url.path, "422").inc()
         return _error(422, issues)
 
+    install_explain_routes(
+        app,
+        run_scoring=run_scoring,
+        timing_headers=timing_headers,
+        parse_score=parse_score,
+        metrics=metrics,
+        doc=score_doc,
+    )
     _install_openapi(app, service)
     return app
 
@@ -396,7 +408,7 @@ def _install_openapi(app: FastAPI, service: ScoringService) -> None:
         ):
             if field in item:
                 _set_max_length(item[field], limit)
-        for path in ("/v1/score", "/score"):
+        for path in ("/v1/score", "/score", "/v1/explain"):
             for op in doc["paths"].get(path, {}).values():
                 props = op["requestBody"]["content"]["application/json"]["schema"]["properties"]
                 props["items"].update(minItems=1, maxItems=s.max_items)
@@ -409,7 +421,7 @@ def _install_openapi(app: FastAPI, service: ScoringService) -> None:
         if s.api_key is not None:
             components_root = doc["components"]
             components_root["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
-            for path in ("/v1/score", "/score", "/get_reward"):
+            for path in ("/v1/score", "/score", "/get_reward", "/v1/explain"):
                 for op in doc["paths"].get(path, {}).values():
                     op["security"] = [{"bearer": []}]
         app.openapi_schema = doc

@@ -34,6 +34,7 @@ from reward_server.core import (
     prepare_batch,
 )
 from reward_server.core.answers import MathJudge, math_available
+from reward_server.core.explain import explain_batch
 from reward_server.encoders.base import EMBEDDING_DIM, Encoder
 from reward_server.math_judge import IsolatedMathJudge, MathDeadlineExceeded
 from reward_server.service.batcher import Batcher, DeadlineExceeded
@@ -87,6 +88,8 @@ class Scored:
     score: BatchScore
     timings: dict[str, float]
     encoder: str
+    #: The reward's explanation (:mod:`reward_server.core.explain`), when one was asked for.
+    explanation: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The SPEC §6 response."""
@@ -265,6 +268,7 @@ class ScoringService:
         receive: Callable[[], Awaitable[object]] | None = None,
         loc_map: LocMap | None = None,
         timeout: float | None = None,
+        explain: bool = False,
     ) -> Scored:
         """Admit, parse, encode through the batcher, reward. Raises :class:`RequestInvalid`,
         :class:`~reward_server.service.batcher.Overloaded`,
@@ -273,7 +277,8 @@ class ScoringService:
         ``receive`` is awaited once the request is admitted and before ``parse``: HTTP reads
         its body there, so a full server answers 429 at once without buffering the body, and
         the bodies held in memory are bounded by the queue's capacity. ``timeout`` (seconds)
-        tightens the server's ``request_timeout`` for this request.
+        tightens the server's ``request_timeout`` for this request. ``explain`` embeds ``H`` of
+        every item (as ``diagnostics`` does; the rewards are the same) and adds the explanation.
         """
         t0 = time.monotonic()
         if self.batcher is None or self.encoder is None:
@@ -298,7 +303,7 @@ class ScoringService:
                         recipe=request.recipe,
                         answer_type=request.answer_type,
                         params=request.params,
-                        diagnostics=request.diagnostics,
+                        diagnostics=request.diagnostics or explain,
                         math_judge=self.math_judge(deadline),
                     )
                 )
@@ -329,6 +334,22 @@ class ScoringService:
                 )
             except NonFiniteRewardError as exc:
                 raise RequestInvalid([issue((exc.field,), exc.reason, "non_finite")]) from None
+            explanation = None
+            if explain:
+                try:
+                    explanation = await self._in_pool(
+                        partial(
+                            explain_batch,
+                            request.items,
+                            prepared,
+                            embeddings,
+                            score,
+                            normalize=request.normalize,
+                            math_judge=self.math_judge(deadline),
+                        )
+                    )
+                except MathDeadlineExceeded as exc:
+                    raise DeadlineExceeded(str(exc)) from None
             t3 = time.monotonic()
         timings = {
             "parse": t1 - t0,
@@ -338,7 +359,7 @@ class ScoringService:
             "total": t3 - t0,
         }
         self.metrics.observe_phases(timings)
-        return Scored(score, timings, self.encoder_name)
+        return Scored(score, timings, self.encoder_name, explanation)
 
     # -- info ---------------------------------------------------------------------------------
 

@@ -86,6 +86,17 @@ class ScoreResponse(BaseModel):
     encoder: str = Field(description="the sentence encoder that produced the embeddings")
 
 
+class ExplainResponse(ScoreResponse):
+    """``POST /v1/explain``: the ``/v1/score`` response (as with ``diagnostics`` on) plus why
+    each item got its reward; see :mod:`reward_server.core.explain` for every field."""
+
+    explanation: dict[str, Any] = Field(
+        description="per item: the parse with offsets into the completion as sent, what was "
+        "ignored and why, answers and their canonical forms, the cosines of H and the Uniq walk, "
+        "each component with its inputs, the normalization and the reward"
+    )
+
+
 class OpenRLHFRequest(BaseModel):
     """OpenRLHF's remote reward protocol (``--reward.remote_url``).
 
