@@ -1,4 +1,4 @@
-"""``sde2-reward``: the command line of the reward server (score, export, serve).
+"""``sde2-reward``: the command line of the reward server (score, explain, export, serve).
 
 Each subcommand lives in the module that does the work; this file only wires them up, importing
 lazily so that ``sde2-reward score`` never pays for the server stack and ``serve`` never imports
@@ -16,6 +16,7 @@ from collections.abc import Sequence
 #: ``run(args) -> int``.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "score": ("reward_server.offline", "score a JSONL file of completions offline"),
+    "explain": ("reward_server.explain_report", "why each completion got its reward (offline)"),
     "export": ("reward_server.encoders.onnx_export", "export the sentence encoder to ONNX"),
     "serve": ("reward_server.service.serve", "run the HTTP and gRPC reward server"),
 }

@@ -1,0 +1,234 @@
+"""``sde2-reward explain``: why each completion of a JSONL file got its reward, for the terminal.
+
+The input is what ``sde2-reward score`` reads (one SPEC §6 item per line; the whole file is one
+batch). The report shows, per item, the facts of ``POST /v1/explain`` (the same
+:func:`~reward_server.core.explain.explain_batch`): each strategy block and what became of it,
+what the parser ignored and why, the final answer and its match, the cosines of ``H`` with the
+``Uniq`` walk, every component with its inputs, the normalization and the reward. ``--json``
+prints the explanation object itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+from pydantic import ValidationError
+
+from reward_server.core import NonFiniteRewardError, RewardParams, finish_batch, prepare_batch
+from reward_server.core.explain import ExplainLimits, explain_batch
+from reward_server.encoders.base import EMBEDDING_DIM
+from reward_server.math_judge import IsolatedMathJudge
+from reward_server.offline import InputError, encode_with_progress, read_items
+
+Json = dict[str, Any]
+#: Strategies shown in a cosine matrix (wider ones are cut; the JSON has them all).
+MATRIX_COLUMNS = 10
+
+
+def _quote(field: Json | None, width: int = 60) -> str:
+    """A field excerpt on one line, cut to ``width`` characters."""
+    if field is None or field.get("text") is None:
+        return "-"
+    text = " ".join(str(field["text"]).split())
+    cut = len(text) > width or field.get("truncated", False)
+    return json.dumps(text[:width] + ("…" if cut else ""), ensure_ascii=False)
+
+
+def _span(span: list[int] | None) -> str:
+    return "-" if span is None else f"{span[0]}-{span[1]}"
+
+
+def _canonical(field: Json) -> str:
+    canonical = field.get("canonical")
+    if not canonical:
+        return ""
+    return f" N={canonical['value']}" if canonical["value"] is not None else " N=none"
+
+
+def _num(x: Any) -> str:
+    return f"{x:.4f}" if isinstance(x, float) else str(x)
+
+
+def _blocks(item: Json) -> Iterator[str]:
+    yield (
+        f"  parse: {item['blocks_total']} strategy blocks, {item['n_strat']} kept "
+        f"(n_strat); {item['ignored_total']} things ignored"
+    )
+    label = {b["block"]: f"s{b['strategy']}" for b in item["strategies"] if "strategy" in b}
+    for block in item["strategies"]:
+        where = _span(block["span"])
+        if block["status"] == "kept":
+            mark = "match" if block["outcome"].get("matches") else "no match"
+            yield (
+                f"    s{block['strategy']} kept       {where:>13}  reasoning "
+                f"{_quote(block['reasoning'])}  outcome {_quote(block['outcome'], 24)}"
+                f"{_canonical(block['outcome'])} ({mark})"
+            )
+        else:
+            extra = f" ({label[block['duplicate_of']]})" if "duplicate_of" in block else ""
+            status = f"b{block['block']} {block['status']:<10}"
+            yield f"    {status} {where:>13}  {block['reason']}{extra}"
+    if item["blocks_listed"] < item["blocks_total"]:
+        yield f"    … {item['blocks_total'] - item['blocks_listed']} more blocks not listed"
+
+
+def _ignored(item: Json) -> Iterator[str]:
+    if not item["ignored_total"]:
+        return
+    counts = ", ".join(f"{k} {v}" for k, v in item["ignored_counts"].items())
+    yield f"  ignored ({counts}):"
+    for entry in item["ignored"]:
+        text = f"  {_quote({'text': entry['excerpt']}, 40)}" if "excerpt" in entry else ""
+        yield f"    {entry['kind']:<22} {_span(entry['span']):>13}  {entry['reason']}{text}"
+    shown = len(item["ignored"])
+    listed_blocks = sum(1 for b in item["strategies"] if b["status"] != "kept")
+    if shown + listed_blocks < item["ignored_total"]:
+        yield f"    … {item['ignored_total'] - shown - listed_blocks} more not listed"
+
+
+def _answers(item: Json) -> Iterator[str]:
+    fa = item["final_answer"]
+    if fa["text"] is None:
+        yield "  final answer: none"
+    else:
+        source = {"strategy": "the last kept strategy's outcome"}.get(
+            fa["source"], f"<{fa['source']}>"
+        )
+        yield (
+            f"  final answer: {_quote(fa, 40)}{_canonical(fa)} from {source} at {_span(fa['span'])}"
+        )
+    chi = "a kept strategy's outcome matches" if item["chi"] else "no strategy outcome matches"
+    yield (
+        f"  gold: {_quote(item['gold'], 40)}{_canonical(item['gold'])}   "
+        f"correct={int(item['correct'])}  chi={int(item['chi'])} ({chi})"
+    )
+
+
+def _geometry(item: Json) -> Iterator[str]:
+    g = item["geometry"]
+    yield (
+        f"  geometry (delta={g['threshold']}): m={g['m']}  Uniq={g['uniq']}  "
+        f"Div={_num(g['div'])}  g={_num(g['g'])}"
+    )
+    cosines = g["cosines"]
+    if len(cosines) >= 2:
+        n = min(len(cosines), MATRIX_COLUMNS)
+        yield "          " + "".join(f"{'s' + str(j):>8}" for j in range(n))
+        for i in range(n):
+            row = "".join(f"{cosines[i][j]:>8.3f}" for j in range(n))
+            mark = "" if g["kept"][i] else "  dropped"
+            yield f"    {'s' + str(i):>5} {row}{mark}"
+        if len(cosines) > n:
+            yield f"    … {len(cosines) - n} more strategies (see --json)"
+    for d in g["dropped"]:
+        yield (
+            f"    s{d['strategy']} duplicates s{d['duplicate_of']}: "
+            f"cos {d['cosine']:.4f} > delta {g['threshold']}"
+        )
+
+
+def _components(item: Json, normalize: bool) -> Iterator[str]:
+    yield "  components:"
+    for key, c in item["components"].items():
+        inputs = ", ".join(f"{k}={_num(v)}" for k, v in c["inputs"].items())
+        yield f"    {key:<3} {c['value']:>9.4f} = {c['formula']}"
+        yield f"        with {inputs}"
+    yield "  normalization (over the batch) and weights:"
+    for key, n in item["normalization"].items():
+        used = "normalized" if normalize else "raw"
+        yield (
+            f"    {key:<3} raw {n['raw']:.4f}  mean {n['mean']:.4f}  std {n['std']:.4f}  "
+            f"-> {n['normalized']:+.4f}   x w {n['weight']:g} ({used}) = {n['contribution']:+.4f}"
+        )
+    advantage = "" if item["advantage"] is None else f"   advantage {item['advantage']:+.6f}"
+    yield f"  reward = {item['reward']:+.6f}{advantage}"
+
+
+def render(explanation: Json) -> str:
+    """The readable report of an explanation (see the module docstring)."""
+    lines = [
+        f"recipe {explanation['recipe']} ({', '.join(explanation['components'])}), "
+        f"answer_type {explanation['answer_type']}, normalize {explanation['normalize']}; "
+        f"offsets: {explanation['offsets']}",
+    ]
+    for item in explanation["items"]:
+        group = "" if item["group"] is None else f"  group {item['group']}"
+        lines += [
+            "",
+            f"item {item['index']}: reward {item['reward']:+.6f}{group}"
+            f"  ({item['completion_chars']} chars, length {item['length']['value']} "
+            f"{item['length']['source']})",
+        ]
+        lines += [*_blocks(item), *_ignored(item), *_answers(item), *_geometry(item)]
+        lines += list(_components(item, explanation["normalize"]))
+    return "\n".join(lines) + "\n"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``sde2-reward explain`` (those of ``score`` that apply, plus the view)."""
+    parser.add_argument("--in", dest="input", required=True, help="input JSONL (as for score)")
+    parser.add_argument("--recipe", choices=["sde2", "cfee", "cfl"], default="sde2")
+    parser.add_argument(
+        "--answer-type", choices=["numeric", "choice", "exact", "math"], default="numeric"
+    )
+    parser.add_argument("--params", default="{}", help="reward parameters as JSON")
+    parser.add_argument("--no-normalize", action="store_true", help="sum raw components")
+    parser.add_argument("--item", type=int, default=None, help="report only this item (0-based)")
+    parser.add_argument("--json", action="store_true", help="print the explanation as JSON")
+    parser.add_argument("--math-timeout", type=float, default=2.0, help="seconds per math check")
+    parser.add_argument("--backend", choices=["onnx", "torch"], default="onnx")
+    parser.add_argument("--model", default=None, help="ONNX folder, HF folder or hub id")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Explain ``--in`` on stdout; exit status 2 on bad input."""
+    judge = IsolatedMathJudge(time_limit=max(args.math_timeout, 1e-3))
+    try:
+        params = RewardParams.model_validate_json(args.params)
+        with open(args.input, encoding="utf-8") as f:
+            items = list(read_items(f))
+        if args.item is not None and not 0 <= args.item < len(items):
+            raise InputError(f"--item {args.item}: the file has {len(items)} items")
+        prepared = prepare_batch(
+            items,
+            recipe=args.recipe,
+            answer_type=args.answer_type,
+            params=params,
+            diagnostics=True,
+            math_judge=judge,
+        )
+        embeddings = np.zeros((0, EMBEDDING_DIM), np.float32)
+        if prepared.texts:
+            from reward_server.encoders.loading import load_encoder
+
+            encoder = load_encoder(args.backend, args.model)
+            embeddings = encode_with_progress(encoder, prepared.texts, not args.quiet)
+        normalize = not args.no_normalize
+        score = finish_batch(prepared, embeddings, normalize=normalize)
+        explanation = explain_batch(
+            items,
+            prepared,
+            embeddings,
+            score,
+            normalize=normalize,
+            math_judge=judge,
+            limits=ExplainLimits(),
+        )
+    except (InputError, ValidationError, NonFiniteRewardError, ValueError, OSError) as exc:
+        print(f"sde2-reward explain: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        judge.close()
+    if args.item is not None:
+        explanation["items"] = [explanation["items"][args.item]]
+    if args.json:
+        sys.stdout.write(json.dumps(explanation, ensure_ascii=False, indent=1) + "\n")
+    else:
+        sys.stdout.write(render(explanation))
+    return 0
