@@ -11,7 +11,7 @@ PIP_OPTS ?=
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve test test-fast test-container image image-gpu lint setup-server setup-dev proto clean
+.PHONY: serve test test-fast test-container image image-gpu lint setup-server setup-dev setup-browser proto clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,10 +39,14 @@ proto: | $(VENV)/bin/python
 setup-server: $(VENV)/.server-installed
 setup-dev: $(VENV)/.dev-installed
 
+# Debian's chromium and chromedriver for the inspector's browser tests (apt, only when missing).
+setup-browser:
+	bash scripts/setup-browser.sh
+
 serve: setup-server
 	$(VENV)/bin/sde2-reward serve --host $(HOST) --port $(PORT)
 
-test: setup-dev
+test: setup-dev setup-browser
 	$(PY) -m pytest -m "not container and not gpu"
 
 test-fast: setup-dev
