@@ -149,6 +149,52 @@ def _components(item: Json, normalize: bool) -> Iterator[str]:
     yield f"  reward = {item['reward']:+.6f}{advantage}"
 
 
+def summarize_item(item: Json) -> str:
+    """One explained item in a few lines (a table cell: the TRL adapter logs these).
+
+    >>> item = {"reward": 1.5, "blocks_total": 2, "n_strat": 1,
+    ...     "ignored_counts": {"invalid_block": 1},
+    ...     "strategies": [{"status": "kept", "strategy": 0, "reasoning": {"text": "add"},
+    ...                     "outcome": {"text": "5", "matches": True}}],
+    ...     "geometry": {"kept": [True], "dropped": []}, "chi": True, "correct": False,
+    ...     "final_answer": {"text": "6", "source": "final_answer"}, "gold": {"text": "5"},
+    ...     "components": {"oc": {"value": 0.0}, "re": {"value": 1.0}}}
+    >>> print(summarize_item(item))
+    reward +1.5000 | 2 blocks, 1 kept; ignored: invalid_block 1
+    s0 "add" -> "5" match
+    final "6" (<final_answer>) vs gold "5": wrong, chi=1 | oc 0.000, re 1.000
+    """
+    ignored = ", ".join(f"{k} {v}" for k, v in item["ignored_counts"].items()) or "nothing"
+    lines = [
+        f"reward {item['reward']:+.4f} | {item['blocks_total']} blocks, "
+        f"{item['n_strat']} kept; ignored: {ignored}"
+    ]
+    dropped = {d["strategy"]: d for d in item["geometry"]["dropped"]}
+    for block in item["strategies"]:
+        if block["status"] != "kept":
+            continue
+        k = block["strategy"]
+        verdict = "match" if block["outcome"].get("matches") else "no match"
+        same = (
+            f", dropped: ~s{dropped[k]['duplicate_of']} cos {dropped[k]['cosine']:.3f}"
+            if k in dropped
+            else ""
+        )
+        reasoning, outcome = _quote(block["reasoning"], 50), _quote(block["outcome"], 20)
+        lines.append(f"s{k} {reasoning} -> {outcome} {verdict}{same}")
+    fa = item["final_answer"]
+    final = "none" if fa["text"] is None else f"{_quote(fa, 20)} ({fa['source']})"
+    if fa["source"] in ("final_answer", "answer"):
+        final = f"{_quote(fa, 20)} (<{fa['source']}>)"  # the tag it was read from
+    values = ", ".join(f"{k} {c['value']:.3f}" for k, c in item["components"].items())
+    verdict = "right" if item["correct"] else "wrong"
+    lines.append(
+        f"final {final} vs gold {_quote(item['gold'], 20)}: {verdict}, chi={int(item['chi'])} "
+        f"| {values}"
+    )
+    return "\n".join(lines)
+
+
 def render(explanation: Json) -> str:
     """The readable report of an explanation (see the module docstring)."""
     lines = [

@@ -92,6 +92,7 @@ class SDE2Reward:
         timeout: float = DEFAULT_TIMEOUT,
         retry: RetryPolicy | None = None,
         api_key: str | None = None,
+        explain_extremes: bool = False,
     ) -> None:
         if recipe not in RECIPE_COMPONENTS:
             raise ValueError(f"recipe must be one of {sorted(RECIPE_COMPONENTS)}, got {recipe!r}")
@@ -107,6 +108,9 @@ class SDE2Reward:
         self.timeout = timeout
         self.retry = retry
         self.api_key = api_key  # None: the client reads SDE2_API_KEY
+        #: Log why the best and the worst completion of each call got their reward (one more
+        #: request per call, to ``/v1/explain``); off by default.
+        self.explain_extremes = explain_extremes
         self.last_result: ScoreResult | None = None
         self._client: tuple[asyncio.AbstractEventLoop, AsyncRewardClient] | None = None
 
@@ -170,7 +174,41 @@ class SDE2Reward:
         )
         self.last_result = result
         self._log(result, kwargs.get("log_metric"), kwargs.get("log_extra"))
+        if self.explain_extremes and kwargs.get("log_extra") is not None:
+            await self._log_extremes(items, answer_type, result, kwargs["log_extra"])
         return list(result.rewards)
+
+    async def _log_extremes(
+        self,
+        items: list[dict[str, Any]],
+        answer_type: str,
+        result: ScoreResult,
+        log_extra: Callable[[str, list[Any]], None],
+    ) -> None:
+        """Column ``<recipe>/explanation``: why the best and the worst completion got their
+        reward (``POST /v1/explain`` over the same call, so the normalization is the same);
+        empty for the others."""
+        from reward_server.explain_report import summarize_item
+
+        rewards = list(result.rewards)
+        best = max(range(len(rewards)), key=rewards.__getitem__)
+        worst = min(range(len(rewards)), key=rewards.__getitem__)
+        body: dict[str, Any] = {
+            "items": items,
+            "recipe": self.recipe,
+            "answer_type": answer_type,
+            "normalize": self.normalize,
+        }
+        if self.params:
+            body["params"] = self.params
+        data = await self._get_client().request(
+            "POST", "/v1/explain", body, what=f"explain {len(items)} items"
+        )
+        explained = data["explanation"]["items"]
+        column: list[str | None] = [None] * len(rewards)
+        for role, k in (("worst", worst), ("best", best)):
+            column[k] = f"{role}: {summarize_item(explained[k])}"
+        log_extra(f"{self.recipe}/explanation", column)
 
     def _log(
         self,
@@ -236,6 +274,7 @@ def sde2_reward(
     timeout: float = DEFAULT_TIMEOUT,
     retry: RetryPolicy | None = None,
     api_key: str | None = None,
+    explain_extremes: bool = False,
     **params: Any,
 ) -> RewardFunction:
     """A TRL ``GRPOTrainer`` reward function scoring through the reward server(s) at ``url``.
@@ -243,7 +282,9 @@ def sde2_reward(
     ``params`` are SPEC §4 reward parameters (``similarity_threshold=0.75``,
     ``weights={"sd": 0}``...), validated here. Several URLs shard each call across replicas with
     the same numbers as one server. The function is ``async`` (TRL awaits it concurrently with
-    other reward functions), picklable, and named after the recipe.
+    other reward functions), picklable, and named after the recipe. ``explain_extremes`` logs,
+    as the column ``<recipe>/explanation``, why the best and the worst completion of each call
+    got their reward (TRL shows ``log_extra`` columns with ``log_completions=True``).
 
     Usage::
 
@@ -260,5 +301,6 @@ def sde2_reward(
         timeout=timeout,
         retry=retry,
         api_key=api_key,
+        explain_extremes=explain_extremes,
     )
     return holder.reward_function
