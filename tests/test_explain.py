@@ -318,3 +318,18 @@ def test_offset_tracking_preprocessing_is_preprocess(text: str) -> None:
         start = offsets.start(k) if k < len(pre) else len(text)
         assert previous <= start <= len(text)
         previous = start
+
+
+def test_math_answer_type_is_explained_with_the_same_judge() -> None:
+    items = [
+        ScoreItem(
+            completion=strat("halve it", "$\\frac{1}{2}$") + strat("guess", "3") + "<answer>0.5",
+            answer="1/2",
+        ),
+        ScoreItem(completion=strat("guess", "3"), answer="1/2"),
+    ]
+    explanation = assert_explains(items, HashEncoder(), answer_type="math")
+    outcomes = [b["outcome"] for b in explanation["items"][0]["strategies"]]
+    assert [o["matches"] for o in outcomes] == [True, False]
+    assert outcomes[0]["canonical"] == {"kind": "math", "value": None}
+    assert "note" not in explanation["items"][0]
