@@ -247,3 +247,35 @@ def test_bad_input_shows_the_422_next_to_its_input(
     completions.send_keys("\n{not json")
     browser.find_element(By.ID, "run").click()
     assert browser.find_element(By.ID, "completions-error").text.startswith("line 3: not JSON")
+
+
+def test_one_pasted_completion(server: ServerProcess, browser: Any) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.get(server.url + "/inspect")
+    completion = GROUP[2]  # a ligature and curly quotes: preprocessing changes its length
+    box = browser.find_element(By.ID, "completions")
+    browser.execute_script("arguments[0].value = arguments[1];", box, completion[:-1])
+    box.send_keys(completion[-1])
+    browser.find_element(By.ID, "answer").send_keys("20")
+    assert browser.find_element(By.ID, "mode").text.startswith("One completion")
+    browser.find_element(By.ID, "run").click()
+    WebDriverWait(browser, WAIT_S).until(
+        lambda d: len(d.find_elements(By.CSS_SELECTOR, "#summary tbody tr")) == 1
+    )
+    body = {
+        "items": [{"completion": completion, "answer": "20"}],
+        "params": {"similarity_threshold": 0.8},
+    }
+    want = httpx.post(server.url + "/v1/explain", json=body, timeout=60).json()
+    item = want["explanation"]["items"][0]
+    shown = float(browser.find_element(By.ID, "reward").get_attribute("data-value"))
+    assert shown == item["reward"] == want["rewards"][0]
+    assert item["correct"] and item["chi"]
+    (block,) = item["strategies"]
+    start, end = block["outcome"]["span"]
+    outcome = browser.find_element(By.CSS_SELECTOR, "#completion .outcome").text
+    assert outcome == completion[start:end] == "“20”"
+    reasoning = browser.find_element(By.CSS_SELECTOR, "#completion .reasoning").text
+    assert reasoning.startswith("ﬁrst subtract")

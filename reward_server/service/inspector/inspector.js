@@ -36,10 +36,10 @@ const signed = (x, digits = 6) => (x >= 0 ? "+" : "") + x.toFixed(digits);
 // ---- input ------------------------------------------------------------------------------------
 
 /** The items of the textarea: JSONL lines (objects or JSON strings) or one raw completion. */
-function readItems(text, gold) {
+function readItems(text, gold, mode = $("#input-mode").value) {
   const lines = text.split(/\r?\n/).map((l) => l.trim()).filter((l) => l.length > 0);
   const looksJsonl = lines.length > 0 && lines.every((l) => l.startsWith("{") || l.startsWith('"'));
-  if (!looksJsonl) {
+  if (mode === "single" || (mode === "auto" && !looksJsonl)) {
     return { mode: "single", items: [{ completion: text, answer: gold }], own: [false] };
   }
   const items = [];
@@ -510,6 +510,7 @@ document.addEventListener("DOMContentLoaded", () => {
   $("#example").addEventListener("click", loadExample);
   $("#completions").addEventListener("input", describeMode);
   $("#answer").addEventListener("input", describeMode);
+  $("#input-mode").addEventListener("change", describeMode);
   document.addEventListener("keydown", (event) => {
     if ((event.ctrlKey || event.metaKey) && event.key === "Enter") run(event);
   });
