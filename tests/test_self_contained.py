@@ -277,9 +277,11 @@ def test_wheel_without_grpc_tools_serves_grpc_and_http_identically(
     # 1. `pip wheel .` on a copy of the sources without any generated code: pip's isolated build
     #    environment gets setuptools and grpcio-tools from pyproject's [build-system].
     src = _copy_source(tmp_path / "src")
+    # Without PYTHONPATH: pip must not take the checkout (or its egg-info) for an installed sde2.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"TMPDIR": str(tmp_path)}
     build = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(src)],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path,
     )  # fmt: skip
     assert build.returncode == 0, build.stderr[-3000:]
     (wheel,) = tmp_path.glob("sde2-*.whl")
@@ -307,10 +309,9 @@ def test_wheel_without_grpc_tools_serves_grpc_and_http_identically(
     install = subprocess.run(
         [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps",
          "--no-index", str(wheel)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
     )  # fmt: skip
     assert install.returncode == 0, install.stderr[-3000:]
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"TMPDIR": str(tmp_path)}
     probe = subprocess.run(
         [python, "-c",
          "import importlib.util as u, reward_server.service.grpc_server as g; "
