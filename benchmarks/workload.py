@@ -1,8 +1,9 @@
 """The standard GRPO-step workload shared by the benchmarks and the load tests.
 
 One step is 8 prompts × 8 completions; each completion holds 1–10 strategies whose reasoning is
-30–120 words cut from GSM8K train solutions (so texts look like real math reasoning), and about
-half of the completions contain a strategy whose outcome is the gold answer.
+30–120 words cut from GSM8K train solutions (so texts look like real math reasoning; the subset
+shipped in ``reward_server/data``), and about half of the completions contain a strategy whose
+outcome is the gold answer.
 """
 
 from __future__ import annotations
@@ -15,19 +16,16 @@ from typing import Any
 
 from reward_server.encoders.fidelity import find_gsm8k
 
-GSM8K_TRAIN = (
-    Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k" / "train.jsonl"
-)
 _CALC = re.compile(r"<<[^>]*>>")
 
 
 def load_gsm8k(path: Path | None = None, limit: int = 2000) -> list[dict[str, str]]:
-    """Questions with their worked solution (calculator annotations removed) and gold answer."""
-    path = path or find_gsm8k()
-    if path is None:
-        raise FileNotFoundError("GSM8K train.jsonl not found: set SDE2_GSM8K")
+    """Questions with their worked solution (calculator annotations removed) and gold answer.
+
+    Default: the 400-problem subset shipped in the package (:mod:`reward_server.data`).
+    """
     rows = []
-    with path.open(encoding="utf-8") as f:
+    with find_gsm8k(path).open(encoding="utf-8") as f:
         for line in f:
             record = json.loads(line)
             solution, _, gold = record["answer"].rpartition("####")

@@ -99,8 +99,8 @@ fi
 # Dockerfile and the build arguments. Untracked files count too (git ls-files -co).
 source_hash="$(
     {
-        git ls-files -co --exclude-standard -- pyproject.toml README.md reward_server \
-            trainer_client protos "$dockerfile" .dockerignore | LC_ALL=C sort | while read -r f; do
+        git ls-files -co --exclude-standard -- pyproject.toml setup.py MANIFEST.in README.md \
+            reward_server trainer_client protos "$dockerfile" .dockerignore | LC_ALL=C sort | while read -r f; do
             [ -f "$f" ] && printf '%s %s\n' "$(sha256sum <"$f" | cut -c1-64)" "$f"
         done
         printf '%s\n' "${build_args[@]}"

@@ -9,16 +9,15 @@ encoder) and then fails with the server's log tail, so a broken server is a fail
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from reward_server.data import GSM8K_DIR
 from tests.server_process import ServerProcess
 
 REPO = Path(__file__).resolve().parents[1]
-GSM8K_DIR = Path(os.environ.get("SDE2_GSM8K_DIR", REPO.parent / "shared" / "data" / "gsm8k"))
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 

@@ -370,9 +370,11 @@ def test_runtime_image_has_no_torch(image: str) -> None:
     ok = podman(
         "run", "--rm", "--network", "host", image, "python3", "-c",
         "import onnxruntime, tokenizers, reward_server.service.serve; "
+        "import reward_server.service.grpc_server; "
         "import importlib.metadata as m; "
-        "names = {d.metadata['Name'].lower() for d in m.distributions()}; "
-        "bad = names & {'torch', 'transformers', 'sentence-transformers'}; "
+        "names = {d.metadata['Name'].lower().replace('_', '-') for d in m.distributions()}; "
+        "bad = names & {'torch', 'transformers', 'sentence-transformers', 'grpcio-tools', "
+        "'huggingface-hub', 'hf-xet', 'setuptools', 'pip'}; "
         "assert not bad, bad; print(onnxruntime.__version__)",
         check=False,
     )  # fmt: skip

@@ -7,15 +7,16 @@ thresholds pairwise similarities at δ, so a small embedding error flips a keep/
 pair sits near δ. The int8 gate therefore compares per-completion ``Uniq`` decisions and rewards
 (SPEC §3), not just vector distances.
 
-Texts are built from GSM8K train solutions when the file is available, because those are the kind
-of text a ``<reasoning>`` block holds; without it a deterministic synthetic set of arithmetic
-word-problem reasoning stands in (the manifest records which set was used).
+Texts are built from GSM8K train solutions, because those are the kind of text a ``<reasoning>``
+block holds: the package ships a 400-problem subset (:mod:`reward_server.data`), so an installed
+server measures on the same texts as a source checkout and reads nothing outside the package. A
+file given explicitly (``sde2-reward export --gsm8k``) replaces it (the manifest records which
+file was used).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 from collections.abc import Sequence
@@ -29,13 +30,8 @@ import numpy.typing as npt
 from reward_server.core.components import semantic_exploration
 from reward_server.core.geometry import cosine_matrix, kept_mask, semantic_gain
 from reward_server.core.params import RewardParams
+from reward_server.data import GSM8K_TRAIN
 
-#: Where the GSM8K training split is looked for when no path is given (overridable by env).
-#: The project's shared data sits beside the repository checkout (``../shared``).
-DEFAULT_GSM8K_PATHS = (
-    Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k" / "train.jsonl",
-    Path("data/gsm8k/train.jsonl"),
-)
 #: The similarity thresholds the int8 gate checks (the default δ is 0.80).
 GATE_DELTAS: tuple[float, ...] = (0.70, 0.75, 0.80, 0.85, 0.90)
 #: Minimum share of completions whose Uniq decisions must agree with fp32, at every δ.
@@ -44,13 +40,13 @@ GATE_MIN_AGREEMENT = 0.995
 _CALC = re.compile(r"<<[^<>]*>>")
 
 
-def find_gsm8k(path: str | Path | None = None) -> Path | None:
-    """The GSM8K train file to use: ``path``, else ``$SDE2_GSM8K``, else a known location."""
-    candidates = [Path(path)] if path else []
-    if os.environ.get("SDE2_GSM8K"):
-        candidates.append(Path(os.environ["SDE2_GSM8K"]))
-    candidates.extend(DEFAULT_GSM8K_PATHS)
-    return next((p for p in candidates if p.is_file()), None)
+def find_gsm8k(path: str | Path | None = None) -> Path:
+    """The GSM8K train file to use: ``path`` when given, else the subset shipped in the package."""
+    if not path:
+        return GSM8K_TRAIN
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"GSM8K file {path} not found")
+    return Path(path)
 
 
 def _clean_solution(answer: str, keep_calc: bool) -> list[str]:
@@ -66,37 +62,12 @@ def _clean_solution(answer: str, keep_calc: bool) -> list[str]:
     return lines
 
 
-def _synthetic_problems(n: int, rng: random.Random) -> list[tuple[str, list[str]]]:
-    """Deterministic arithmetic word problems with step-by-step solutions (no GSM8K file)."""
-    names = ["Ana", "Ben", "Chloe", "Dev", "Emma", "Farid", "Grace", "Hiro", "Ines", "Jon"]
-    items = ["apples", "pencils", "stickers", "books", "marbles", "cookies", "cards", "shells"]
-    out = []
-    for _ in range(n):
-        who, what = rng.choice(names), rng.choice(items)
-        a, b, c = rng.randint(3, 90), rng.randint(2, 12), rng.randint(1, 40)
-        q = (
-            f"{who} has {a} {what}, buys {b} packs of {c} more, then gives away half. "
-            f"How many {what} are left?"
-        )
-        total = a + b * c
-        steps = [
-            f"{who} buys {b} packs of {c} {what}, which is {b} * {c} = {b * c} {what}.",
-            f"Together with the {a} {what} from before, {who} has {a} + {b * c} = {total}.",
-            f"Giving away half leaves {total} / 2 = {total / 2:g} {what}.",
-            f"So the answer is {total / 2:g}.",
-        ]
-        out.append((q, steps))
-    return out
-
-
 def load_problems(
     gsm8k: str | Path | None = None, n: int = 400, seed: int = 0
 ) -> tuple[list[tuple[str, list[str]]], str]:
     """``n`` (question, solution lines) pairs and a description of where they came from."""
     rng = random.Random(seed)
     path = find_gsm8k(gsm8k)
-    if path is None:
-        return _synthetic_problems(n, rng), f"synthetic(seed={seed})"
     with path.open(encoding="utf-8") as fh:
         rows = [json.loads(line) for line in fh if line.strip()]
     picked = rng.sample(rows, min(n, len(rows)))

@@ -488,7 +488,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, type=Path, help="output folder")
     parser.add_argument("--variant", choices=VARIANTS, default="fp32")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing export")
-    parser.add_argument("--gsm8k", default=None, help="GSM8K train.jsonl for the fidelity text set")
+    parser.add_argument(
+        "--gsm8k",
+        default=None,
+        help="GSM8K train.jsonl for the fidelity text set (default: the subset in the package)",
+    )
     parser.add_argument("--opset", type=int, default=17)
     parser.add_argument(
         "--fidelity-texts",

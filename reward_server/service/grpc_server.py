@@ -10,8 +10,10 @@ client's own, whichever is sooner), UNAUTHENTICATED (wrong or missing ``authoriz
 UNAVAILABLE (model loading or shutting down). Phase timings go out as trailing metadata
 (``x-parse-time`` … in ms), like the HTTP headers.
 
-The service plumbing uses grpc's generic handlers instead of protoc's ``*_pb2_grpc.py`` (see
-:mod:`reward_server.service.protogen` for why); :class:`RewardStub` is the matching client.
+The messages (``pb``) are generated from ``protos/`` when the package is built (``setup.py``;
+``protos/generate.py`` says why they are not committed) and typed by their generated stubs. The
+service plumbing uses grpc's generic handlers instead of protoc's ``*_pb2_grpc.py`` (which imports
+its sibling as a top-level package); :class:`RewardStub` is the matching client.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from functools import partial
 from typing import Any
 
 import grpc
+from google.protobuf.message import Message
 
+from reward_server.service._generated.sde2.v1 import reward_pb2 as pb
 from reward_server.service.batcher import (
     DeadlineExceeded,
     EncoderFailed,
@@ -32,10 +36,8 @@ from reward_server.service.batcher import (
     ShuttingDown,
 )
 from reward_server.service.pipeline import NotReady, RequestInvalid, Scored, ScoringService
-from reward_server.service.protogen import ensure_generated
 from reward_server.service.schemas import ScoreRequest
 
-pb: Any = ensure_generated()
 log = logging.getLogger(__name__)
 
 SERVICE = "sde2.v1.RewardService"
@@ -56,11 +58,11 @@ _PARAM_FIELDS = (
 _WEIGHT_FIELDS = ("oc", "re", "fa", "sd", "rd", "len")
 
 
-def _set_fields(msg: Any, names: tuple[str, ...]) -> dict[str, Any]:
+def _set_fields(msg: Message, names: tuple[str, ...]) -> dict[str, Any]:
     return {name: getattr(msg, name) for name in names if msg.HasField(name)}
 
 
-def request_to_json(request: Any) -> bytes:
+def request_to_json(request: pb.ScoreRequest) -> bytes:
     """The HTTP JSON body equivalent to a ``ScoreRequest`` message (unset fields omitted)."""
     items = []
     for it in request.items:
@@ -79,13 +81,13 @@ def request_to_json(request: Any) -> bytes:
     return json.dumps(body, ensure_ascii=False).encode("utf-8")
 
 
-def params_to_proto(params: dict[str, Any]) -> Any:
+def params_to_proto(params: dict[str, Any]) -> pb.RewardParams:
     """Every effective parameter as a ``RewardParams`` message."""
     flat = {k: params[k] for k in _PARAM_FIELDS}
     return pb.RewardParams(**flat, weights=pb.Weights(**params["weights"]))
 
 
-def scored_to_proto(scored: Scored) -> Any:
+def scored_to_proto(scored: Scored) -> pb.ScoreResponse:
     """A :class:`Scored` as a ``ScoreResponse`` message."""
     d = scored.as_dict()
     resp = pb.ScoreResponse(
@@ -108,7 +110,7 @@ def scored_to_proto(scored: Scored) -> Any:
     return resp
 
 
-def response_to_dict(resp: Any) -> dict[str, Any]:
+def response_to_dict(resp: pb.ScoreResponse) -> dict[str, Any]:
     """A ``ScoreResponse`` back in the HTTP JSON shape (for clients and the parity tests)."""
     params: dict[str, Any] = {k: getattr(resp.params, k) for k in _PARAM_FIELDS}
     params["weights"] = {k: getattr(resp.params.weights, k) for k in _WEIGHT_FIELDS}
@@ -167,7 +169,7 @@ class RewardServicer:
         await context.abort(code, msg)
 
     async def _scored(
-        self, request: Any, context: grpc.aio.ServicerContext, method: str = "Score"
+        self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext, method: str = "Score"
     ) -> Scored:
         """The pipeline's answer to a ``ScoreRequest``, or an abort with the matching status."""
         await self._authorize(context)
@@ -197,11 +199,15 @@ class RewardServicer:
         self.service.metrics.requests.labels(f"grpc:{method}", "OK").inc()
         return scored
 
-    async def Score(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def Score(
+        self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ScoreResponse:
         """Score one batch (``POST /v1/score``)."""
         return scored_to_proto(await self._scored(request, context))
 
-    async def Explain(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def Explain(
+        self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ExplainResponse:
         """Score one batch and explain every item (``POST /v1/explain``)."""
         scored = await self._scored(request, context, "Explain")
         return pb.ExplainResponse(
@@ -209,7 +215,9 @@ class RewardServicer:
             explanation_json=json.dumps(scored.explanation, ensure_ascii=False),
         )
 
-    async def Info(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def Info(
+        self, request: pb.InfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.InfoResponse:
         """Encoder, variant, provider, version, defaults and limits (``GET /v1/info``)."""
         if not self.service.ready:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "loading")
@@ -224,7 +232,9 @@ class RewardServicer:
             limits_json=json.dumps(info["limits"]),
         )
 
-    async def Health(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def Health(
+        self, request: pb.HealthRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HealthResponse:
         """SERVING once the model is loaded and warm (``GET /readyz``)."""
         status = (
             pb.HealthResponse.Status.SERVING
@@ -292,7 +302,7 @@ class RewardStub:
         self.Explain = method("Explain")
 
 
-def request_from_dict(body: dict[str, Any]) -> Any:
+def request_from_dict(body: dict[str, Any]) -> pb.ScoreRequest:
     """A ``ScoreRequest`` message from the HTTP JSON shape (clients, tests)."""
     body = dict(body)
     params = dict(body.pop("params", None) or {})
