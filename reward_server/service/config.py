@@ -20,9 +20,10 @@ VARIANTS = ("fp32", "fp16", "int8")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 _AT_LEAST_ONE = (
     "max_body_bytes", "max_items", "max_completion_chars", "max_answer_chars",
-    "queue_capacity", "batch_tokens", "workers",
+    "queue_capacity", "batch_tokens", "workers", "max_header_bytes", "keep_alive_timeout",
+    "max_request_tokens", "chunk_tokens",
 )  # fmt: skip
-_POSITIVE = ("request_timeout", "math_timeout")
+_POSITIVE = ("request_timeout", "math_timeout", "header_timeout", "body_timeout")
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,37 @@ class Settings:
     max_answer_chars: int = field(
         default=10_000, metadata={"help": "longest gold answer in characters (422 above)"}
     )
+    max_request_tokens: int = field(
+        default=262_144,
+        metadata={
+            "help": "most encoder tokens one request may need (estimated: 4 characters a token, "
+            "at most 256 a text, distinct texts only); 422 above"
+        },
+    )
+    max_header_bytes: int = field(
+        default=32 * 1024,
+        metadata={
+            "help": "largest request line plus headers in bytes (431 and the connection closed "
+            "above)"
+        },
+    )
+    header_timeout: float = field(
+        default=10.0,
+        metadata={
+            "help": "seconds a client has to send a request's line and headers, from the "
+            "connection (or the next request's first byte); the connection is closed after it"
+        },
+    )
+    body_timeout: float = field(
+        default=15.0,
+        metadata={
+            "help": "seconds an admitted request has to send its whole body (408 after it): how "
+            "long a stalled upload can hold an admission slot"
+        },
+    )
+    keep_alive_timeout: int = field(
+        default=5, metadata={"help": "seconds an idle keep-alive connection is kept open"}
+    )
     request_timeout: float = field(
         default=120.0,
         metadata={"help": "seconds a request may take in the server before a 503 (deadline)"},
@@ -83,6 +115,13 @@ class Settings:
         default=32768,
         metadata={
             "help": "estimated tokens the encoder worker takes from the queue per coalesced call"
+        },
+    )
+    chunk_tokens: int = field(
+        default=4096,
+        metadata={
+            "help": "estimated tokens the encoder runs between checks for requests past their "
+            "deadline (bounds how long the encoder keeps working for a request after its 503)"
         },
     )
     encoder_batch_tokens: int | None = field(

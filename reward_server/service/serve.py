@@ -96,6 +96,7 @@ async def serve_async(
     import uvicorn
 
     from reward_server.service.http_app import create_app
+    from reward_server.service.http_protocol import bounded_h11_protocol
     from reward_server.service.pipeline import ScoringService
 
     service = (
@@ -112,6 +113,14 @@ async def serve_async(
         log_level=settings.log_level,
         timeout_graceful_shutdown=math.ceil(settings.drain_timeout),  # 0: cancel at once
         access_log=False,
+        # h11 bounds the request head (httptools keeps every header line): see http_protocol.
+        http=bounded_h11_protocol(
+            settings.header_timeout,
+            settings.max_header_bytes,
+            on_timeout=service.metrics.failures.labels("header_timeout").inc,
+        ),
+        h11_max_incomplete_event_size=settings.max_header_bytes,
+        timeout_keep_alive=settings.keep_alive_timeout,
     )
     server = uvicorn.Server(config)
     server.capture_signals = _no_signal_capture  # type: ignore[method-assign]
