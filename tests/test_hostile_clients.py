@@ -9,6 +9,7 @@ uploads are dropped after ``--body-timeout`` so valid requests score again right
 from __future__ import annotations
 
 import contextlib
+import re
 import socket
 import time
 from collections.abc import Iterator
@@ -172,3 +173,64 @@ def test_disconnect_mid_upload_is_counted_without_a_traceback(server: ServerProc
         time.sleep(0.2)
     assert 'sde2_requests_total{route="/v1/score",status="499"} 3.0' in metrics
     assert "Traceback" not in server.log()
+
+
+# -- encoder work -----------------------------------------------------------------------------
+
+
+def long_texts_items(n_texts: int, tag: str, per_item: int = 32) -> list[dict[str, str]]:
+    """Items whose strategies are ``n_texts`` distinct texts of ~256 tokens (wrong outcomes, so
+    every one is embedded)."""
+    words = [f"{tag}{i}" for i in range(n_texts)]
+    texts = [" ".join(f"{w} alpha{j} beta{j % 7}" for j in range(60)) for w in words]
+    items = []
+    for start in range(0, n_texts, per_item):
+        blocks = "".join(
+            f"<strategy><reasoning>{t}</reasoning><strategy_outcome>{k}</strategy_outcome>"
+            "</strategy>"
+            for k, t in enumerate(texts[start : start + per_item])
+        )
+        items.append({"completion": blocks, "answer": "-1"})
+    return items
+
+
+def encoder_texts(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=5).text
+    found = re.search(r"^sde2_encoder_texts_total (\S+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+@pytest.fixture(scope="module")
+def strict_server(onnx_model_dir: Path) -> Iterator[ServerProcess]:
+    with ServerProcess(onnx_model_dir, "--request-timeout", "3", "--cache-size", "0") as proc:
+        yield proc
+
+
+def test_a_request_past_its_deadline_stops_using_the_encoder(strict_server: ServerProcess) -> None:
+    """768 distinct 256-token texts (tens of seconds of encoding) under a 3 s deadline."""
+    url = strict_server.url
+    big = {"items": long_texts_items(768, "deadline"), "params": {"max_strategies": 32}}
+    r = httpx.post(url + "/v1/score", json=big, timeout=60)
+    assert r.status_code == 503, r.text[:300]
+    after_503 = time.monotonic()
+    small = httpx.post(url + "/v1/score", json={"items": long_texts_items(2, "small")}, timeout=60)
+    served_after = time.monotonic() - after_503
+    print(f"deadline: the next request was served {served_after:.2f} s after the 503")
+    assert small.status_code == 200, small.text[:300]
+    assert served_after < 1.5
+    settled = encoder_texts(url)
+    time.sleep(2)
+    assert encoder_texts(url) == settled  # nothing more was encoded for the dropped request
+
+
+def test_a_request_over_the_encoder_budget_is_422_naming_the_limit(
+    strict_server: ServerProcess,
+) -> None:
+    body = {"items": long_texts_items(1100, "budget"), "params": {"max_strategies": 32}}
+    t0 = time.monotonic()
+    r = httpx.post(strict_server.url + "/v1/score", json=body, timeout=60)
+    assert r.status_code == 422, r.text[:300]
+    detail = r.json()["detail"][0]
+    assert detail["field"] == "items" and detail["type"] == "too_many_tokens"
+    assert "max_request_tokens" in detail["msg"] and "262144" in detail["msg"]
+    assert time.monotonic() - t0 < 3  # refused before any encoding

@@ -34,9 +34,10 @@ from reward_server.core import (
     prepare_batch,
 )
 from reward_server.core.answers import MathJudge, math_available
+from reward_server.core.text import preprocess
 from reward_server.encoders.base import EMBEDDING_DIM, Encoder
 from reward_server.math_judge import IsolatedMathJudge, MathDeadlineExceeded
-from reward_server.service.batcher import Batcher, DeadlineExceeded
+from reward_server.service.batcher import Batcher, DeadlineExceeded, estimate_tokens
 from reward_server.service.config import Settings
 from reward_server.service.metrics import Metrics
 from reward_server.service.schemas import ScoreRequest
@@ -169,6 +170,7 @@ class ScoringService:
                 batch_tokens=self.settings.batch_tokens,
                 max_backlog_seconds=self.settings.request_timeout,
                 observer=self.metrics,
+                chunk_tokens=self.settings.chunk_tokens,
             )
             self.metrics.ready.set(1)
             self._ready.set()
@@ -252,8 +254,30 @@ class ScoringService:
             ):
                 if value is not None and len(value) > limit:
                     add(("items", i, name), f"at most {limit} characters, got {len(value)}")
+                elif value is not None and not value.isascii():
+                    # NFKC (SPEC §1) can expand a character 18x (U+FDFA): bound what is scored.
+                    n = len(preprocess(value))
+                    if n > limit:
+                        add(
+                            ("items", i, name),
+                            f"at most {limit} characters after Unicode NFKC normalization, got {n}",
+                        )
         if issues:
             raise RequestInvalid(issues)
+
+    def check_encoder_budget(self, texts: list[str], loc_map: LocMap | None = None) -> None:
+        """At most ``max_request_tokens`` (estimated) of encoder work per request: one request
+        must not hold the shared encoder for minutes."""
+        limit = self.settings.max_request_tokens
+        needed = sum(map(estimate_tokens, texts))
+        if needed > limit:
+            loc: Loc = ("items",)
+            msg = (
+                f"needs about {needed} encoder tokens ({len(texts)} distinct strategy texts), "
+                f"more than this server's limit of {limit} per request (max_request_tokens): "
+                "split the batch"
+            )
+            raise RequestInvalid([issue(loc_map(loc) if loc_map else loc, msg, "too_many_tokens")])
 
     async def _in_pool(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._cpu, fn)
@@ -307,6 +331,7 @@ class ScoringService:
                 raise RequestInvalid([issue(loc, exc.message, "invalid_batch")]) from None
             except MathDeadlineExceeded as exc:
                 raise DeadlineExceeded(str(exc)) from None
+            self.check_encoder_budget(prepared.texts, loc_map)
             self.metrics.items.observe(len(request.items))
             t1 = time.monotonic()
             queue_s = encode_s = 0.0
@@ -318,8 +343,9 @@ class ScoringService:
                         asyncio.wrap_future(future), timeout=max(0.0, deadline - time.monotonic())
                     )
                 except asyncio.TimeoutError:
-                    future.cancel()
                     raise DeadlineExceeded("request deadline passed while encoding") from None
+                finally:
+                    future.abandon()  # no-op once done; else the worker stops encoding for it
                 embeddings = result.embeddings
                 queue_s, encode_s = result.queue_seconds, result.encode_seconds
             t2 = time.monotonic()
@@ -367,6 +393,10 @@ class ScoringService:
                 "max_items": s.max_items,
                 "max_completion_chars": s.max_completion_chars,
                 "max_answer_chars": s.max_answer_chars,
+                "max_request_tokens": s.max_request_tokens,
+                "max_header_bytes": s.max_header_bytes,
+                "header_timeout_s": s.header_timeout,
+                "body_timeout_s": s.body_timeout,
                 "request_timeout_s": s.request_timeout,
                 "queue_capacity": s.queue_capacity,
                 "batch_tokens": s.batch_tokens,
