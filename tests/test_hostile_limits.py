@@ -4,6 +4,8 @@ that is gone between chunks, and math checks are shared fairly and never remembe
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import time
 import unicodedata
 from pathlib import Path
@@ -100,3 +102,61 @@ def test_batcher_stops_encoding_for_a_request_gone_between_chunks() -> None:
     assert len(encoded) < 30, len(encoded)  # of 81: the rest was skipped
     assert all(len(call) <= 4 for call in encoder.calls)
     batcher.close(5)
+
+
+def test_a_paused_math_child_is_retried_and_never_cached_as_false() -> None:
+    """Issue: children paused for 2 s turned a correct answer into a cached wrong verdict."""
+    import os
+    import signal
+    import threading
+
+    from reward_server.math_judge import IsolatedMathJudge
+
+    judge = IsolatedMathJudge(time_limit=1.0, workers=1)
+    try:
+        assert judge("$1$", "$1$") is True  # the child is up
+        child = judge._slots.get()
+        judge._slots.put(child)
+        assert child is not None
+        pid = child.process.pid
+        os.kill(pid, signal.SIGSTOP)
+
+        def resume() -> None:
+            with contextlib.suppress(ProcessLookupError):  # killed and replaced meanwhile
+                os.kill(pid, signal.SIGCONT)
+
+        threading.Timer(2.0, resume).start()
+        t0 = time.monotonic()
+        assert judge("$\\frac{21}{28}$", "$0.75$") is True  # retried in a fresh child
+        print(f"paused child: correct verdict after {time.monotonic() - t0:.1f} s")
+        assert judge("$\\frac{21}{28}$", "$0.75$") is True
+    finally:
+        judge.close()
+
+
+def test_a_timed_out_math_check_is_not_remembered(monkeypatch: pytest.MonkeyPatch) -> None:
+    from reward_server import math_judge
+    from reward_server.math_judge import IsolatedMathJudge
+
+    judge = IsolatedMathJudge(time_limit=1.0, workers=1)
+    try:
+        assert judge("$1$", "$1$") is True
+        real_read = math_judge._Child.read
+        stalls = [True]
+
+        def read(self: Any, timeout: float) -> Any:
+            if stalls:  # the first check's reply never comes (while the child burns no CPU)
+                stalls.clear()
+                time.sleep(timeout)
+                real_read(self, timeout)  # drop the late reply
+                return None
+            return real_read(self, timeout)
+
+        clock = itertools.count(0.0, 10.0)  # the child "burned" 10 s of CPU between reads
+        monkeypatch.setattr(math_judge._Child, "cpu_seconds", lambda self: next(clock))
+        monkeypatch.setattr(math_judge._Child, "read", read)
+        assert judge("$\\frac{21}{28}$", "$0.75$") is False  # a real timeout: not equivalent...
+        assert judge.timeouts == 1
+        assert judge("$\\frac{21}{28}$", "$0.75$") is True  # ...but checked afresh next time
+    finally:
+        judge.close()
