@@ -13,6 +13,7 @@ import re
 import socket
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -234,3 +235,100 @@ def test_a_request_over_the_encoder_budget_is_422_naming_the_limit(
     assert detail["field"] == "items" and detail["type"] == "too_many_tokens"
     assert "max_request_tokens" in detail["msg"] and "262144" in detail["msg"]
     assert time.monotonic() - t0 < 3  # refused before any encoding
+
+
+# -- math checks --------------------------------------------------------------------------------
+
+
+def slow_math_items(n: int, tag: int) -> list[dict[str, str]]:
+    """``n`` items whose final answers each take sympy hours (``--math-timeout`` each)."""
+    items = []
+    for i in range(n):
+        evil = f"$9^{{9^{{9^{{{10 + 100 * tag + i}}}}}}}$"
+        items.append({"completion": f"<final_answer>{evil}</final_answer>", "answer": "$5$"})
+    return items
+
+
+def test_math_checks_are_shared_fairly(onnx_model_dir: Path) -> None:
+    """Two requests of 12 slow answers each (12 s of checks) cannot hold every math worker:
+    a numeric request, and a one-item math request, are answered at once meanwhile."""
+    args = ("--math-timeout", "1", "--request-timeout", "40", "--drain-timeout", "0")
+    one = {"items": [{"completion": "<final_answer>$0.75$</final_answer>", "answer": "$3/4$"}]}
+    with ThreadPoolExecutor(2) as pool, ServerProcess(onnx_model_dir, *args) as server:
+        url = server.url + "/v1/score"
+        warm = httpx.post(url, json={**one, "answer_type": "math"}, timeout=60)  # children up
+        assert warm.status_code == 200 and warm.json()["items"][0]["correct"] is True
+        slow = [
+            pool.submit(
+                httpx.post,
+                url,
+                json={"items": slow_math_items(12, tag), "answer_type": "math"},
+                timeout=60,
+            )
+            for tag in range(2)
+        ]
+        time.sleep(2.5)  # both are checking now
+        t0 = time.monotonic()
+        numeric = httpx.post(url, json=VALID, timeout=15)
+        numeric_s = time.monotonic() - t0
+        t0 = time.monotonic()
+        fresh = {"completion": "<final_answer>$\\frac{21}{28}$</final_answer>", "answer": "0.75"}
+        math_one = httpx.post(url, json={"items": [fresh], "answer_type": "math"}, timeout=15)
+        math_s = time.monotonic() - t0
+        print(f"math fairness: numeric {numeric_s:.2f} s, one math item {math_s:.2f} s")
+        assert numeric.status_code == 200 and numeric_s < 2.0
+        assert math_one.status_code == 200 and math_one.json()["items"][0]["correct"] is True
+        # It waited for one running check (and a child's restart), not for the slow requests.
+        assert not any(f.done() for f in slow), "the one-item request waited for the others"
+        assert math_s < 10
+    for f in slow:  # cut short by the stop (--drain-timeout 0): their answers do not matter
+        with contextlib.suppress(httpx.HTTPError):
+            f.result(60)
+
+
+# -- low items ----------------------------------------------------------------------------------
+
+
+def test_grpc_port_in_use_exits_3_with_a_message(onnx_model_dir: Path) -> None:
+    server = ServerProcess(onnx_model_dir, grpc=True)
+    with socket.socket() as taken:
+        assert server.grpc_port is not None
+        taken.bind(("127.0.0.1", server.grpc_port))
+        taken.listen()
+        server.start(wait=False)
+        try:
+            code = server.wait(120)
+        finally:
+            server.kill()
+    assert code == 3, server.log_tail()
+    assert f"cannot bind gRPC to 127.0.0.1:{server.grpc_port}" in server.log()
+    assert "Traceback" not in server.log()
+
+
+def test_malformed_protobuf_and_the_model_path_without_the_key(onnx_model_dir: Path) -> None:
+    import grpc
+
+    from reward_server.service.grpc_server import SERVICE, RewardStub, pb
+
+    env = {"SDE2_API_KEY": "s3cret"}
+    with ServerProcess(onnx_model_dir, grpc=True, env=env) as server:
+        path = str(onnx_model_dir)
+        for route in ("/v1/info", "/openapi.json", "/docs"):
+            assert path not in httpx.get(server.url + route, timeout=10).text, route
+        keyed = httpx.get(
+            server.url + "/v1/info", headers={"Authorization": "Bearer s3cret"}, timeout=10
+        )
+        assert keyed.json()["model_path"] == path
+        with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+            assert RewardStub(channel).Info(pb.InfoRequest(), timeout=30).model_path == ""
+            with_key = RewardStub(channel).Info(
+                pb.InfoRequest(), timeout=30, metadata=(("authorization", "Bearer s3cret"),)
+            )
+            assert with_key.model_path == path
+            raw = channel.unary_unary(f"/{SERVICE}/Score")  # bytes in, bytes out
+            for junk in (b"\xff\xff\xff", b"\x0a\x05ab"):
+                with pytest.raises(grpc.RpcError) as err:
+                    raw(junk, timeout=30, metadata=(("authorization", "Bearer s3cret"),))
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "not a valid protobuf message" in (err.value.details() or "")
+        assert "Traceback" not in server.log()

@@ -160,3 +160,31 @@ def test_a_timed_out_math_check_is_not_remembered(monkeypatch: pytest.MonkeyPatc
         assert judge("$\\frac{21}{28}$", "$0.75$") is True  # ...but checked afresh next time
     finally:
         judge.close()
+
+
+def test_every_new_limit_is_a_flag_and_an_env_var() -> None:
+    import argparse
+
+    from reward_server.service.config import add_arguments, load_settings
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--header-timeout", "3", "--max-request-tokens", "99"])
+    env = {
+        "SDE2_BODY_TIMEOUT": "4.5",
+        "SDE2_MAX_HEADER_BYTES": "2048",
+        "SDE2_KEEP_ALIVE_TIMEOUT": "7",
+        "SDE2_CHUNK_TOKENS": "512",
+        "SDE2_MATH_WORKERS": "3",
+    }
+    s = load_settings(args, env)
+    assert (s.header_timeout, s.max_request_tokens, s.body_timeout) == (3.0, 99, 4.5)
+    assert (s.max_header_bytes, s.keep_alive_timeout, s.chunk_tokens, s.math_workers) == (
+        2048,
+        7,
+        512,
+        3,
+    )
+    for name, bad in (("SDE2_HEADER_TIMEOUT", "0"), ("SDE2_CHUNK_TOKENS", "0")):
+        with pytest.raises(ValueError, match=name):
+            load_settings(None, {name: bad})

@@ -21,7 +21,7 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 _AT_LEAST_ONE = (
     "max_body_bytes", "max_items", "max_completion_chars", "max_answer_chars",
     "queue_capacity", "batch_tokens", "workers", "max_header_bytes", "keep_alive_timeout",
-    "max_request_tokens", "chunk_tokens",
+    "max_request_tokens", "chunk_tokens", "math_workers",
 )  # fmt: skip
 _POSITIVE = ("request_timeout", "math_timeout", "header_timeout", "body_timeout")
 
@@ -136,7 +136,15 @@ class Settings:
         default=2.0,
         metadata={
             "help": "seconds one answer_type=math equivalence check may run (in a child process "
-            "that is killed after it); a check that runs out counts as not equivalent"
+            "that is killed after it); a check that runs out counts as not equivalent for its "
+            "request and is never cached (one starved of CPU is retried once)"
+        },
+    )
+    math_workers: int = field(
+        default=2,
+        metadata={
+            "help": "child processes checking answer_type=math answers; each request checks one "
+            "answer at a time and requests take free children in turn"
         },
     )
     drain_timeout: float = field(

@@ -344,10 +344,16 @@ def create_app(service: ScoringService) -> FastAPI:
         summary="encoder, variant, provider, defaults, limits and version",
         responses={503: {"model": ErrorResponse, "description": "not ready yet"}},
     )
-    async def info() -> Response:
+    async def info(request: Request) -> Response:
+        """Open to all; the model's path only with the key, when one is set."""
         if not service.ready:
             return _error(503, "loading")
-        return JSONResponse(jsonable_encoder(service.info()))
+        try:
+            authorize(request)
+            reveal = True
+        except _Unauthorized:
+            reveal = False
+        return JSONResponse(jsonable_encoder(service.info(reveal_paths=reveal)))
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)
     async def prometheus() -> Response:

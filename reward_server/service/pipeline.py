@@ -142,6 +142,14 @@ class ScoringService:
         self._loaded = threading.Event()  # set when loading ended, successfully or not
         self._started = False
         self._cpu = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sde2-cpu")
+        # answer_type=math requests wait on their checks in threads of their own, so they never
+        # hold the CPU pool every other request needs. Each such request checks one pair at a
+        # time, and waiting requests take the next free child in turn (first come first served):
+        # one request cannot take every child, and a one-item request waits for one check, not
+        # for another request's hundred.
+        self._math_pool = ThreadPoolExecutor(
+            max_workers=2 * settings.math_workers, thread_name_prefix="sde2-math"
+        )
         self._math_judge: IsolatedMathJudge | None = None
         self._math_lock = threading.Lock()
 
@@ -203,6 +211,7 @@ class ScoringService:
         if self.batcher is not None:
             self.batcher.close(timeout=self.settings.drain_timeout)
         self._cpu.shutdown(wait=False, cancel_futures=True)
+        self._math_pool.shutdown(wait=False, cancel_futures=True)
         if self._math_judge is not None:
             self._math_judge.close()
 
@@ -213,7 +222,7 @@ class ScoringService:
             if self._math_judge is None:
                 self._math_judge = IsolatedMathJudge(
                     time_limit=self.settings.math_timeout,
-                    workers=2,  # one per CPU-pool thread
+                    workers=self.settings.math_workers,
                     on_timeout=self.metrics.math_timeouts.inc,
                 )
             return self._math_judge.bounded(deadline)
@@ -279,8 +288,8 @@ class ScoringService:
             )
             raise RequestInvalid([issue(loc_map(loc) if loc_map else loc, msg, "too_many_tokens")])
 
-    async def _in_pool(self, fn: Callable[[], T]) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._cpu, fn)
+    async def _in_pool(self, fn: Callable[[], T], pool: ThreadPoolExecutor | None = None) -> T:
+        return await asyncio.get_running_loop().run_in_executor(pool or self._cpu, fn)
 
     async def score(
         self,
@@ -324,7 +333,8 @@ class ScoringService:
                         params=request.params,
                         diagnostics=request.diagnostics,
                         math_judge=self.math_judge(deadline),
-                    )
+                    ),
+                    self._math_pool if request.answer_type == "math" else None,
                 )
             except InvalidBatch as exc:
                 loc = loc_map(exc.loc) if loc_map else exc.loc
@@ -368,8 +378,9 @@ class ScoringService:
 
     # -- info ---------------------------------------------------------------------------------
 
-    def info(self) -> dict[str, Any]:
-        """``/v1/info`` and gRPC ``Info``."""
+    def info(self, reveal_paths: bool = True) -> dict[str, Any]:
+        """``/v1/info`` and gRPC ``Info``; ``reveal_paths=False`` (a caller without the key,
+        when one is set) leaves out where the model lies on the server's disk."""
         inner: Any = self.encoder
         while inner is not None and not hasattr(inner, "variant") and hasattr(inner, "inner"):
             inner = inner.inner
@@ -379,7 +390,7 @@ class ScoringService:
             "encoder": self.encoder_name,
             "variant": str(getattr(inner, "variant", "unknown")),
             "provider": str(getattr(inner, "provider", s.provider)),
-            "model_path": None if model_dir is None else str(model_dir),
+            "model_path": None if model_dir is None or not reveal_paths else str(model_dir),
             "version": __version__,
             "defaults": {
                 "recipe": "sde2",

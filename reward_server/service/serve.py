@@ -161,9 +161,13 @@ async def serve_async(
         if settings.grpc_port is not None:
             from reward_server.service.grpc_server import create_server
 
-            grpc_server, bound = create_server(
-                service, settings.host, settings.grpc_port, reuse_port=reuse_port
-            )
+            try:
+                grpc_server, bound = create_server(
+                    service, settings.host, settings.grpc_port, reuse_port=reuse_port
+                )
+            except OSError as exc:  # like uvicorn's own bind failure: a message, exit 3
+                log.error("%s", exc)
+                return 3
             await grpc_server.start()
             log.info("gRPC listening on %s:%d", settings.host, bound)
 
@@ -181,6 +185,9 @@ async def serve_async(
             await grpc_stopper
     finally:
         watcher.cancel()
+        # Exiting while the loading thread is inside onnxruntime aborts the process ("terminate
+        # called without an active exception", exit 134): let loading end first (bounded).
+        await loop.run_in_executor(None, service.wait_loaded, 120.0)
         await loop.run_in_executor(None, service.close)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
