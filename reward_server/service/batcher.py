@@ -298,7 +298,8 @@ class Batcher:
         served = len(live)
         done: dict[str, npt.NDArray[np.float32]] = {}
         tokens = 0
-        todo = list(dict.fromkeys(t for job in live for t in job.texts))
+        # Longest first, as the encoder plans its runs: chunks of similar lengths pad little.
+        todo = sorted(dict.fromkeys(t for job in live for t in job.texts), key=len, reverse=True)
         pos = 0
         while pos < len(todo) and live:
             chunk = self._next_chunk(todo, pos)
