@@ -1,9 +1,13 @@
 """Hostile *clients* against a real ``sde2-reward serve`` process on 127.0.0.1.
 
-Each test reproduces one attack with raw sockets (bounded in connections, bytes and seconds) and
-checks the bound the server promises: a header flood is cut off (small memory growth, an error
-status or a closed connection), slow headers are dropped after ``--header-timeout``, stalled
-uploads are dropped after ``--body-timeout`` so valid requests score again right after.
+Each test reproduces one attack (bounded in connections, bytes and seconds) and checks the bound
+the server promises: a header flood is cut off (small memory growth, 431 or a closed connection),
+slow headers are dropped after ``--header-timeout``, stalled uploads after ``--body-timeout`` so
+valid requests score again right after, a disconnect mid-upload is counted (499); a request past
+its deadline stops using the encoder and the next one is served at once, one over
+``--max-request-tokens`` gets a 422 naming the limit; slow ``math`` requests cannot hold every
+worker; a gRPC port in use exits 3, malformed protobuf is INVALID_ARGUMENT, and without the key
+the model's path is not shown.
 """
 
 from __future__ import annotations
@@ -126,6 +130,9 @@ def test_slow_headers_and_silent_connections_are_dropped(server: ServerProcess) 
         assert closed_after < 1.5 + 1.5
         assert closed_or_answered(silent, within=2.0) is not None, "an idle connection stayed"
     assert httpx.get(server.url + "/healthz", timeout=5).status_code == 200
+    metrics = httpx.get(server.url + "/metrics", timeout=5).text
+    found = re.search(r'^sde2_failures_total\{reason="header_timeout"\} (\S+)$', metrics, re.M)
+    assert found is not None and float(found.group(1)) >= 2
 
 
 def test_stalled_uploads_hold_no_slot_past_the_body_timeout(server: ServerProcess) -> None:
@@ -137,6 +144,13 @@ def test_stalled_uploads_hold_no_slot_past_the_body_timeout(server: ServerProces
     with sockets(70, server) as socks:
         for s in socks:
             s.sendall(head + b'{"items": ')
+        admitted = 0.0
+        end = time.monotonic() + 5
+        while admitted < 64 and time.monotonic() < end:  # the stalls hold every slot
+            metrics = httpx.get(server.url + "/metrics", timeout=5).text
+            found = re.search(r"^sde2_admitted_requests (\S+)$", metrics, re.M)
+            admitted = float(found.group(1)) if found else 0.0
+        assert admitted == 64
         t0 = time.monotonic()
         statuses: list[int] = []
         scored_after = None
@@ -150,8 +164,12 @@ def test_stalled_uploads_hold_no_slot_past_the_body_timeout(server: ServerProces
         assert scored_after is not None, f"no valid request scored in 8 s: {statuses[-5:]}"
         print(f"stalled uploads: a valid request scored after {scored_after:.2f} s")
         assert scored_after < 2 + 2.0, scored_after  # --body-timeout 2, plus slack
-        answers = [closed_or_answered(s, within=1.0) for s in socks[:5]]
-    assert all(a is not None and a.startswith(b"HTTP/1.1 408") for a in answers), answers
+        answers = [closed_or_answered(s, within=1.0) or b"" for s in socks]
+    statuses_seen = sorted(a[9:12].decode() for a in answers)
+    assert statuses_seen.count("408") == 64, statuses_seen  # the admitted ones, dropped
+    # The rest found no slot: 429, or a reset that lost it (the server closed with their unread
+    # body bytes pending).
+    assert statuses_seen.count("429") + statuses_seen.count("") == 6, statuses_seen
     metrics = httpx.get(server.url + "/metrics", timeout=5).text
     assert 'sde2_requests_total{route="/v1/score",status="408"}' in metrics
 
