@@ -188,3 +188,17 @@ def test_every_new_limit_is_a_flag_and_an_env_var() -> None:
     for name, bad in (("SDE2_HEADER_TIMEOUT", "0"), ("SDE2_CHUNK_TOKENS", "0")):
         with pytest.raises(ValueError, match=name):
             load_settings(None, {name: bad})
+
+
+def test_chunk_size_defaults_to_2048_or_the_backends_larger_runs() -> None:
+    from tests.doubles import HashEncoder
+
+    class GpuSized(HashEncoder):
+        max_batch_tokens = 65536
+
+    def chunk(service: Any) -> int:
+        return int(service.batcher.chunk_tokens)
+
+    assert chunk(make_service()) == 2048
+    assert chunk(make_service(GpuSized())) == 65536
+    assert chunk(make_service(GpuSized(), chunk_tokens=512)) == 512

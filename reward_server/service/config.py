@@ -21,7 +21,7 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 _AT_LEAST_ONE = (
     "max_body_bytes", "max_items", "max_completion_chars", "max_answer_chars",
     "queue_capacity", "batch_tokens", "workers", "max_header_bytes", "keep_alive_timeout",
-    "max_request_tokens", "chunk_tokens", "math_workers",
+    "max_request_tokens", "math_workers",
 )  # fmt: skip
 _POSITIVE = ("request_timeout", "math_timeout", "header_timeout", "body_timeout")
 
@@ -117,11 +117,13 @@ class Settings:
             "help": "estimated tokens the encoder worker takes from the queue per coalesced call"
         },
     )
-    chunk_tokens: int = field(
-        default=2048,  # ~0.4 s of fp32 encoding on 2 CPU cores
+    chunk_tokens: int | None = field(
+        default=None,
         metadata={
             "help": "estimated tokens the encoder runs between checks for requests past their "
-            "deadline (bounds how long the encoder keeps working for a request after its 503)"
+            "deadline (bounds how long the encoder keeps working for a request after its 503; "
+            "default: 2048, ~0.4 s of fp32 on 2 CPU cores, or the encoder's padded tokens per "
+            "run when larger, as on a GPU)"
         },
     )
     encoder_batch_tokens: int | None = field(
@@ -168,7 +170,7 @@ class Settings:
             ("provider", self.provider in ("cpu", "cuda"), "one of cpu, cuda"),
             ("log_level", self.log_level in LOG_LEVELS, "one of " + ", ".join(LOG_LEVELS)),
         ]
-        for name in ("intra_op_threads", "encoder_batch_tokens"):
+        for name in ("intra_op_threads", "encoder_batch_tokens", "chunk_tokens"):
             value = getattr(self, name)
             rules.append((name, value is None or value >= 1, "an integer >= 1 (or unset)"))
         for name, ok, rule in rules:

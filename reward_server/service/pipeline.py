@@ -110,6 +110,17 @@ def _warm_up(encoder: Encoder) -> None:
     inner.encode(["warm up"])
 
 
+def _chunk_tokens(encoder: Encoder) -> int:
+    """The default ``chunk_tokens``: 2048 (~0.4 s of fp32 on 2 CPU cores), or the backend's own
+    run size when larger (a GPU backend runs big batches in milliseconds)."""
+    inner: Any = encoder
+    for _ in range(4):
+        if isinstance(getattr(inner, "max_batch_tokens", None), int):
+            return max(2048, int(inner.max_batch_tokens))
+        inner = getattr(inner, "inner", None)
+    return 2048
+
+
 def _constant(encoder: Encoder | None) -> Callable[[], Encoder]:
     assert encoder is not None
 
@@ -178,7 +189,7 @@ class ScoringService:
                 batch_tokens=self.settings.batch_tokens,
                 max_backlog_seconds=self.settings.request_timeout,
                 observer=self.metrics,
-                chunk_tokens=self.settings.chunk_tokens,
+                chunk_tokens=self.settings.chunk_tokens or _chunk_tokens(encoder),
             )
             self.metrics.ready.set(1)
             self._ready.set()
