@@ -274,7 +274,7 @@ class ScoringService:
             ):
                 if value is not None and len(value) > limit:
                     add(("items", i, name), f"at most {limit} characters, got {len(value)}")
-                elif value is not None and not value.isascii():
+                elif name in ("completion", "answer") and value and not value.isascii():
                     # NFKC (SPEC §1) can expand a character 18x (U+FDFA): bound what is scored.
                     n = len(preprocess(value))
                     if n > limit:
