@@ -8,9 +8,13 @@ doing it. :class:`IsolatedMathJudge` sends each ``(prediction, gold)`` pair to a
 child processes and kills a child whose check outlives ``time_limit``.
 
 A check that times out counts as *not equivalent*, which is what math-verify itself answers when
-its own timeout fires; every such case is logged and counted (``on_timeout``). A check that runs
-into the caller's deadline raises :class:`MathDeadlineExceeded` instead, so the request fails
-rather than score on a verdict nobody reached.
+its own timeout fires; every such case is logged and counted (``on_timeout``). It is never
+cached, nor is a crash: a verdict nobody reached must not outlive the fault (a paused or starved
+child would otherwise turn a correct ``\\frac{21}{28}`` vs ``0.75`` into a permanent wrong
+reward). A check whose child got less than half of its time limit in CPU time was starved (an
+overloaded machine, a paused process), not slow, and is retried once in a fresh child. A check
+that runs into the caller's deadline raises :class:`MathDeadlineExceeded` instead, so the request
+fails rather than score on a verdict nobody reached.
 """
 
 from __future__ import annotations
@@ -25,9 +29,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
-from functools import partial
 from typing import IO, Any
 
 from reward_server.core.answers import MathJudge
@@ -124,6 +127,16 @@ class _Child:
     def alive(self) -> bool:
         return self.process.poll() is None
 
+    def cpu_seconds(self) -> float | None:
+        """CPU time the child has used so far (None where it cannot be read)."""
+        try:
+            import psutil
+
+            times = psutil.Process(self.process.pid).cpu_times()
+        except Exception:  # no psutil, or the process is gone
+            return None
+        return float(times.user + times.system)
+
     def kill(self) -> None:
         self.process.kill()
         self.process.wait(5)
@@ -132,13 +145,58 @@ class _Child:
                 pipe.close()
 
 
+class _FairSlots:
+    """The children, handed out first come first served. A :class:`queue.Queue` lets a thread
+    that just returned a child take it straight back ahead of threads already waiting, so one
+    request checking answer after answer could keep a child from every other request; here a
+    returned child goes to the longest waiting caller (requests take turns)."""
+
+    def __init__(self, n: int) -> None:
+        self._free: deque[_Child | None] = deque([None] * n)
+        self._waiters: deque[list[Any]] = deque()  # [event, handed child or _NONE]
+        self._lock = threading.Lock()
+
+    def get(self, timeout: float | None = None) -> _Child | None:
+        """A child (None: start one), or :class:`queue.Empty` after ``timeout`` seconds."""
+        with self._lock:
+            if self._free and not self._waiters:
+                return self._free.popleft()
+            waiter: list[Any] = [threading.Event(), _NONE]
+            self._waiters.append(waiter)
+        waiter[0].wait(timeout)
+        with self._lock:
+            if waiter[1] is _NONE:  # timed out before a child was handed over
+                self._waiters.remove(waiter)
+                raise queue.Empty
+        child: _Child | None = waiter[1]
+        return child
+
+    def get_nowait(self) -> _Child | None:
+        with self._lock:
+            if not self._free:
+                raise queue.Empty
+            return self._free.popleft()
+
+    def put(self, child: _Child | None) -> None:
+        with self._lock:
+            if self._waiters:
+                waiter = self._waiters.popleft()
+                waiter[1] = child
+                waiter[0].set()
+            else:
+                self._free.append(child)
+
+
+_NONE = object()
+
+
 class IsolatedMathJudge:
     """``(prediction, gold) -> bool`` by math-verify, in ``workers`` killable child processes.
 
-    Thread-safe: concurrent callers use different children (and wait for a free one). Children
-    start on first use (importing sympy takes a second or two) and are replaced when killed.
-    Verdicts of short pairs are cached, timeouts included, so a repeated pathological answer
-    costs ``time_limit`` once.
+    Thread-safe: concurrent callers use different children (and wait for a free one, first
+    come first served: callers that each check one pair at a time take turns). Children start
+    on first use (importing sympy takes a second or two) and are replaced when killed. Verdicts
+    of short pairs are cached; timeouts and crashes never are (see the module docstring).
     """
 
     def __init__(
@@ -157,9 +215,7 @@ class IsolatedMathJudge:
         self.on_timeout = on_timeout
         self.timeouts = 0
         # FIFO: a successor still booting after a kill waits its turn behind a ready child.
-        self._slots: queue.Queue[_Child | None] = queue.Queue()
-        for _ in range(workers):
-            self._slots.put(None)
+        self._slots = _FairSlots(workers)
         self._cache: OrderedDict[tuple[str, str], bool] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
@@ -167,25 +223,14 @@ class IsolatedMathJudge:
 
     def __call__(self, prediction: str, gold: str, deadline: float | None = None) -> bool:
         """Whether ``prediction`` equals ``gold``; ``deadline`` is a ``time.monotonic()`` time."""
-        key = (prediction, gold)
-        with self._lock:
-            if key in self._cache:
-                self._cache.move_to_end(key)
-                return self._cache[key]
-        limit, by_deadline = self.time_limit, False
-        if deadline is not None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise MathDeadlineExceeded("request deadline passed while checking math answers")
-            limit, by_deadline = min(limit, remaining), remaining < limit
-        verdict = self._check(prediction, gold, limit, by_deadline, deadline)
-        self._remember(key, verdict)
-        return verdict
+        return self.check(prediction, gold, deadline)[0]
 
     def bounded(self, deadline: float | None) -> MathJudge:
-        """This judge with ``deadline`` fixed: what :func:`~reward_server.core.prepare_batch`
-        takes."""
-        return partial(self, deadline=deadline)
+        """This judge for one request, with ``deadline`` fixed: what
+        :func:`~reward_server.core.prepare_batch` takes. A pair that timed out is not checked
+        again within the request (128 copies of one slow answer cost ``time_limit`` once), but
+        the next request checks it afresh."""
+        return _RequestJudge(self, deadline)
 
     def close(self) -> None:
         """Stop the children (idle ones now; busy ones when their check returns)."""
@@ -200,9 +245,29 @@ class IsolatedMathJudge:
 
     # -- internals ------------------------------------------------------------------------------
 
+    def check(self, prediction: str, gold: str, deadline: float | None = None) -> tuple[bool, bool]:
+        """``(verdict, reached)``: like calling the judge, also saying whether the verdict was
+        reached (False: the check timed out or crashed and counts as not equivalent)."""
+        key = (prediction, gold)
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key], True
+        limit, by_deadline = self.time_limit, False
+        if deadline is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise MathDeadlineExceeded("request deadline passed while checking math answers")
+            limit, by_deadline = min(limit, remaining), remaining < limit
+        verdict, reached = self._check(prediction, gold, limit, by_deadline, deadline)
+        if reached:  # a timeout or crash is not a verdict: never remembered
+            self._remember(key, verdict)
+        return verdict, reached
+
     def _check(
         self, prediction: str, gold: str, limit: float, by_deadline: bool, deadline: float | None
-    ) -> bool:
+    ) -> tuple[bool, bool]:
+        """``(verdict, reached)``: ``reached`` is False for a timeout or crash."""
         wait = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
             child = self._slots.get(timeout=wait)
@@ -213,11 +278,16 @@ class IsolatedMathJudge:
         try:
             if self._closed:
                 raise RuntimeError("the math checker is closed")
-            for _attempt in (1, 2):
+            for attempt in (1, 2):
                 if child is None or not child.alive():
                     child = _Child()
                 child.started(self.start_timeout)
+                if attempt == 2 and deadline is not None:  # a retry has what is left
+                    remaining = max(0.0, deadline - time.monotonic())
+                    if remaining < limit:
+                        limit, by_deadline = remaining, True
                 try:
+                    cpu_before = child.cpu_seconds()
                     child.send(prediction, gold)
                     reply = child.read(limit)
                 except _ChildDied:
@@ -229,10 +299,22 @@ class IsolatedMathJudge:
                     continue
                 if reply is None:
                     why = f"exceeded {limit:.1f} s"
+                    cpu_after = child.cpu_seconds()
+                    starved = (
+                        cpu_before is not None
+                        and cpu_after is not None
+                        and cpu_after - cpu_before < 0.5 * limit
+                    )
+                    if starved and attempt == 1 and not by_deadline:
+                        # Not the check's doing (paused, or no CPU to run on): a fresh child.
+                        log.warning("math check starved of CPU: retrying it in a fresh child")
+                        child.kill()
+                        child = None
+                        continue
                     break
                 if "error" in reply:
                     raise RuntimeError(f"math check failed: {reply['error']}")
-                return bool(reply["equivalent"])
+                return bool(reply["equivalent"]), True
             if child is not None:
                 child.kill()
             child = None if self._closed else _Child()  # its successor boots meanwhile
@@ -252,7 +334,7 @@ class IsolatedMathJudge:
             _preview(gold),
             why,
         )
-        return False
+        return False, False
 
     def _remember(self, key: tuple[str, str], verdict: bool) -> None:
         if self._cache_size == 0 or len(key[0]) + len(key[1]) > _CACHEABLE_CHARS:
@@ -261,6 +343,24 @@ class IsolatedMathJudge:
             self._cache[key] = verdict
             if len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
+
+
+class _RequestJudge:
+    """One request's view of the judge (see :meth:`IsolatedMathJudge.bounded`)."""
+
+    def __init__(self, judge: IsolatedMathJudge, deadline: float | None) -> None:
+        self.judge = judge
+        self.deadline = deadline
+        self.timed_out: set[tuple[str, str]] = set()
+
+    def __call__(self, prediction: str, gold: str) -> bool:
+        key = (prediction, gold)
+        if key in self.timed_out:
+            return False
+        verdict, reached = self.judge.check(prediction, gold, self.deadline)
+        if not reached:
+            self.timed_out.add(key)
+        return verdict
 
 
 def _preview(text: str, limit: int = 80) -> str:

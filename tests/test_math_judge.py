@@ -72,9 +72,12 @@ def test_pathological_answer_costs_the_time_limit_and_not_the_process(
     assert 1.4 < elapsed < 1.5 + 5.0
     assert max(b - a for a, b in itertools.pairwise(ticks)) < 1.0
     assert judge.timeouts == 1 and TIMEOUTS == ["timeout"]
+    request = judge.bounded(None)
+    assert request(evil, "$5$") is False
     t0 = time.monotonic()
-    assert judge(evil, "$5$") is False  # remembered: a repeated answer costs nothing
+    assert request(evil, "$5$") is False  # within one request, a repeat costs nothing...
     assert time.monotonic() - t0 < 0.1
+    assert judge.timeouts == 2  # ...but a timeout is never cached across requests
     assert judge("$\\sqrt{9}$", "$3$") is True  # a fresh child took over
 
 

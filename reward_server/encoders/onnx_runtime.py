@@ -41,7 +41,7 @@ import numpy as np
 import numpy.typing as npt
 
 from reward_server.encoders.base import EMBEDDING_DIM, MAX_SEQ_LENGTH
-from reward_server.encoders.tokenization import load_tokenizer
+from reward_server.encoders.tokenization import encode_ids, load_tokenizer
 
 Provider = Literal["cpu", "cuda"]
 _ORT_PROVIDER = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
@@ -274,8 +274,7 @@ class OnnxEncoder:
         if not texts:
             return out, stats
         t0 = time.perf_counter()
-        encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=True)
-        ids_list = [e.ids for e in encodings]
+        ids_list = encode_ids(self._tokenizer, texts)  # long texts: from a bounded prefix
         lengths = [len(ids) for ids in ids_list]
         t1 = time.perf_counter()
         stats.tokenize_seconds = t1 - t0

@@ -63,6 +63,45 @@ def save_configured_tokenizer(
     return dst
 
 
+#: Characters per token above which a text's tail cannot matter: a text is tokenized from a
+#: prefix of ``max_length × PREFIX_CHARS_PER_TOKEN`` characters (cut at a space) when that
+#: prefix already fills the budget. English averages ~4 characters a token.
+PREFIX_CHARS_PER_TOKEN = 32
+#: Where a prefix may be cut: BERT's whitespace (its normalizer deletes other control
+#: characters, which would join the words on both sides of a cut made there).
+_CUT_AT = (" ", "\n", "\t", "\r")
+
+
+def _prefix(text: str, chars: int) -> str | None:
+    """``text`` cut at the last whitespace before ``chars`` characters; None when not longer."""
+    if len(text) <= chars:
+        return None
+    cut = max(text.rfind(c, 0, chars) for c in _CUT_AT)
+    return text[:cut] if cut > 0 else None
+
+
 def encode_ids(tokenizer: Tokenizer, texts: Sequence[str]) -> list[list[int]]:
-    """Token ids per text (``[CLS] ... [SEP]``, at most the configured budget), unpadded."""
-    return [enc.ids for enc in tokenizer.encode_batch(list(texts), add_special_tokens=True)]
+    """Token ids per text (``[CLS] ... [SEP]``, at most the configured budget), unpadded.
+
+    Long texts are tokenized from a prefix, never whole: a 200 kB completion (or a short one
+    that Unicode NFKC expanded 18×, e.g. U+FDFA) would otherwise be tokenized entirely to keep
+    its first 256 tokens. The ids are exactly those of the whole text: the prefix ends at
+    whitespace, where BERT's pre-tokenizer splits anyway, so its words tokenize as in the whole
+    text; a prefix whose tokens overflow the budget therefore gives the same first tokens. A
+    prefix that does not fill the budget (words averaging over 32 characters) is retried whole.
+    """
+    texts = list(texts)
+    truncation = tokenizer.truncation
+    if truncation is None:  # nothing is cut: every character counts
+        return [enc.ids for enc in tokenizer.encode_batch(texts, add_special_tokens=True)]
+    chars = int(truncation["max_length"]) * PREFIX_CHARS_PER_TOKEN
+    prefixes = [_prefix(t, chars) for t in texts]
+    inputs = [t if p is None else p for t, p in zip(texts, prefixes, strict=True)]
+    encodings = tokenizer.encode_batch(inputs, add_special_tokens=True)
+    ids = [enc.ids for enc in encodings]
+    retry = [i for i, p in enumerate(prefixes) if p is not None and not encodings[i].overflowing]
+    if retry:
+        whole = tokenizer.encode_batch([texts[i] for i in retry], add_special_tokens=True)
+        for i, enc in zip(retry, whole, strict=True):
+            ids[i] = enc.ids
+    return ids

@@ -16,6 +16,12 @@ of when to retry (HTTP 429 + Retry-After, gRPC RESOURCE_EXHAUSTED), as text-embe
 does. Each admitted request also carries a deadline: a request still queued at its deadline is
 dropped without being encoded, so a stalled client never makes the queue grow.
 
+Why the worker encodes in chunks: one request may bring minutes of encoder work (a request of
+1024 items × 256 strategies). The worker runs a batch's distinct texts ``chunk_tokens`` estimated
+tokens at a time and, between chunks, drops the requests that are past their deadline or whose
+caller gave up (:meth:`JobFuture.abandon`), so the encoder stops working for a request within one
+chunk (well under a second) of its 503, and the next requests run right after.
+
 The worker is a plain thread with a lock-protected deque, not an asyncio task, so that the HTTP
 app (any event loop, including test clients' private loops) and the gRPC server share one
 batcher; callers await the returned :class:`concurrent.futures.Future` with
@@ -81,13 +87,29 @@ class EncodeResult:
     batch_texts: int  # distinct texts in the batch
 
 
+class JobFuture(Future[EncodeResult]):
+    """The future :meth:`Batcher.submit` returns; :meth:`abandon` also stops a running job."""
+
+    abandoned = False
+
+    def abandon(self) -> None:
+        """The caller gave up (deadline, disconnect): skip the job if queued, and stop encoding
+        its texts at the next chunk if it is running (a running future cannot be cancelled)."""
+        self.abandoned = True
+        self.cancel()
+
+
 @dataclass
 class _Job:
     texts: list[str]
     tokens: int
     deadline: float
     submitted: float
-    future: Future[EncodeResult] = field(default_factory=Future)
+    future: JobFuture = field(default_factory=JobFuture)
+
+    def gone(self, now: float) -> bool:
+        """Past its deadline or abandoned by its caller: encoding more for it is waste."""
+        return self.future.abandoned or now > self.deadline
 
 
 @dataclass
@@ -143,12 +165,15 @@ class Batcher:
         batch_tokens: int,
         max_backlog_seconds: float | None = None,
         observer: BatchObserver | None = None,
+        chunk_tokens: int = 2048,
     ) -> None:
-        if capacity < 1 or batch_tokens < 1:
-            raise ValueError("capacity and batch_tokens must be >= 1")
+        if capacity < 1 or batch_tokens < 1 or chunk_tokens < 1:
+            raise ValueError("capacity, batch_tokens and chunk_tokens must be >= 1")
         self.encoder = encoder
         self.capacity = capacity
         self.batch_tokens = batch_tokens
+        #: Estimated tokens encoded between two checks for requests that are gone.
+        self.chunk_tokens = chunk_tokens
         #: Refuse new requests while the queued work is estimated to take longer than this:
         #: they would only wait and then miss their deadline, so refusing now is kinder.
         self.max_backlog_seconds = max_backlog_seconds
@@ -159,6 +184,7 @@ class Batcher:
         self._admitted = 0
         self._stopping = False
         self._busy_until = 0.0  # monotonic estimate of when the running batch ends
+        self._running: list[_Job] = []  # the running batch's jobs
         #: Exponential moving average of encoder throughput (estimated tokens per second);
         #: seeds the Retry-After estimate. Starts pessimistic (2 cores, fp32 ~ 5k tokens/s).
         self._tokens_per_second = 5000.0
@@ -189,8 +215,12 @@ class Batcher:
 
     def _backlog_seconds_locked(self) -> float:
         """Estimated seconds until the queued and running work is done."""
+        now = time.monotonic()
         queued = self._queued_tokens / self._tokens_per_second
-        return queued + max(0.0, self._busy_until - time.monotonic())
+        running = max(0.0, self._busy_until - now)
+        if all(job.gone(now) for job in self._running):  # the worker stops after this chunk
+            running = min(running, self.chunk_tokens / self._tokens_per_second)
+        return queued + running
 
     def _retry_after_locked(self) -> int:
         """Seconds until the queued work is likely done (at least 1)."""
@@ -208,11 +238,12 @@ class Batcher:
 
     # -- work ---------------------------------------------------------------------------------
 
-    def submit(self, texts: Sequence[str], deadline: float) -> Future[EncodeResult]:
+    def submit(self, texts: Sequence[str], deadline: float) -> JobFuture:
         """Queue ``texts`` for embedding; ``deadline`` is a :func:`time.monotonic` instant.
 
-        The future fails with :class:`DeadlineExceeded` if the batch has not started by then;
-        cancelling it (the caller gave up) makes the worker skip the job.
+        The future fails with :class:`DeadlineExceeded` if its texts are not encoded by then
+        (checked before each chunk); abandoning it (the caller gave up) makes the worker skip
+        the job, or stop encoding for it at the next chunk.
         """
         job = _Job(
             list(texts), sum(map(estimate_tokens, texts)), deadline, submitted=time.monotonic()
@@ -247,8 +278,12 @@ class Batcher:
                 taken = self._take_locked()
                 tokens = sum(j.tokens for j in taken)
                 self._busy_until = time.monotonic() + tokens / self._tokens_per_second
+                self._running = taken
                 self._notify_depth_locked()
             self._encode(taken)
+            with self._cond:  # it may have ended early (requests gone)
+                self._busy_until = time.monotonic()
+                self._running = []
 
     def _encode(self, taken: list[_Job]) -> None:
         start = time.monotonic()
@@ -260,45 +295,71 @@ class Batcher:
                 job.future.set_exception(DeadlineExceeded("deadline passed while queued"))
                 continue
             live.append(job)
-        if not live:
-            self.observer.on_batch(BatchRecord(0, 0, 0, 0, 0.0, len(taken)))
-            return
-        distinct = list(dict.fromkeys(t for job in live for t in job.texts))
-        try:
-            embeddings = np.asarray(self.encoder.encode(distinct), dtype=np.float32)
-            if embeddings.shape != (len(distinct), EMBEDDING_DIM):
-                raise ValueError(f"encoder returned shape {embeddings.shape}")
-        except Exception as exc:  # a broken encoder fails its requests, never the worker
-            log.exception("encoder failed on a batch of %d texts", len(distinct))
-            for job in live:
-                job.future.set_exception(EncoderFailed(str(exc)))
-            return
+        served = len(live)
+        done: dict[str, npt.NDArray[np.float32]] = {}
+        tokens = 0
+        # Longest first, as the encoder plans its runs: chunks of similar lengths pad little.
+        todo = sorted(dict.fromkeys(t for job in live for t in job.texts), key=len, reverse=True)
+        pos = 0
+        while pos < len(todo) and live:
+            chunk = self._next_chunk(todo, pos)
+            pos += len(chunk)
+            try:
+                embeddings = np.asarray(self.encoder.encode(chunk), dtype=np.float32)
+                if embeddings.shape != (len(chunk), EMBEDDING_DIM):
+                    raise ValueError(f"encoder returned shape {embeddings.shape}")
+            except Exception as exc:  # a broken encoder fails its requests, never the worker
+                log.exception("encoder failed on a batch of %d texts", len(chunk))
+                for job in live:
+                    job.future.set_exception(EncoderFailed(str(exc)))
+                return
+            done.update(zip(chunk, embeddings, strict=True))
+            tokens += sum(estimate_tokens(t) for t in chunk)
+            now = time.monotonic()
+            gone = [j for j in live if j.gone(now)]
+            for job in gone:
+                live.remove(job)
+                job.future.set_exception(DeadlineExceeded("deadline passed while encoding"))
+            if gone:  # skip the texts only the dropped requests needed
+                needed = {t for job in live for t in job.texts}
+                todo, pos = [t for t in todo[pos:] if t in needed], 0
         seconds = time.monotonic() - start
-        tokens = sum(estimate_tokens(t) for t in distinct)
         if seconds > 0 and tokens >= 64:  # tiny batches say little about throughput
             rate = tokens / seconds
             self._tokens_per_second = 0.8 * self._tokens_per_second + 0.2 * rate
-        row = {text: i for i, text in enumerate(distinct)}
         for job in live:
             job.future.set_result(
                 EncodeResult(
-                    embeddings[[row[t] for t in job.texts]],
+                    np.stack([done[t] for t in job.texts])
+                    if job.texts
+                    else np.zeros((0, EMBEDDING_DIM), np.float32),
                     queue_seconds=start - job.submitted,
                     encode_seconds=seconds,
-                    batch_requests=len(live),
-                    batch_texts=len(distinct),
+                    batch_requests=served,
+                    batch_texts=len(done),
                 )
             )
         self.observer.on_batch(
             BatchRecord(
                 requests=len(live),
                 texts=sum(len(j.texts) for j in live),
-                distinct_texts=len(distinct),
+                distinct_texts=len(done),
                 tokens=tokens,
                 seconds=seconds,
                 dropped=len(taken) - len(live),
             )
         )
+
+    def _next_chunk(self, todo: list[str], pos: int) -> list[str]:
+        """The texts of ``todo`` from ``pos`` on that fit ``chunk_tokens`` (at least one)."""
+        budget = self.chunk_tokens
+        end = pos
+        while end < len(todo):
+            budget -= estimate_tokens(todo[end])
+            if budget < 0 and end > pos:
+                break
+            end += 1
+        return todo[pos:end]
 
     def _notify_depth_locked(self) -> None:
         try:

@@ -20,9 +20,10 @@ VARIANTS = ("fp32", "fp16", "int8")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 _AT_LEAST_ONE = (
     "max_body_bytes", "max_items", "max_completion_chars", "max_answer_chars",
-    "queue_capacity", "batch_tokens", "workers",
+    "queue_capacity", "batch_tokens", "workers", "max_header_bytes", "keep_alive_timeout",
+    "max_request_tokens", "math_workers",
 )  # fmt: skip
-_POSITIVE = ("request_timeout", "math_timeout")
+_POSITIVE = ("request_timeout", "math_timeout", "header_timeout", "body_timeout")
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,37 @@ class Settings:
     max_answer_chars: int = field(
         default=10_000, metadata={"help": "longest gold answer in characters (422 above)"}
     )
+    max_request_tokens: int = field(
+        default=262_144,
+        metadata={
+            "help": "most encoder tokens one request may need (estimated: 4 characters a token, "
+            "at most 256 a text, distinct texts only); 422 above"
+        },
+    )
+    max_header_bytes: int = field(
+        default=32 * 1024,
+        metadata={
+            "help": "largest request line plus headers in bytes (431 and the connection closed "
+            "above)"
+        },
+    )
+    header_timeout: float = field(
+        default=10.0,
+        metadata={
+            "help": "seconds a client has to send a request's line and headers, from the "
+            "connection (or the next request's first byte); the connection is closed after it"
+        },
+    )
+    body_timeout: float = field(
+        default=15.0,
+        metadata={
+            "help": "seconds an admitted request has to send its whole body (408 after it): how "
+            "long a stalled upload can hold an admission slot"
+        },
+    )
+    keep_alive_timeout: int = field(
+        default=5, metadata={"help": "seconds an idle keep-alive connection is kept open"}
+    )
     request_timeout: float = field(
         default=120.0,
         metadata={"help": "seconds a request may take in the server before a 503 (deadline)"},
@@ -85,6 +117,15 @@ class Settings:
             "help": "estimated tokens the encoder worker takes from the queue per coalesced call"
         },
     )
+    chunk_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "estimated tokens the encoder runs between checks for requests past their "
+            "deadline (bounds how long the encoder keeps working for a request after its 503; "
+            "default: 2048, ~0.4 s of fp32 on 2 CPU cores, or the encoder's padded tokens per "
+            "run when larger, as on a GPU)"
+        },
+    )
     encoder_batch_tokens: int | None = field(
         default=None, metadata={"help": "padded tokens per onnxruntime run (default: encoder's)"}
     )
@@ -97,7 +138,15 @@ class Settings:
         default=2.0,
         metadata={
             "help": "seconds one answer_type=math equivalence check may run (in a child process "
-            "that is killed after it); a check that runs out counts as not equivalent"
+            "that is killed after it); a check that runs out counts as not equivalent for its "
+            "request and is never cached (one starved of CPU is retried once)"
+        },
+    )
+    math_workers: int = field(
+        default=2,
+        metadata={
+            "help": "child processes checking answer_type=math answers; each request checks one "
+            "answer at a time and requests take free children in turn"
         },
     )
     drain_timeout: float = field(
@@ -121,7 +170,7 @@ class Settings:
             ("provider", self.provider in ("cpu", "cuda"), "one of cpu, cuda"),
             ("log_level", self.log_level in LOG_LEVELS, "one of " + ", ".join(LOG_LEVELS)),
         ]
-        for name in ("intra_op_threads", "encoder_batch_tokens"):
+        for name in ("intra_op_threads", "encoder_batch_tokens", "chunk_tokens"):
             value = getattr(self, name)
             rules.append((name, value is None or value >= 1, "an integer >= 1 (or unset)"))
         for name, ok, rule in rules:

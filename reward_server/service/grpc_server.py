@@ -142,18 +142,21 @@ class RewardServicer:
     def __init__(self, service: ScoringService) -> None:
         self.service = service
 
-    async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
+    def _has_key(self, context: grpc.aio.ServicerContext) -> bool:
+        """No key is set, or the call carries it (``authorization: Bearer``)."""
         key = self.service.settings.api_key
         if key is None:
-            return
+            return True
         metadata = dict(context.invocation_metadata() or ())
         header = str(metadata.get("authorization", ""))
         scheme, _, token = header.partition(" ")
-        ok = scheme.lower() == "bearer" and hmac.compare_digest(
+        return scheme.lower() == "bearer" and hmac.compare_digest(
             token.strip().encode("utf-8", "surrogateescape"),
             key.encode("utf-8", "surrogateescape"),
         )
-        if not ok:
+
+    async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
+        if not self._has_key(context):
             await self._fail(context, "unauthorized", grpc.StatusCode.UNAUTHENTICATED, "bad key")
 
     async def _fail(
@@ -218,10 +221,11 @@ class RewardServicer:
     async def Info(
         self, request: pb.InfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.InfoResponse:
-        """Encoder, variant, provider, version, defaults and limits (``GET /v1/info``)."""
+        """Encoder, variant, provider, version, defaults and limits (``GET /v1/info``); the
+        model's path only to holders of the key when one is set."""
         if not self.service.ready:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "loading")
-        info = self.service.info()
+        info = self.service.info(reveal_paths=self._has_key(context))
         return pb.InfoResponse(
             encoder=info["encoder"],
             variant=info["variant"],
@@ -252,12 +256,47 @@ _METHODS: dict[str, tuple[str, str]] = {
 }
 
 
+class _Malformed:
+    """A request whose bytes are not the method's protobuf message (see :func:`_lenient`)."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+
+def _lenient(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    """A deserializer that never raises: grpc answers a raising one with UNKNOWN and a logged
+    traceback; the handler answers :class:`_Malformed` with INVALID_ARGUMENT instead."""
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except Exception as exc:  # DecodeError, or anything the parser raises on junk
+            return _Malformed(str(exc) or type(exc).__name__)
+
+    return deserialize
+
+
+def _refusing_malformed(servicer: RewardServicer, name: str) -> Callable[..., Any]:
+    method = getattr(servicer, name)
+
+    async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, _Malformed):
+            servicer.service.metrics.failures.labels("invalid").inc()
+            code = grpc.StatusCode.INVALID_ARGUMENT
+            servicer.service.metrics.requests.labels(f"grpc:{name}", code.name).inc()
+            await context.abort(code, f"request is not a valid protobuf message: {request.why}")
+        return await method(request, context)
+
+    return handle
+
+
 def generic_handler(servicer: RewardServicer) -> grpc.GenericRpcHandler:
-    """The method table protoc's ``add_RewardServiceServicer_to_server`` would build."""
+    """The method table protoc's ``add_RewardServiceServicer_to_server`` would build (with
+    malformed messages answered INVALID_ARGUMENT)."""
     handlers = {
         name: grpc.unary_unary_rpc_method_handler(
-            getattr(servicer, name),
-            request_deserializer=getattr(pb, req).FromString,
+            _refusing_malformed(servicer, name),
+            request_deserializer=_lenient(getattr(pb, req).FromString),
             response_serializer=getattr(pb, resp).SerializeToString,
         )
         for name, (req, resp) in _METHODS.items()
@@ -278,9 +317,12 @@ def create_server(
         ]
     )
     server.add_generic_rpc_handlers((generic_handler(RewardServicer(service)),))
-    bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # what grpc raises for a port in use
+        bound = 0
     if bound == 0:
-        raise OSError(f"cannot bind gRPC to {host}:{port}")
+        raise OSError(f"cannot bind gRPC to {host}:{port} (in use, or not an address here)")
     return server, bound
 
 

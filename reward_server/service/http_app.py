@@ -7,12 +7,15 @@ counts in the ``parse`` phase timing. The request models are still published in 
 document (with the server's limits filled in), so clients and schemathesis see every field.
 
 Status codes (matching text-embeddings-inference where it has one): 401 missing/wrong key,
-413 body too large, 422 invalid input (with each field's path), 429 at capacity (Retry-After),
-503 deadline passed or model not ready. Bad input never yields a 500.
+408 body not received within ``--body-timeout``, 413 body too large, 422 invalid input (with each
+field's path), 429 at capacity (Retry-After), 503 deadline passed or model not ready. Bad input
+never yields a 500. A client that disconnects mid-upload is counted as status 499 (nginx's "client
+closed request"; nobody receives it) instead of logging a traceback.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -25,6 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
+from starlette.requests import ClientDisconnect
 
 from reward_server import __version__
 from reward_server.core import AnswerType, Recipe, ScoreItem
@@ -57,6 +61,7 @@ log = logging.getLogger(__name__)
 TIMING_HEADERS = ("parse", "queue", "encode", "reward", "total")
 _ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorResponse, "description": "missing or wrong bearer key"},
+    408: {"model": ErrorResponse, "description": "body not received within the body timeout"},
     413: {"model": ErrorResponse, "description": "body larger than the server's limit"},
     422: {"model": ErrorResponse, "description": "invalid input; each issue names its field"},
     429: {"model": ErrorResponse, "description": "at capacity; retry after Retry-After seconds"},
@@ -67,6 +72,10 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 
 class BodyTooLarge(Exception):
     """The body exceeds ``max_body_bytes``."""
+
+
+class BodyTimeout(Exception):
+    """The body did not arrive within ``body_timeout`` seconds (a stalled or too slow upload)."""
 
 
 def _error(status: int, detail: Any, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -174,10 +183,17 @@ def create_app(service: ScoringService) -> FastAPI:
     ) -> tuple[Scored | None, Response | None]:
         """Read, score and translate failures to responses (one place for every status)."""
         body = b""
+        resp: Response
 
         async def receive() -> None:  # only once admitted (see ScoringService.score)
             nonlocal body
-            body = await read_body(request, settings.max_body_bytes)
+            # Bounded in time too: a stalled upload holds its admission slot at most this long.
+            try:
+                body = await asyncio.wait_for(
+                    read_body(request, settings.max_body_bytes), settings.body_timeout
+                )
+            except asyncio.TimeoutError:
+                raise BodyTimeout from None
 
         try:
             scored = await service.score(
@@ -189,6 +205,18 @@ def create_app(service: ScoringService) -> FastAPI:
                 "body_too_large",
                 _error(413, f"request body larger than {settings.max_body_bytes} bytes"),
             )
+        except BodyTimeout:
+            reason, resp = (
+                "body_timeout",
+                _error(
+                    408,
+                    f"request body not received within {settings.body_timeout:g} s "
+                    "(--body-timeout)",
+                    headers={"Connection": "close"},
+                ),
+            )
+        except ClientDisconnect:  # gone mid-upload: nobody reads the answer, but count it
+            reason, resp = "client_disconnect", Response(status_code=499)
         except RequestInvalid as exc:
             reason, resp = "invalid", _error(422, exc.issues)
         except Overloaded as exc:
@@ -320,10 +348,16 @@ def create_app(service: ScoringService) -> FastAPI:
         summary="encoder, variant, provider, defaults, limits and version",
         responses={503: {"model": ErrorResponse, "description": "not ready yet"}},
     )
-    async def info() -> Response:
+    async def info(request: Request) -> Response:
+        """Open to all; the model's path only with the key, when one is set."""
         if not service.ready:
             return _error(503, "loading")
-        return JSONResponse(jsonable_encoder(service.info()))
+        try:
+            authorize(request)
+            reveal = True
+        except _Unauthorized:
+            reveal = False
+        return JSONResponse(jsonable_encoder(service.info(reveal_paths=reveal)))
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)
     async def prometheus() -> Response:

@@ -35,9 +35,10 @@ from reward_server.core import (
 )
 from reward_server.core.answers import MathJudge, math_available
 from reward_server.core.explain import explain_batch
+from reward_server.core.text import preprocess
 from reward_server.encoders.base import EMBEDDING_DIM, Encoder
 from reward_server.math_judge import IsolatedMathJudge, MathDeadlineExceeded
-from reward_server.service.batcher import Batcher, DeadlineExceeded
+from reward_server.service.batcher import Batcher, DeadlineExceeded, estimate_tokens
 from reward_server.service.config import Settings
 from reward_server.service.metrics import Metrics
 from reward_server.service.schemas import ScoreRequest
@@ -112,6 +113,17 @@ def _warm_up(encoder: Encoder) -> None:
     inner.encode(["warm up"])
 
 
+def _chunk_tokens(encoder: Encoder) -> int:
+    """The default ``chunk_tokens``: 2048 (~0.4 s of fp32 on 2 CPU cores), or the backend's own
+    run size when larger (a GPU backend runs big batches in milliseconds)."""
+    inner: Any = encoder
+    for _ in range(4):
+        if isinstance(getattr(inner, "max_batch_tokens", None), int):
+            return max(2048, int(inner.max_batch_tokens))
+        inner = getattr(inner, "inner", None)
+    return 2048
+
+
 def _constant(encoder: Encoder | None) -> Callable[[], Encoder]:
     assert encoder is not None
 
@@ -144,6 +156,14 @@ class ScoringService:
         self._loaded = threading.Event()  # set when loading ended, successfully or not
         self._started = False
         self._cpu = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sde2-cpu")
+        # answer_type=math requests wait on their checks in threads of their own, so they never
+        # hold the CPU pool every other request needs. Each such request checks one pair at a
+        # time, and waiting requests take the next free child in turn (first come first served):
+        # one request cannot take every child, and a one-item request waits for one check, not
+        # for another request's hundred.
+        self._math_pool = ThreadPoolExecutor(
+            max_workers=2 * settings.math_workers, thread_name_prefix="sde2-math"
+        )
         self._math_judge: IsolatedMathJudge | None = None
         self._math_lock = threading.Lock()
 
@@ -172,6 +192,7 @@ class ScoringService:
                 batch_tokens=self.settings.batch_tokens,
                 max_backlog_seconds=self.settings.request_timeout,
                 observer=self.metrics,
+                chunk_tokens=self.settings.chunk_tokens or _chunk_tokens(encoder),
             )
             self.metrics.ready.set(1)
             self._ready.set()
@@ -204,6 +225,7 @@ class ScoringService:
         if self.batcher is not None:
             self.batcher.close(timeout=self.settings.drain_timeout)
         self._cpu.shutdown(wait=False, cancel_futures=True)
+        self._math_pool.shutdown(wait=False, cancel_futures=True)
         if self._math_judge is not None:
             self._math_judge.close()
 
@@ -214,7 +236,7 @@ class ScoringService:
             if self._math_judge is None:
                 self._math_judge = IsolatedMathJudge(
                     time_limit=self.settings.math_timeout,
-                    workers=2,  # one per CPU-pool thread
+                    workers=self.settings.math_workers,
                     on_timeout=self.metrics.math_timeouts.inc,
                 )
             return self._math_judge.bounded(deadline)
@@ -255,11 +277,33 @@ class ScoringService:
             ):
                 if value is not None and len(value) > limit:
                     add(("items", i, name), f"at most {limit} characters, got {len(value)}")
+                elif name in ("completion", "answer") and value and not value.isascii():
+                    # NFKC (SPEC §1) can expand a character 18x (U+FDFA): bound what is scored.
+                    n = len(preprocess(value))
+                    if n > limit:
+                        add(
+                            ("items", i, name),
+                            f"at most {limit} characters after Unicode NFKC normalization, got {n}",
+                        )
         if issues:
             raise RequestInvalid(issues)
 
-    async def _in_pool(self, fn: Callable[[], T]) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._cpu, fn)
+    def check_encoder_budget(self, texts: list[str], loc_map: LocMap | None = None) -> None:
+        """At most ``max_request_tokens`` (estimated) of encoder work per request: one request
+        must not hold the shared encoder for minutes."""
+        limit = self.settings.max_request_tokens
+        needed = sum(map(estimate_tokens, texts))
+        if needed > limit:
+            loc: Loc = ("items",)
+            msg = (
+                f"needs about {needed} encoder tokens ({len(texts)} distinct strategy texts), "
+                f"more than this server's limit of {limit} per request (max_request_tokens): "
+                "split the batch"
+            )
+            raise RequestInvalid([issue(loc_map(loc) if loc_map else loc, msg, "too_many_tokens")])
+
+    async def _in_pool(self, fn: Callable[[], T], pool: ThreadPoolExecutor | None = None) -> T:
+        return await asyncio.get_running_loop().run_in_executor(pool or self._cpu, fn)
 
     async def score(
         self,
@@ -305,13 +349,15 @@ class ScoringService:
                         params=request.params,
                         diagnostics=request.diagnostics or explain,
                         math_judge=self.math_judge(deadline),
-                    )
+                    ),
+                    self._math_pool if request.answer_type == "math" else None,
                 )
             except InvalidBatch as exc:
                 loc = loc_map(exc.loc) if loc_map else exc.loc
                 raise RequestInvalid([issue(loc, exc.message, "invalid_batch")]) from None
             except MathDeadlineExceeded as exc:
                 raise DeadlineExceeded(str(exc)) from None
+            self.check_encoder_budget(prepared.texts, loc_map)
             self.metrics.items.observe(len(request.items))
             t1 = time.monotonic()
             queue_s = encode_s = 0.0
@@ -323,8 +369,9 @@ class ScoringService:
                         asyncio.wrap_future(future), timeout=max(0.0, deadline - time.monotonic())
                     )
                 except asyncio.TimeoutError:
-                    future.cancel()
                     raise DeadlineExceeded("request deadline passed while encoding") from None
+                finally:
+                    future.abandon()  # no-op once done; else the worker stops encoding for it
                 embeddings = result.embeddings
                 queue_s, encode_s = result.queue_seconds, result.encode_seconds
             t2 = time.monotonic()
@@ -363,8 +410,9 @@ class ScoringService:
 
     # -- info ---------------------------------------------------------------------------------
 
-    def info(self) -> dict[str, Any]:
-        """``/v1/info`` and gRPC ``Info``."""
+    def info(self, reveal_paths: bool = True) -> dict[str, Any]:
+        """``/v1/info`` and gRPC ``Info``; ``reveal_paths=False`` (a caller without the key,
+        when one is set) leaves out where the model lies on the server's disk."""
         inner: Any = self.encoder
         while inner is not None and not hasattr(inner, "variant") and hasattr(inner, "inner"):
             inner = inner.inner
@@ -374,7 +422,7 @@ class ScoringService:
             "encoder": self.encoder_name,
             "variant": str(getattr(inner, "variant", "unknown")),
             "provider": str(getattr(inner, "provider", s.provider)),
-            "model_path": None if model_dir is None else str(model_dir),
+            "model_path": None if model_dir is None or not reveal_paths else str(model_dir),
             "version": __version__,
             "defaults": {
                 "recipe": "sde2",
@@ -388,6 +436,10 @@ class ScoringService:
                 "max_items": s.max_items,
                 "max_completion_chars": s.max_completion_chars,
                 "max_answer_chars": s.max_answer_chars,
+                "max_request_tokens": s.max_request_tokens,
+                "max_header_bytes": s.max_header_bytes,
+                "header_timeout_s": s.header_timeout,
+                "body_timeout_s": s.body_timeout,
                 "request_timeout_s": s.request_timeout,
                 "queue_capacity": s.queue_capacity,
                 "batch_tokens": s.batch_tokens,

@@ -96,6 +96,7 @@ async def serve_async(
     import uvicorn
 
     from reward_server.service.http_app import create_app
+    from reward_server.service.http_protocol import bounded_h11_protocol
     from reward_server.service.pipeline import ScoringService
 
     service = (
@@ -112,6 +113,14 @@ async def serve_async(
         log_level=settings.log_level,
         timeout_graceful_shutdown=math.ceil(settings.drain_timeout),  # 0: cancel at once
         access_log=False,
+        # h11 bounds the request head (httptools keeps every header line): see http_protocol.
+        http=bounded_h11_protocol(
+            settings.header_timeout,
+            settings.max_header_bytes,
+            on_timeout=service.metrics.failures.labels("header_timeout").inc,
+        ),
+        h11_max_incomplete_event_size=settings.max_header_bytes,
+        timeout_keep_alive=settings.keep_alive_timeout,
     )
     server = uvicorn.Server(config)
     server.capture_signals = _no_signal_capture  # type: ignore[method-assign]
@@ -152,9 +161,13 @@ async def serve_async(
         if settings.grpc_port is not None:
             from reward_server.service.grpc_server import create_server
 
-            grpc_server, bound = create_server(
-                service, settings.host, settings.grpc_port, reuse_port=reuse_port
-            )
+            try:
+                grpc_server, bound = create_server(
+                    service, settings.host, settings.grpc_port, reuse_port=reuse_port
+                )
+            except OSError as exc:  # like uvicorn's own bind failure: a message, exit 3
+                log.error("%s", exc)
+                return 3
             await grpc_server.start()
             log.info("gRPC listening on %s:%d", settings.host, bound)
 
@@ -172,6 +185,9 @@ async def serve_async(
             await grpc_stopper
     finally:
         watcher.cancel()
+        # Exiting while the loading thread is inside onnxruntime aborts the process ("terminate
+        # called without an active exception", exit 134): let loading end first (bounded).
+        await loop.run_in_executor(None, service.wait_loaded, 120.0)
         await loop.run_in_executor(None, service.close)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)

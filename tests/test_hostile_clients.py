@@ -1,0 +1,352 @@
+"""Hostile *clients* against a real ``sde2-reward serve`` process on 127.0.0.1.
+
+Each test reproduces one attack (bounded in connections, bytes and seconds) and checks the bound
+the server promises: a header flood is cut off (small memory growth, 431 or a closed connection),
+slow headers are dropped after ``--header-timeout``, stalled uploads after ``--body-timeout`` so
+valid requests score again right after, a disconnect mid-upload is counted (499); a request past
+its deadline stops using the encoder and the next one is served at once, one over
+``--max-request-tokens`` gets a 422 naming the limit; slow ``math`` requests cannot hold every
+worker; a gRPC port in use exits 3, malformed protobuf is INVALID_ARGUMENT, and without the key
+the model's path is not shown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import socket
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from tests.server_process import ServerProcess
+from tests.service_fixtures import onnx_model_dir_fixture  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.slow
+
+VALID = {"items": [{"completion": "<final_answer>4</final_answer>", "answer": "4"}]}
+
+
+def rss_mb(server: ServerProcess) -> float:
+    assert server.proc is not None
+    return float(psutil.Process(server.proc.pid).memory_info().rss) / 2**20
+
+
+def connect(server: ServerProcess) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def closed_or_answered(sock: socket.socket, within: float) -> bytes | None:
+    """What the server sent before closing, within ``within`` seconds; None if still open."""
+    sock.settimeout(0.2)
+    got = b""
+    end = time.monotonic() + within
+    while time.monotonic() < end:
+        try:
+            chunk = sock.recv(65536)
+        except TimeoutError:
+            continue
+        except OSError:  # reset by the server: closed
+            return got
+        if not chunk:
+            return got
+        got += chunk
+    return None
+
+
+@contextlib.contextmanager
+def sockets(n: int, server: ServerProcess) -> Iterator[list[socket.socket]]:
+    socks: list[socket.socket] = []
+    try:
+        socks.extend(connect(server) for _ in range(n))
+        yield socks
+    finally:
+        for s in socks:
+            s.close()
+
+
+@pytest.fixture(scope="module")
+def server(onnx_model_dir: Path) -> Iterator[ServerProcess]:
+    with ServerProcess(
+        onnx_model_dir, "--header-timeout", "1.5", "--body-timeout", "2", "--cache-size", "0"
+    ) as proc:
+        yield proc
+
+
+def test_header_flood_is_cut_off_with_small_memory_growth(server: ServerProcess) -> None:
+    """3 connections sending endless 64 KiB header lines (up to 64 MB each, 10 s in all)."""
+    before = rss_mb(server)
+    line = b"x-flood: " + b"a" * (64 * 1024 - 11) + b"\r\n"
+    outcomes: list[bytes | None] = []
+    sent = 0
+    end = time.monotonic() + 10
+    with sockets(3, server) as socks:
+        for s in socks:
+            s.sendall(b"POST /v1/score HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n")
+        alive = list(socks)
+        for _ in range(1024):  # each round sends one line on every live connection
+            if not alive or time.monotonic() > end:
+                break
+            for s in list(alive):
+                try:
+                    s.sendall(line)
+                    sent += len(line)
+                except OSError:  # the server closed it
+                    alive.remove(s)
+        grown = rss_mb(server) - before
+        print(f"header flood: {sent / 2**20:.1f} MB sent, server memory grew {grown:.1f} MB")
+        outcomes = [closed_or_answered(s, within=3.0) for s in socks]
+    assert grown < 50, f"server memory grew {grown:.0f} MB under a header flood"
+    for got in outcomes:
+        assert got is not None, "a flooding connection was left open"
+        assert got == b"" or got.split(b" ", 2)[1] in (b"400", b"431"), got[:200]
+    assert httpx.post(server.url + "/v1/score", json=VALID, timeout=30).status_code == 200
+
+
+def test_slow_headers_and_silent_connections_are_dropped(server: ServerProcess) -> None:
+    """Slowloris: a header byte every 0.25 s, and a connection that sends nothing at all."""
+    with sockets(2, server) as (slow, silent):
+        slow.sendall(b"POST /v1/score HTTP/1.1\r\nhost: x\r\n")
+        t0 = time.monotonic()
+        closed_after = None
+        for _ in range(40):  # at most 10 s
+            try:
+                slow.sendall(b"x")
+            except OSError:
+                closed_after = time.monotonic() - t0
+                break
+            if closed_or_answered(slow, within=0.25) is not None:
+                closed_after = time.monotonic() - t0
+                break
+        assert closed_after is not None, "a slowloris connection was kept open for 10 s"
+        print(f"slowloris: connection closed after {closed_after:.2f} s (--header-timeout 1.5)")
+        assert closed_after < 1.5 + 1.5
+        assert closed_or_answered(silent, within=2.0) is not None, "an idle connection stayed"
+    assert httpx.get(server.url + "/healthz", timeout=5).status_code == 200
+    metrics = httpx.get(server.url + "/metrics", timeout=5).text
+    found = re.search(r'^sde2_failures_total\{reason="header_timeout"\} (\S+)$', metrics, re.M)
+    assert found is not None and float(found.group(1)) >= 2
+
+
+def test_stalled_uploads_hold_no_slot_past_the_body_timeout(server: ServerProcess) -> None:
+    """70 connections send headers and 10 of 1000 body bytes, then nothing (capacity is 64)."""
+    head = (
+        b"POST /v1/score HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: 1000\r\n\r\n"
+    )
+    with sockets(70, server) as socks:
+        for s in socks:
+            s.sendall(head + b'{"items": ')
+        admitted = 0.0
+        end = time.monotonic() + 5
+        while admitted < 64 and time.monotonic() < end:  # the stalls hold every slot
+            metrics = httpx.get(server.url + "/metrics", timeout=5).text
+            found = re.search(r"^sde2_admitted_requests (\S+)$", metrics, re.M)
+            admitted = float(found.group(1)) if found else 0.0
+        assert admitted == 64
+        t0 = time.monotonic()
+        statuses: list[int] = []
+        scored_after = None
+        while time.monotonic() - t0 < 8:
+            r = httpx.post(server.url + "/v1/score", json=VALID, timeout=10)
+            statuses.append(r.status_code)
+            if r.status_code == 200:
+                scored_after = time.monotonic() - t0
+                break
+            time.sleep(0.2)
+        assert scored_after is not None, f"no valid request scored in 8 s: {statuses[-5:]}"
+        print(f"stalled uploads: a valid request scored after {scored_after:.2f} s")
+        assert scored_after < 2 + 2.0, scored_after  # --body-timeout 2, plus slack
+        answers = [closed_or_answered(s, within=1.0) or b"" for s in socks]
+    statuses_seen = sorted(a[9:12].decode() for a in answers)
+    assert statuses_seen.count("408") == 64, statuses_seen  # the admitted ones, dropped
+    # The rest found no slot: 429, or a reset that lost it (the server closed with their unread
+    # body bytes pending).
+    assert statuses_seen.count("429") + statuses_seen.count("") == 6, statuses_seen
+    metrics = httpx.get(server.url + "/metrics", timeout=5).text
+    assert 'sde2_requests_total{route="/v1/score",status="408"}' in metrics
+
+
+def test_disconnect_mid_upload_is_counted_without_a_traceback(server: ServerProcess) -> None:
+    head = (
+        b"POST /v1/score HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: 1000\r\n\r\n"
+    )
+    for _ in range(3):
+        with sockets(1, server) as (s,):
+            s.sendall(head + b'{"items": ')
+            time.sleep(0.3)  # admitted and reading the body
+    deadline = time.monotonic() + 5
+    metrics = ""
+    while time.monotonic() < deadline:
+        metrics = httpx.get(server.url + "/metrics", timeout=5).text
+        if 'sde2_requests_total{route="/v1/score",status="499"} 3.0' in metrics:
+            break
+        time.sleep(0.2)
+    assert 'sde2_requests_total{route="/v1/score",status="499"} 3.0' in metrics
+    assert "Traceback" not in server.log()
+
+
+# -- encoder work -----------------------------------------------------------------------------
+
+
+def long_texts_items(n_texts: int, tag: str, per_item: int = 32) -> list[dict[str, str]]:
+    """Items whose strategies are ``n_texts`` distinct texts of ~256 tokens (wrong outcomes, so
+    every one is embedded)."""
+    words = [f"{tag}{i}" for i in range(n_texts)]
+    texts = [" ".join(f"{w} alpha{j} beta{j % 7}" for j in range(60)) for w in words]
+    items = []
+    for start in range(0, n_texts, per_item):
+        blocks = "".join(
+            f"<strategy><reasoning>{t}</reasoning><strategy_outcome>{k}</strategy_outcome>"
+            "</strategy>"
+            for k, t in enumerate(texts[start : start + per_item])
+        )
+        items.append({"completion": blocks, "answer": "-1"})
+    return items
+
+
+def encoder_texts(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=5).text
+    found = re.search(r"^sde2_encoder_texts_total (\S+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+@pytest.fixture(scope="module")
+def strict_server(onnx_model_dir: Path) -> Iterator[ServerProcess]:
+    with ServerProcess(onnx_model_dir, "--request-timeout", "3", "--cache-size", "0") as proc:
+        yield proc
+
+
+def test_a_request_past_its_deadline_stops_using_the_encoder(strict_server: ServerProcess) -> None:
+    """768 distinct 256-token texts (tens of seconds of encoding) under a 3 s deadline."""
+    url = strict_server.url
+    big = {"items": long_texts_items(768, "deadline"), "params": {"max_strategies": 32}}
+    r = httpx.post(url + "/v1/score", json=big, timeout=60)
+    assert r.status_code == 503, r.text[:300]
+    after_503 = time.monotonic()
+    small = httpx.post(url + "/v1/score", json={"items": long_texts_items(2, "small")}, timeout=60)
+    served_after = time.monotonic() - after_503
+    print(f"deadline: the next request was served {served_after:.2f} s after the 503")
+    assert small.status_code == 200, small.text[:300]
+    assert served_after < 1.5
+    settled = encoder_texts(url)
+    time.sleep(2)
+    assert encoder_texts(url) == settled  # nothing more was encoded for the dropped request
+
+
+def test_a_request_over_the_encoder_budget_is_422_naming_the_limit(
+    strict_server: ServerProcess,
+) -> None:
+    body = {"items": long_texts_items(1100, "budget"), "params": {"max_strategies": 32}}
+    t0 = time.monotonic()
+    r = httpx.post(strict_server.url + "/v1/score", json=body, timeout=60)
+    assert r.status_code == 422, r.text[:300]
+    detail = r.json()["detail"][0]
+    assert detail["field"] == "items" and detail["type"] == "too_many_tokens"
+    assert "max_request_tokens" in detail["msg"] and "262144" in detail["msg"]
+    assert time.monotonic() - t0 < 3  # refused before any encoding
+
+
+# -- math checks --------------------------------------------------------------------------------
+
+
+def slow_math_items(n: int, tag: int) -> list[dict[str, str]]:
+    """``n`` items whose final answers each take sympy hours (``--math-timeout`` each)."""
+    items = []
+    for i in range(n):
+        evil = f"$9^{{9^{{9^{{{10 + 100 * tag + i}}}}}}}$"
+        items.append({"completion": f"<final_answer>{evil}</final_answer>", "answer": "$5$"})
+    return items
+
+
+def test_math_checks_are_shared_fairly(onnx_model_dir: Path) -> None:
+    """Two requests of 12 slow answers each (12 s of checks) cannot hold every math worker:
+    a numeric request, and a one-item math request, are answered at once meanwhile."""
+    args = ("--math-timeout", "1", "--request-timeout", "40", "--drain-timeout", "0")
+    one = {"items": [{"completion": "<final_answer>$0.75$</final_answer>", "answer": "$3/4$"}]}
+    with ThreadPoolExecutor(2) as pool, ServerProcess(onnx_model_dir, *args) as server:
+        url = server.url + "/v1/score"
+        warm = httpx.post(url, json={**one, "answer_type": "math"}, timeout=60)  # children up
+        assert warm.status_code == 200 and warm.json()["items"][0]["correct"] is True
+        slow = [
+            pool.submit(
+                httpx.post,
+                url,
+                json={"items": slow_math_items(12, tag), "answer_type": "math"},
+                timeout=60,
+            )
+            for tag in range(2)
+        ]
+        time.sleep(2.5)  # both are checking now
+        t0 = time.monotonic()
+        numeric = httpx.post(url, json=VALID, timeout=15)
+        numeric_s = time.monotonic() - t0
+        t0 = time.monotonic()
+        fresh = {"completion": "<final_answer>$\\frac{21}{28}$</final_answer>", "answer": "0.75"}
+        math_one = httpx.post(url, json={"items": [fresh], "answer_type": "math"}, timeout=15)
+        math_s = time.monotonic() - t0
+        print(f"math fairness: numeric {numeric_s:.2f} s, one math item {math_s:.2f} s")
+        assert numeric.status_code == 200 and numeric_s < 2.0
+        assert math_one.status_code == 200 and math_one.json()["items"][0]["correct"] is True
+        # It waited for one running check (and a child's restart), not for the slow requests.
+        assert not any(f.done() for f in slow), "the one-item request waited for the others"
+        assert math_s < 10
+    for f in slow:  # cut short by the stop (--drain-timeout 0): their answers do not matter
+        with contextlib.suppress(httpx.HTTPError):
+            f.result(60)
+
+
+# -- low items ----------------------------------------------------------------------------------
+
+
+def test_grpc_port_in_use_exits_3_with_a_message(onnx_model_dir: Path) -> None:
+    server = ServerProcess(onnx_model_dir, grpc=True)
+    with socket.socket() as taken:
+        assert server.grpc_port is not None
+        taken.bind(("127.0.0.1", server.grpc_port))
+        taken.listen()
+        server.start(wait=False)
+        try:
+            code = server.wait(120)
+        finally:
+            server.kill()
+    assert code == 3, server.log_tail()
+    assert f"cannot bind gRPC to 127.0.0.1:{server.grpc_port}" in server.log()
+    assert "Traceback" not in server.log()
+
+
+def test_malformed_protobuf_and_the_model_path_without_the_key(onnx_model_dir: Path) -> None:
+    import grpc
+
+    from reward_server.service.grpc_server import SERVICE, RewardStub, pb
+
+    env = {"SDE2_API_KEY": "s3cret"}
+    with ServerProcess(onnx_model_dir, grpc=True, env=env) as server:
+        path = str(onnx_model_dir)
+        for route in ("/v1/info", "/openapi.json", "/docs"):
+            assert path not in httpx.get(server.url + route, timeout=10).text, route
+        keyed = httpx.get(
+            server.url + "/v1/info", headers={"Authorization": "Bearer s3cret"}, timeout=10
+        )
+        assert keyed.json()["model_path"] == path
+        with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+            assert RewardStub(channel).Info(pb.InfoRequest(), timeout=30).model_path == ""
+            with_key = RewardStub(channel).Info(
+                pb.InfoRequest(), timeout=30, metadata=(("authorization", "Bearer s3cret"),)
+            )
+            assert with_key.model_path == path
+            raw = channel.unary_unary(f"/{SERVICE}/Score")  # bytes in, bytes out
+            for junk in (b"\xff\xff\xff", b"\x0a\x05ab"):
+                with pytest.raises(grpc.RpcError) as err:
+                    raw(junk, timeout=30, metadata=(("authorization", "Bearer s3cret"),))
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "not a valid protobuf message" in (err.value.details() or "")
+        assert "Traceback" not in server.log()

@@ -1,0 +1,204 @@
+"""In-process checks behind the hostile-client bounds: long texts are tokenized from a prefix with
+identical ids and embeddings, NFKC expansion is bounded, the batcher stops encoding for a request
+that is gone between chunks, and math checks are shared fairly and never remember a timeout."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+import unicodedata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from reward_server.encoders import tokenization
+from reward_server.encoders.tokenization import encode_ids, load_tokenizer
+from reward_server.service.batcher import Batcher, DeadlineExceeded
+from tests.service_fixtures import (  # noqa: F401  (fixtures)
+    SlowEncoder,
+    http_client,
+    make_service,
+    onnx_encoder_fixture,
+    onnx_model_dir_fixture,
+)
+
+FDFA = unicodedata.normalize("NFKC", "\ufdfa")  # one character, 18 after NFKC
+
+
+def long_texts() -> list[str]:
+    """Texts far past 256 tokens, including the shapes where a prefix could go wrong."""
+    prose = " ".join(
+        f"step {i}: multiply {i} by {i + 1} to get {i * (i + 1)}." for i in range(3000)
+    )
+    return [
+        prose,
+        FDFA * 20_000,  # 360k characters after NFKC, in words of 8
+        ("x" * 101 + " ") * 1000,  # 101-character words: one [UNK] each, the prefix is too short
+        "中文数学题" * 5000,  # no whitespace at all: no prefix is cut
+        ("word\x1fword " * 3000),  # a control character BERT deletes, joining words
+        "a" * 9000 + " tail " * 500,  # a huge first word, then more text
+        "\n".join(["line one two three"] * 2000),
+    ]
+
+
+def test_long_texts_are_tokenized_from_a_prefix_with_the_same_ids(onnx_model_dir: Path) -> None:
+    tok = load_tokenizer(onnx_model_dir)
+    texts = long_texts()
+    t0 = time.perf_counter()
+    whole = [e.ids for e in tok.encode_batch(texts, add_special_tokens=True)]
+    t1 = time.perf_counter()
+    bounded = encode_ids(tok, texts)
+    t2 = time.perf_counter()
+    print(
+        f"tokenizing {len(texts)} long texts: whole {t1 - t0:.2f} s, from prefixes {t2 - t1:.2f} s"
+    )
+    assert bounded == whole
+    assert all(len(ids) == 256 for ids in bounded[:2])
+
+
+def test_prefix_tokenization_leaves_embeddings_unchanged(
+    onnx_encoder: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    texts = long_texts()
+    bounded = onnx_encoder.encode(texts)
+    monkeypatch.setattr(tokenization, "PREFIX_CHARS_PER_TOKEN", 10**9)  # whole texts again
+    whole = onnx_encoder.encode(texts)
+    np.testing.assert_array_equal(bounded, whole)
+
+
+def test_nfkc_expansion_counts_against_the_character_limit() -> None:
+    service = make_service(max_completion_chars=1000, max_answer_chars=100)
+    with http_client(service) as c:
+        ok = c.post("/v1/score", json={"items": [{"completion": FDFA[:40] * 20, "answer": "1"}]})
+        assert ok.status_code == 200
+        r = c.post("/v1/score", json={"items": [{"completion": "\ufdfa" * 100, "answer": "1"}]})
+        assert r.status_code == 422
+        detail = r.json()["detail"][0]
+        assert detail["field"] == "items.0.completion"
+        assert "after Unicode NFKC normalization, got 1800" in detail["msg"]
+        r = c.post("/v1/score", json={"items": [{"completion": "a", "answer": "\ufdfa" * 10}]})
+        assert r.json()["detail"][0]["field"] == "items.0.answer"
+
+
+def test_batcher_stops_encoding_for_a_request_gone_between_chunks() -> None:
+    encoder = SlowEncoder(delay=0.05)
+    batcher = Batcher(encoder, capacity=8, batch_tokens=100_000, chunk_tokens=4 * 27)
+    texts = [f"text number {i} " + "w" * 90 for i in range(40)]  # 27 estimated tokens each
+    far = time.monotonic() + 30
+    abandoned = batcher.submit(texts, far)
+    expiring = batcher.submit([f"soon {i} " + "w" * 90 for i in range(40)], time.monotonic() + 0.2)
+    kept = batcher.submit(["kept " + "w" * 90], far)
+    time.sleep(0.12)
+    abandoned.abandon()
+    assert kept.result(10).embeddings.shape == (1, 384)
+    with pytest.raises(DeadlineExceeded):
+        expiring.result(1)
+    with pytest.raises(BaseException):  # noqa: B017 - cancelled or failed: either way not served
+        abandoned.result(1)
+    encoded = [t for call in encoder.calls for t in call]
+    assert len(encoded) < 30, len(encoded)  # of 81: the rest was skipped
+    assert all(len(call) <= 4 for call in encoder.calls)
+    batcher.close(5)
+
+
+def test_a_paused_math_child_is_retried_and_never_cached_as_false() -> None:
+    """Issue: children paused for 2 s turned a correct answer into a cached wrong verdict."""
+    import os
+    import signal
+    import threading
+
+    from reward_server.math_judge import IsolatedMathJudge
+
+    judge = IsolatedMathJudge(time_limit=1.0, workers=1)
+    try:
+        assert judge("$1$", "$1$") is True  # the child is up
+        child = judge._slots.get()
+        judge._slots.put(child)
+        assert child is not None
+        pid = child.process.pid
+        os.kill(pid, signal.SIGSTOP)
+
+        def resume() -> None:
+            with contextlib.suppress(ProcessLookupError):  # killed and replaced meanwhile
+                os.kill(pid, signal.SIGCONT)
+
+        threading.Timer(2.0, resume).start()
+        t0 = time.monotonic()
+        assert judge("$\\frac{21}{28}$", "$0.75$") is True  # retried in a fresh child
+        print(f"paused child: correct verdict after {time.monotonic() - t0:.1f} s")
+        assert judge("$\\frac{21}{28}$", "$0.75$") is True
+    finally:
+        judge.close()
+
+
+def test_a_timed_out_math_check_is_not_remembered(monkeypatch: pytest.MonkeyPatch) -> None:
+    from reward_server import math_judge
+    from reward_server.math_judge import IsolatedMathJudge
+
+    judge = IsolatedMathJudge(time_limit=1.0, workers=1)
+    try:
+        assert judge("$1$", "$1$") is True
+        real_read = math_judge._Child.read
+        stalls = [True]
+
+        def read(self: Any, timeout: float) -> Any:
+            if stalls:  # the first check's reply never comes (while the child burns no CPU)
+                stalls.clear()
+                time.sleep(timeout)
+                real_read(self, timeout)  # drop the late reply
+                return None
+            return real_read(self, timeout)
+
+        clock = itertools.count(0.0, 10.0)  # the child "burned" 10 s of CPU between reads
+        monkeypatch.setattr(math_judge._Child, "cpu_seconds", lambda self: next(clock))
+        monkeypatch.setattr(math_judge._Child, "read", read)
+        assert judge("$\\frac{21}{28}$", "$0.75$") is False  # a real timeout: not equivalent...
+        assert judge.timeouts == 1
+        assert judge("$\\frac{21}{28}$", "$0.75$") is True  # ...but checked afresh next time
+    finally:
+        judge.close()
+
+
+def test_every_new_limit_is_a_flag_and_an_env_var() -> None:
+    import argparse
+
+    from reward_server.service.config import add_arguments, load_settings
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--header-timeout", "3", "--max-request-tokens", "99"])
+    env = {
+        "SDE2_BODY_TIMEOUT": "4.5",
+        "SDE2_MAX_HEADER_BYTES": "2048",
+        "SDE2_KEEP_ALIVE_TIMEOUT": "7",
+        "SDE2_CHUNK_TOKENS": "512",
+        "SDE2_MATH_WORKERS": "3",
+    }
+    s = load_settings(args, env)
+    assert (s.header_timeout, s.max_request_tokens, s.body_timeout) == (3.0, 99, 4.5)
+    assert (s.max_header_bytes, s.keep_alive_timeout, s.chunk_tokens, s.math_workers) == (
+        2048,
+        7,
+        512,
+        3,
+    )
+    for name, bad in (("SDE2_HEADER_TIMEOUT", "0"), ("SDE2_CHUNK_TOKENS", "0")):
+        with pytest.raises(ValueError, match=name):
+            load_settings(None, {name: bad})
+
+
+def test_chunk_size_defaults_to_2048_or_the_backends_larger_runs() -> None:
+    from tests.doubles import HashEncoder
+
+    class GpuSized(HashEncoder):
+        max_batch_tokens = 65536
+
+    def chunk(service: Any) -> int:
+        return int(service.batcher.chunk_tokens)
+
+    assert chunk(make_service()) == 2048
+    assert chunk(make_service(GpuSized())) == 65536
+    assert chunk(make_service(GpuSized(), chunk_tokens=512)) == 512
