@@ -104,6 +104,33 @@ def test_conversational_equals_standard(reward_server: ServerProcess) -> None:  
     )
 
 
+def test_reasoning_content_is_scored_with_the_content(reward_server: ServerProcess) -> None:  # noqa: F811
+    """A chat template with a response schema returns the reasoning apart from the content."""
+    fn = sde2_reward(reward_server.url)
+    head, tail = GOOD.split("<final_answer>")
+    split = [[{"role": "assistant", "reasoning_content": head, "content": "<final_answer>" + tail}]]
+    kw = call_kwargs([GOOD, PARTIAL], ["Q?"] * 2)
+    whole = asyncio.run(fn(**kw))
+    kw["completions"] = [*split, [{"role": "assistant", "content": PARTIAL}]]
+    assert asyncio.run(fn(**kw)) == pytest.approx(whole)
+    assert completion_text(split[0]) == head + "\n<final_answer>" + tail
+    only_content = [[{"role": "assistant", "content": "<final_answer>" + tail}]]
+    kw["completions"] = [*only_content, [{"role": "assistant", "content": PARTIAL}]]
+    assert asyncio.run(fn(**kw)) != pytest.approx(whole)  # without the reasoning: no strategies
+
+
+def test_no_nan_reaches_log_metric(reward_server: ServerProcess) -> None:  # noqa: F811
+    """Without diagnostics, Uniq of multi-strategy completions with a correct strategy is never
+    computed: the uniq metric is left out rather than logged as NaN (NaN poisons TRL's average)."""
+    metrics: dict[str, list[float]] = defaultdict(list)
+    holder = SDE2Reward(reward_server.url, diagnostics=False)
+    kw = call_kwargs([GOOD, GOOD], ["p"] * 2)
+    kw["log_metric"] = lambda name, value: metrics[name].append(value)
+    asyncio.run(holder.sde2(**kw))
+    assert "sde2/uniq" not in metrics and "sde2/acc" in metrics
+    assert not any(math.isnan(v) for values in metrics.values() for v in values)
+
+
 def test_num_tokens_come_from_completion_ids(reward_server: ServerProcess) -> None:  # noqa: F811
     holder = SDE2Reward(reward_server.url, recipe="cfl", params={"length_target": 10})
     kw = call_kwargs([PLAIN, PLAIN, PLAIN], ["p"] * 3)
