@@ -62,7 +62,7 @@ serve: setup-server
 	$(VENV)/bin/sde2-reward serve --host $(HOST) --port $(PORT)
 
 test: setup-dev setup-verl
-	$(PY) -m pytest -m "not container and not gpu"
+	SDE2_VERL_PYTHON=$(VENV_VERL)/bin/python $(PY) -m pytest -m "not container and not gpu"
 
 test-fast: setup-dev
 	$(PY) -m pytest -m "not container and not gpu and not slow and not train"
