@@ -153,6 +153,8 @@ def test_openrlhf_empty_label_is_refused_not_scored(
         [out] = rollout(executor, tokenizer, "", COMPLETIONS[:1])
     assert out["reward"] is None
     assert "HTTP 422" in caplog.text and "--data.label_key" in caplog.text
+    # The server says so too, whichever way OpenRLHF called it.
+    assert "OpenRLHF drops this sample's reward" in open_server.log()
 
 
 def test_openrlhf_server_killed_mid_run(tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
