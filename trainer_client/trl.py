@@ -105,7 +105,7 @@ class SDE2Reward:
         answer_type: str = "numeric",
         params: RewardParams | Mapping[str, Any] | None = None,
         normalize: bool = True,
-        diagnostics: bool = True,
+        diagnostics: bool = False,
         timeout: float = DEFAULT_TIMEOUT,
         retry: RetryPolicy | None = None,
         api_key: str | None = None,
@@ -339,7 +339,7 @@ def sde2_reward(
     *,
     answer_type: str = "numeric",
     normalize: bool = True,
-    diagnostics: bool = True,
+    diagnostics: bool = False,
     timeout: float = DEFAULT_TIMEOUT,
     retry: RetryPolicy | None = None,
     api_key: str | None = None,
@@ -350,7 +350,9 @@ def sde2_reward(
     ``params`` are SPEC §4 reward parameters (``similarity_threshold=0.75``,
     ``weights={"sd": 0}``...), validated here. Several URLs shard each call across replicas with
     the same numbers as one server. The function is ``async`` (TRL awaits it concurrently with
-    other reward functions), picklable, and named after the recipe.
+    other reward functions), picklable, and named after the recipe. ``diagnostics=True`` computes
+    ``Uniq`` for every multi-strategy completion (the ``uniq`` metric over all of them) at extra
+    encoder work; by default only what the reward needs is encoded.
 
     Usage::
 
