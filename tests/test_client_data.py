@@ -97,6 +97,7 @@ def test_the_paper_defaults_reach_grpo_and_lora_configs(tmp_path: Path) -> None:
     assert config.max_completion_length == 1024  # + prompts of <= 1024 tokens = max length 2048
     assert config.use_cpu and not config.bf16 and config.optim.value == "adamw_torch"
     assert config.gradient_checkpointing
+    assert config.log_completions  # else TRL drops the reward's log_extra columns
     lora = lora_config(args)
     assert (lora.r, lora.lora_alpha, lora.target_modules) == (64, 32, "all-linear")
     quantized = grpo_config(args, quantize_4bit=True, cuda=False)

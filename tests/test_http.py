@@ -187,7 +187,8 @@ def test_get_reward_openrlhf_protocol(client: Any) -> None:
         HashEncoder(),
         normalize=False,
     )
-    assert got["rewards"] == got["scores"] == want.rewards
+    assert got["rewards"] == want.rewards
+    assert got["scores"] == [1.0, 0.0]  # correctness: what OpenRLHF's dynamic filtering reads
     assert got["extra_logs"]["oc"] == [1.0, 0.0]
     assert got["extra_logs"]["correct"] == [1.0, 0.0]
     assert got["extra_logs"]["n_strat"] == [2.0, 1.0]
@@ -219,10 +220,46 @@ def test_get_reward_query_parameters_and_errors(client: Any) -> None:
     assert empty.json() == {"rewards": [], "scores": [], "extra_logs": {}}
     short = client.post("/get_reward", json={"query": ["a"], "prompts": [], "labels": ["1"]})
     assert short.status_code == 422 and short.json()["detail"][0]["field"] == "prompts"
-    bad = client.post("/get_reward", json={"query": ["a"], "prompts": ["a"], "labels": [1]})
-    assert bad.status_code == 422 and bad.json()["detail"][0]["field"] == "labels.0"
+    for label in (True, None, [1]):
+        bad = client.post("/get_reward", json={"query": ["a"], "prompts": ["a"], "labels": [label]})
+        assert bad.status_code == 422 and bad.json()["detail"][0]["field"] == "labels.0"
+    for raw in (b"NaN", b"Infinity", b"-Infinity"):
+        body = b'{"query": ["a"], "prompts": ["a"], "labels": [' + raw + b"]}"
+        bad = client.post("/get_reward", content=body, headers={"content-type": "application/json"})
+        assert bad.status_code == 422, raw
+        assert [d["field"] for d in bad.json()["detail"]] == ["labels.0"]
     bad_q = client.post("/get_reward?recipe=x", json={"query": [], "prompts": [], "labels": []})
     assert bad_q.status_code == 422
+
+
+@pytest.mark.parametrize(
+    ("label", "gold"),
+    [(18, "18"), (18.0, "18"), ("#### 18", "18"), (-2.5, "-2.5"), (1e20, "1e20"), (1e-7, "1e-7")],
+)
+def test_get_reward_numeric_labels_score_as_their_decimal_text(
+    client: Any, label: Any, gold: str
+) -> None:
+    """OpenRLHF sends the dataset's value as is: an int or float column arrives as a number."""
+    prompt = "Q: ?\n"
+    finals = {"1e20": "100000000000000000000", "1e-7": "0.0000001"}
+    final = finals.get(gold, gold)
+    c = completion(("work it out", final), final=final)
+    r = client.post(
+        "/get_reward", json={"query": [prompt + c], "prompts": [prompt], "labels": [label]}
+    )
+    assert r.status_code == 200, r.text
+    want = score_batch([ScoreItem(c, final, prompt, None, None)], HashEncoder(), normalize=False)
+    assert r.json()["rewards"] == want.rewards
+    assert r.json()["scores"] == [1.0]  # 1e20 would read as 20 if written with an exponent
+
+
+def test_get_reward_empty_label_names_the_openrlhf_flag(client: Any) -> None:
+    c = completion(("add", "18"), final="18")
+    body = {"query": ["p" + c, "p" + c], "prompts": ["p", "p"], "labels": ["18", " "]}
+    r = client.post("/get_reward", json=body)
+    assert r.status_code == 422
+    [detail] = r.json()["detail"]
+    assert detail["field"] == "labels.1" and "--data.label_key" in detail["msg"]
 
 
 def test_get_reward_finds_the_prompt_after_special_tokens_or_refuses(client: Any) -> None:

@@ -15,6 +15,7 @@ import pickle
 from collections import defaultdict
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.client_fixtures import ServerProcess, reward_server  # noqa: F401 - fixture
@@ -104,6 +105,65 @@ def test_conversational_equals_standard(reward_server: ServerProcess) -> None:  
     )
 
 
+def test_reasoning_content_is_scored_with_the_content(reward_server: ServerProcess) -> None:  # noqa: F811
+    """A chat template with a response schema returns the reasoning apart from the content."""
+    fn = sde2_reward(reward_server.url)
+    head, tail = GOOD.split("<final_answer>")
+    split = [[{"role": "assistant", "reasoning_content": head, "content": "<final_answer>" + tail}]]
+    kw = call_kwargs([GOOD, PARTIAL], ["Q?"] * 2)
+    whole = asyncio.run(fn(**kw))
+    kw["completions"] = [*split, [{"role": "assistant", "content": PARTIAL}]]
+    assert asyncio.run(fn(**kw)) == pytest.approx(whole)
+    assert completion_text(split[0]) == head + "\n<final_answer>" + tail
+    only_content = [[{"role": "assistant", "content": "<final_answer>" + tail}]]
+    kw["completions"] = [*only_content, [{"role": "assistant", "content": PARTIAL}]]
+    assert asyncio.run(fn(**kw)) != pytest.approx(whole)  # without the reasoning: no strategies
+
+
+def test_no_nan_reaches_log_metric(reward_server: ServerProcess) -> None:  # noqa: F811
+    """By default (no diagnostics) Uniq of multi-strategy completions with a correct strategy is
+    never computed: the uniq metric is left out rather than logged as NaN (NaN poisons TRL's
+    average across processes)."""
+    metrics: dict[str, list[float]] = defaultdict(list)
+    holder = SDE2Reward(reward_server.url)
+    kw = call_kwargs([GOOD, GOOD], ["p"] * 2)
+    kw["log_metric"] = lambda name, value: metrics[name].append(value)
+    asyncio.run(holder.sde2(**kw))
+    assert "sde2/uniq" not in metrics and "sde2/acc" in metrics
+    assert not any(math.isnan(v) for values in metrics.values() for v in values)
+
+
+def encoder_lookups(url: str) -> float:
+    """Texts the server's reward asked its (cached) encoder for so far: hits plus misses."""
+    text = httpx.get(url + "/metrics").text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("sde2_cache_lookups_total{")
+    )
+
+
+def test_default_costs_no_encoder_work_beyond_the_reward(reward_server: ServerProcess) -> None:  # noqa: F811
+    """The adapter's default request asks the encoder for exactly what a reward-only request
+    does; the full diagnostics are an opt-in that costs more."""
+    wrong = completion(["70", "68"], "70", ["48 + 22 = 70, a guess.", "Twice 34 is 68."])
+    texts = [GOOD, wrong, GOOD.replace("Half", "One half"), PLAIN]
+    kw = call_kwargs(texts, ["p", "p", "q", "q"])
+    items = [{"completion": t, "answer": "72"} for t in texts]
+
+    def cost(call: Any) -> float:
+        before = encoder_lookups(reward_server.url)
+        call()
+        return encoder_lookups(reward_server.url) - before
+
+    with RewardClient(reward_server.url) as rc:
+        bare = cost(lambda: rc.score(items))
+    default = cost(lambda: asyncio.run(sde2_reward(reward_server.url)(**kw)))
+    full = cost(lambda: asyncio.run(sde2_reward(reward_server.url, diagnostics=True)(**kw)))
+    assert default == bare > 0  # the wrong two-strategy completion's reward needs the encoder
+    assert full > default  # the correct multi-strategy completions' Uniq, computed on request
+
+
 def test_num_tokens_come_from_completion_ids(reward_server: ServerProcess) -> None:  # noqa: F811
     holder = SDE2Reward(reward_server.url, recipe="cfl", params={"length_target": 10})
     kw = call_kwargs([PLAIN, PLAIN, PLAIN], ["p"] * 3)
@@ -131,7 +191,7 @@ def test_groups_follow_identical_prompts(reward_server: ServerProcess) -> None: 
 def test_log_metric_and_log_extra(reward_server: ServerProcess) -> None:  # noqa: F811
     metrics: dict[str, list[float]] = defaultdict(list)
     extra: dict[str, list[Any]] = defaultdict(list)
-    holder = SDE2Reward(reward_server.url)
+    holder = SDE2Reward(reward_server.url, diagnostics=True)  # Uniq of every completion
     texts = [GOOD, PARTIAL, PLAIN, ""]
     kw = call_kwargs(texts, ["p"] * 4)
     kw["log_metric"] = lambda name, value: metrics[name].append(value)

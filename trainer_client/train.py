@@ -237,7 +237,10 @@ def grpo_config(args: argparse.Namespace, *, quantize_4bit: bool, cuda: bool) ->
         optim="adamw_8bit" if quantize_4bit else "adamw_torch",
         bf16=cuda and _bf16_ok(),
         use_cpu=not cuda,
-        log_completions=False,
+        # The completions table carries the reward's per-completion columns (log_extra: the
+        # components, n_strat, uniq, correct, final_answer); a few rows per logging step.
+        log_completions=True,
+        num_completions_to_print=args.num_generations,
     )
 
 

@@ -10,9 +10,15 @@ multiprocess setups). Hence the shape chosen here:
 a small picklable class whose *bound async method*, named after the recipe (``sde2``, ``cfee``,
 ``cfl``, which TRL uses as the metric name), is the reward function.
 
-One call sees every completion of one process's generation batch, so the server normalizes over
-exactly the step the paper normalizes over (SPEC §7) when one process trains; the rewards
-returned are ``R_final``, and TRL forms its group advantages from them.
+One call sees one process's slice of the step: with one process that is the whole step, and the
+server normalizes over exactly what the paper normalizes over (SPEC §7). With several processes
+(``torch.distributed`` initialized, e.g. ``accelerate launch``) a prompt's group can span
+processes, so each process scores its slice raw (``normalize=false``, one request per process),
+the raw components are all-gathered, and SPEC §5's normalization, aggregation and group advantages
+are redone over the gathered step with the core's own ``aggregate``
+(:func:`trainer_client.sharding.merge`, as for several replicas): every process gets exactly the
+rewards one request over the whole step returns. The rewards returned are ``R_final``, and TRL
+forms its group advantages from them.
 """
 
 from __future__ import annotations
@@ -20,13 +26,15 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from reward_server.core.params import RECIPE_COMPONENTS, RewardParams
 from trainer_client.client import DEFAULT_TIMEOUT, AsyncRewardClient
 from trainer_client.results import ScoreResult
-from trainer_client.retry import RetryPolicy
+from trainer_client.retry import RetryPolicy, RewardServiceError
+from trainer_client.sharding import merge
 
 RewardFunction = Callable[..., Any]
 
@@ -35,8 +43,13 @@ def completion_text(completion: Any) -> str:
     """The text of a standard (``str``) or conversational (list of messages) completion.
 
     Conversational completions are ``[{"role": "assistant", "content": ...}]``; content may be a
-    string or a list of typed parts (``{"type": "text", "text": ...}``). Assistant turns are
-    joined in order (tool turns in between are not the model's words).
+    string or a list of typed parts (``{"type": "text", "text": ...}``). A chat template with a
+    response schema puts the model's reasoning in ``reasoning_content``: it comes first, as the
+    model wrote it (the strategies are often there). Assistant turns are joined in order (tool
+    turns in between are not the model's words).
+
+    >>> completion_text([{"role": "assistant", "reasoning_content": "R", "content": "C"}])
+    'R\\nC'
     """
     if isinstance(completion, str):
         return completion
@@ -46,9 +59,13 @@ def completion_text(completion: Any) -> str:
     for message in completion:
         if message.get("role", "assistant") != "assistant":
             continue
+        reasoning = message.get("reasoning_content")
+        if isinstance(reasoning, str) and reasoning:
+            parts.append(reasoning)
         content = message.get("content")
         if isinstance(content, str):
-            parts.append(content)
+            if content:
+                parts.append(content)
         elif isinstance(content, list):
             parts.extend(
                 str(p.get("text", "")) for p in content if isinstance(p, Mapping) and "text" in p
@@ -88,7 +105,7 @@ class SDE2Reward:
         answer_type: str = "numeric",
         params: RewardParams | Mapping[str, Any] | None = None,
         normalize: bool = True,
-        diagnostics: bool = True,
+        diagnostics: bool = False,
         timeout: float = DEFAULT_TIMEOUT,
         retry: RetryPolicy | None = None,
         api_key: str | None = None,
@@ -164,19 +181,58 @@ class SDE2Reward:
             if completion_ids is not None:
                 item["num_tokens"] = len(completion_ids[i])
             items.append(item)
-        result = await self._get_client().score(
-            items,
-            recipe=self.recipe,
-            answer_type=answer_type,
-            params=self.params or None,
-            normalize=self.normalize,
-            diagnostics=self.diagnostics,
-        )
-        self.last_result = result
-        self._log(result, kwargs.get("log_metric"), kwargs.get("log_extra"))
-        if self.explain_extremes and kwargs.get("log_extra") is not None:
-            await self._log_extremes(items, answer_type, result, kwargs["log_extra"])
-        return list(result.rewards)
+        options: dict[str, Any] = {
+            "recipe": self.recipe,
+            "answer_type": answer_type,
+            "params": self.params or None,
+            "diagnostics": self.diagnostics,
+        }
+        group = _process_group()
+        if group is None:
+            result = await self._get_client().score(items, normalize=self.normalize, **options)
+            self.last_result = result
+            self._log(result, result, kwargs.get("log_metric"), kwargs.get("log_extra"))
+            if self.explain_extremes and kwargs.get("log_extra") is not None:
+                await self._log_extremes(items, answer_type, result, kwargs["log_extra"])
+            return list(result.rewards)
+        local, step, offset = await self._score_across_processes(items, options, group)
+        self.last_result = step
+        self._log(step, local, kwargs.get("log_metric"), kwargs.get("log_extra"))
+        return list(step.rewards[offset : offset + len(items)])
+
+    async def _score_across_processes(
+        self, items: list[dict[str, Any]], options: dict[str, Any], group: Any
+    ) -> tuple[ScoreResult, ScoreResult, int]:
+        """(this slice raw, the whole step normalized, this slice's offset in the step).
+
+        Every process takes part in the gather even when its own request failed (it sends the
+        error instead), so a failure stops every process with an error rather than leaving the
+        others waiting in the collective.
+        """
+        local: ScoreResult | None = None
+        error: Exception | None = None
+        try:
+            local = await self._get_client().score(items, normalize=False, **options)
+        except Exception as exc:  # re-raised below, after the others learned of it
+            error = exc
+        groups = [str(it["group"]) for it in items]
+        message = None if error is None else f"{type(error).__name__}: {error}"
+        gathered = _all_gather((local, groups, message), group)
+        if error is not None:
+            raise error
+        failed = [(rank, msg) for rank, (_, _, msg) in enumerate(gathered) if msg is not None]
+        if failed:
+            raise RewardServiceError(
+                "reward scoring failed on process(es) "
+                + "; ".join(f"rank {rank}: {msg}" for rank, msg in failed),
+                [],
+            )
+        shards = [shard for shard, _, _ in gathered]
+        all_groups = [g for _, gs, _ in gathered for g in gs]
+        step = merge(shards, normalize=self.normalize, groups=all_groups)
+        offset = sum(len(shard) for shard in shards[: _rank()])
+        assert local is not None
+        return local, step, offset
 
     async def _log_extremes(
         self,
@@ -212,35 +268,37 @@ class SDE2Reward:
 
     def _log(
         self,
-        result: ScoreResult,
+        step: ScoreResult,
+        local: ScoreResult,
         log_metric: Callable[[str, float], None] | None,
         log_extra: Callable[[str, list[Any]], None] | None,
     ) -> None:
-        """Step metrics (same keys on every rank: they depend on the recipe only) and columns."""
-        n = len(result.items)
+        """Step metrics and per-completion columns.
+
+        Metrics describe the whole step (``step``: the same on every process, so TRL's average
+        across processes is the step's value); keys depend on the recipe only, so every process
+        logs the same keys. Columns describe this process's completions (``local``: TRL gathers
+        them). No metric is ever NaN: a value that cannot be computed is left out.
+        """
         name = self.recipe
-        # Distinct strategies: 0 or 1 are exact without the encoder; beyond that only the server
-        # knows (diagnostics on fills every item), and an unknown value is left out of the mean.
-        uniq = [
-            it.uniq if it.uniq is not None else (it.n_strat if it.n_strat <= 1 else None)
-            for it in result.items
-        ]
-        known = [u for u in uniq if u is not None]
         if log_metric is not None:
+            n = len(step.items)
             for key in RECIPE_COMPONENTS[self.recipe]:
-                log_metric(f"{name}/{key}", sum(result.components[key]) / n)
-            log_metric(f"{name}/acc", result.accuracy)
-            log_metric(f"{name}/s_acc", result.strategy_accuracy)
-            log_metric(f"{name}/n_strat", sum(it.n_strat for it in result.items) / n)
-            log_metric(f"{name}/uniq", sum(known) / len(known) if known else float("nan"))
+                log_metric(f"{name}/{key}", sum(step.components[key]) / n)
+            log_metric(f"{name}/acc", step.accuracy)
+            log_metric(f"{name}/s_acc", step.strategy_accuracy)
+            log_metric(f"{name}/n_strat", sum(it.n_strat for it in step.items) / n)
+            known = [u for u in _uniq(step) if u is not None]
+            if known:
+                log_metric(f"{name}/uniq", sum(known) / len(known))
         if log_extra is not None:
             for key in RECIPE_COMPONENTS[self.recipe]:
-                log_extra(f"{name}/{key}", list(result.components[key]))
-            log_extra(f"{name}/n_strat", [it.n_strat for it in result.items])
-            log_extra(f"{name}/uniq", uniq)
-            log_extra(f"{name}/correct", [it.correct for it in result.items])
-            log_extra(f"{name}/strategy_correct", [it.strategy_correct for it in result.items])
-            log_extra(f"{name}/final_answer", [it.final_answer for it in result.items])
+                log_extra(f"{name}/{key}", list(local.components[key]))
+            log_extra(f"{name}/n_strat", [it.n_strat for it in local.items])
+            log_extra(f"{name}/uniq", _uniq(local))
+            log_extra(f"{name}/correct", [it.correct for it in local.items])
+            log_extra(f"{name}/strategy_correct", [it.strategy_correct for it in local.items])
+            log_extra(f"{name}/final_answer", [it.final_answer for it in local.items])
 
     # One method per recipe, so that the function's __name__ (TRL's metric name) is the recipe.
 
@@ -263,6 +321,55 @@ class SDE2Reward:
         return await self.score(prompts, completions, **kwargs)
 
 
+def _uniq(result: ScoreResult) -> list[int | None]:
+    """Distinct strategies per completion: 0 or 1 are exact without the encoder; beyond that only
+    the server knows (diagnostics on fills every item), and an unknown value stays None."""
+    return [
+        it.uniq if it.uniq is not None else (it.n_strat if it.n_strat <= 1 else None)
+        for it in result.items
+    ]
+
+
+def _process_group() -> Any | None:
+    """The process group to gather a step over, or None when one process trains.
+
+    torch is never imported here (the adapter needs only httpx): several processes mean the
+    trainer already initialized ``torch.distributed``. Objects are gathered over gloo (CPU): the
+    default group when it is gloo, else one gloo group over every rank, created on first use (all
+    processes score the same steps, so all create it at the same point).
+    """
+    if "torch.distributed" not in sys.modules:
+        return None
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    if dist.get_backend() == "gloo":
+        return dist.group.WORLD
+    global _GLOO_GROUP
+    if _GLOO_GROUP is None:
+        _GLOO_GROUP = dist.new_group(backend="gloo")
+    return _GLOO_GROUP
+
+
+_GLOO_GROUP: Any = None
+
+
+def _all_gather(obj: Any, group: Any) -> list[Any]:
+    """``obj`` from every process of ``group``, in rank order."""
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return int(dist.get_rank())
+
+
 def sde2_reward(
     url: str | Sequence[str],
     recipe: str = "sde2",
@@ -270,7 +377,7 @@ def sde2_reward(
     *,
     answer_type: str = "numeric",
     normalize: bool = True,
-    diagnostics: bool = True,
+    diagnostics: bool = False,
     timeout: float = DEFAULT_TIMEOUT,
     retry: RetryPolicy | None = None,
     api_key: str | None = None,
@@ -284,7 +391,10 @@ def sde2_reward(
     the same numbers as one server. The function is ``async`` (TRL awaits it concurrently with
     other reward functions), picklable, and named after the recipe. ``explain_extremes`` logs,
     as the column ``<recipe>/explanation``, why the best and the worst completion of each call
-    got their reward (TRL shows ``log_extra`` columns with ``log_completions=True``).
+    got their reward with one process (TRL shows ``log_extra`` columns with
+    ``log_completions=True``); under several processes the column is not logged. ``diagnostics=True`` computes ``Uniq``
+    for every multi-strategy completion (the ``uniq`` metric over all of them) at extra encoder
+    work; by default only what the reward needs is encoded.
 
     Usage::
 

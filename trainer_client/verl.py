@@ -1,15 +1,26 @@
-"""SD-E² reward for verl's custom reward hook (``custom_reward_function.path/name``).
+"""SD-E² reward for verl's custom reward hook (``reward.custom_reward_function.{path,name}``).
 
-verl calls ``compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs)``
-once per sample and accepts a float or a dict with ``"score"`` (the other keys become logged
-per-sample extras); ``async def`` variants are awaited. One sample per request means batch
-normalization would zero every component (SPEC §7), so these functions score with
-``normalize=false``: ``score`` is ``Σ_k w_k · R_k`` and verl's GRPO advantage does the rest.
+verl 0.9.1 reads ``reward.custom_reward_function`` (``verl/trainer/ppo/reward.py``,
+``get_custom_reward_fn``); a top-level ``custom_reward_function`` is accepted by its config and
+ignored, and verl then scores with its own built-in function. Its reward-loop manager calls
+``compute_score(data_source=, solution_str=, ground_truth=, extra_info=)`` once per sample, with
+``reward_kwargs`` merged over those arguments, and accepts a float or a dict with ``"score"`` (the
+other keys become logged per-sample extras); an ``async def`` function is awaited by the default
+``naive`` manager (the ``remote`` manager refuses it: use :func:`compute_score` there).
+
+One sample per request means batch normalization would zero every component (SPEC §7), so these
+functions score with ``normalize=false``: ``score`` is ``Σ_k w_k · R_k`` and verl's GRPO advantage
+normalizes within each prompt's group. verl 0.9.1 passes no response length, so ``num_tokens``
+(for the ``cfl`` length term) is taken from ``extra_info["num_tokens"]`` or a ``num_tokens``
+keyword when present; otherwise the server counts words.
 
 The server URL comes from ``extra_info["reward_url"]``, then a ``url`` keyword (set it with
-``custom_reward_function.reward_kwargs``), then the ``SDE2_URL`` environment variable; several
-comma-separated URLs are tried in turn on failures. Clients are cached per URL (and per event loop
-for the async variant) so connections are pooled across the reward loop.
+``reward.custom_reward_function.reward_kwargs``), then the ``SDE2_URL`` environment variable;
+several comma-separated URLs are tried in turn on failures. ``max_attempts`` (a keyword) bounds the
+tries per sample (default 6); when they run out :class:`~trainer_client.retry.RewardServiceError`
+propagates and verl's reward loop stops: no sample is ever scored with an invented reward. Clients
+are cached per URL (and per event loop for the async variant) so connections are pooled across
+the reward loop.
 """
 
 from __future__ import annotations
@@ -23,10 +34,12 @@ from typing import Any
 
 from trainer_client.client import AsyncRewardClient, RewardClient
 from trainer_client.results import ScoreResult
+from trainer_client.retry import RetryPolicy
 
-_sync_clients: dict[str, RewardClient] = {}
+_Key = tuple[str, int]  # (URLs, max attempts)
+_sync_clients: dict[_Key, RewardClient] = {}
 # Keyed weakly by event loop: an AsyncClient is bound to its loop, and a dead loop's clients go.
-_async_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, AsyncRewardClient]]
+_async_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[_Key, AsyncRewardClient]]
 _async_clients = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
@@ -40,15 +53,16 @@ def _option(name: str, extra_info: Mapping[str, Any] | None, kwargs: Mapping[str
     return kwargs.get(name)
 
 
-def _url(extra_info: Mapping[str, Any] | None, kwargs: Mapping[str, Any]) -> str:
+def _key(extra_info: Mapping[str, Any] | None, kwargs: Mapping[str, Any]) -> _Key:
+    """Which client serves this call: its URL(s) and its number of tries."""
     url = _option("reward_url", extra_info, kwargs) or kwargs.get("url")
     url = url or os.environ.get("SDE2_URL")
     if not url:
         raise ValueError(
             "no reward server URL: set extra_info['reward_url'], pass url= through "
-            "custom_reward_function.reward_kwargs, or export SDE2_URL=http://host:8000"
+            "reward.custom_reward_function.reward_kwargs, or export SDE2_URL=http://host:8000"
         )
-    return str(url)
+    return str(url), int(kwargs.get("max_attempts") or 6)
 
 
 def _request(
@@ -97,12 +111,13 @@ def compute_score(
     **kwargs: Any,
 ) -> dict[str, Any]:
     """Score one verl sample through the reward server; raises if the server cannot answer."""
-    url = _url(extra_info, kwargs)
+    key = _key(extra_info, kwargs)
     items, options = _request(data_source, solution_str, ground_truth, extra_info, kwargs)
     with _lock:
-        client = _sync_clients.get(url)
+        client = _sync_clients.get(key)
         if client is None:
-            client = _sync_clients[url] = RewardClient(url)
+            retry = RetryPolicy(max_attempts=key[1])
+            client = _sync_clients[key] = RewardClient(key[0], retry=retry)
     return _as_verl(client.score(items, **options))
 
 
@@ -114,10 +129,11 @@ async def compute_score_async(
     **kwargs: Any,
 ) -> dict[str, Any]:
     """The ``async def`` variant of :func:`compute_score` (verl awaits it concurrently)."""
-    url = _url(extra_info, kwargs)
+    key = _key(extra_info, kwargs)
     items, options = _request(data_source, solution_str, ground_truth, extra_info, kwargs)
     per_loop = _async_clients.setdefault(asyncio.get_running_loop(), {})
-    client = per_loop.get(url)
+    client = per_loop.get(key)
     if client is None:
-        client = per_loop[url] = AsyncRewardClient(url)
+        retry = RetryPolicy(max_attempts=key[1])
+        client = per_loop[key] = AsyncRewardClient(key[0], retry=retry)
     return _as_verl(await client.score(items, **options))

@@ -54,6 +54,7 @@ from reward_server.service.schemas import (
     OpenRLHFResponse,
     ScoreRequest,
     ScoreResponse,
+    label_text,
 )
 
 log = logging.getLogger(__name__)
@@ -110,6 +111,10 @@ def _openrlhf_loc(loc: Loc) -> Loc:
     return loc
 
 
+#: How OpenRLHF 0.11.2 is told which dataset column holds the gold answer.
+LABEL_FLAG = "--data.label_key (--label_key before OpenRLHF 0.10.2)"
+
+
 def openrlhf_items(request: OpenRLHFRequest) -> list[ScoreItem]:
     """One item per sample: completion = what follows the prompt in the query, answer = label.
 
@@ -117,21 +122,32 @@ def openrlhf_items(request: OpenRLHFRequest) -> list[ScoreItem]:
     tokens kept, so padding or a BOS token can precede it. A query that does not contain its
     prompt is refused (422 naming ``prompts.i``) rather than scored whole: the prompt's own
     schema example would count as a strategy and as the final answer, a silently wrong reward.
+    Numeric labels become their decimal text (:func:`label_text`); an empty label is refused
+    (422 naming ``labels.i`` and the OpenRLHF flag that sets the label column), since every
+    answer would otherwise be scored wrong.
 
-    >>> req = OpenRLHFRequest(query=["<pad>Q: 2+2? A: 4"], prompts=["Q: 2+2?"], labels=["4"])
-    >>> openrlhf_items(req)[0].completion
-    ' A: 4'
+    >>> req = OpenRLHFRequest(query=["<pad>Q: 2+2? A: 4"], prompts=["Q: 2+2?"], labels=[4])
+    >>> item = openrlhf_items(req)[0]
+    >>> item.completion, item.answer
+    (' A: 4', '4')
     """
     items = []
     issues = []
     rows = zip(request.query, request.prompts, request.labels, strict=True)
     for i, (query, prompt, label) in enumerate(rows):
+        answer = label_text(label)
+        if not answer.strip():
+            msg = (
+                "empty gold answer: OpenRLHF sends an empty label when no label column is set; "
+                f"pass {LABEL_FLAG} with the dataset column holding the answers"
+            )
+            issues.append(issue(("labels", i), msg, "empty_label"))
         start = query.find(prompt)
         if start < 0:
             msg = f"does not occur in query[{i}]: the response cannot be separated from its prompt"
             issues.append(issue(("prompts", i), msg, "prompt_not_in_query"))
-            continue
-        items.append(ScoreItem(query[start + len(prompt) :], label, prompt, None, None))
+        if not issues:
+            items.append(ScoreItem(query[start + len(prompt) :], answer, prompt, None, None))
     if issues:
         raise RequestInvalid(issues)
     return items
@@ -284,7 +300,9 @@ def create_app(service: ScoringService) -> FastAPI:
     ) -> Response:
         """``{"query", "prompts", "labels"}`` -> ``{"rewards", "scores", "extra_logs"}``.
 
-        The completion is what follows the prompt in the query; labels are the gold answers.
+        The completion is what follows the prompt in the query; labels are the gold answers
+        (strings, or numbers as an OpenRLHF dataset holds them). ``scores`` is correctness
+        (0/1), what OpenRLHF's dynamic filtering expects.
         Normalization is off unless asked for (see the ``normalize`` parameter). Empty lists
         are valid and give empty lists.
         """
@@ -314,6 +332,13 @@ def create_app(service: ScoringService) -> FastAPI:
             metrics.requests.labels("/get_reward", "200").inc()
             return JSONResponse({"rewards": [], "scores": [], "extra_logs": {}})
         if failure is not None:
+            # OpenRLHF logs a failed reward call at info level only and trains on without the
+            # sample's reward: say it here, where an operator looks.
+            log.warning(
+                "/get_reward answered %d; OpenRLHF drops this sample's reward: %s",
+                failure.status_code,
+                bytes(failure.body)[:500].decode("utf-8", "replace"),
+            )
             return failure
         assert scored is not None
         s = scored.score
@@ -323,7 +348,7 @@ def create_app(service: ScoringService) -> FastAPI:
         extra["n_strat"] = [float(it.n_strat) for it in s.items]
         metrics.requests.labels("/get_reward", "200").inc()
         return JSONResponse(
-            {"rewards": s.rewards, "scores": s.rewards, "extra_logs": extra},
+            {"rewards": s.rewards, "scores": extra["correct"], "extra_logs": extra},
             headers=timing_headers(scored),
         )
 
@@ -451,7 +476,7 @@ def _install_openapi(app: FastAPI, service: ScoringService) -> None:
             for name in ("query", "prompts", "labels"):
                 props[name]["maxItems"] = s.max_items
             props["query"]["items"]["maxLength"] = s.max_completion_chars
-            props["labels"]["items"]["maxLength"] = s.max_answer_chars
+            _set_max_length(props["labels"]["items"], s.max_answer_chars)
         if s.api_key is not None:
             components_root = doc["components"]
             components_root["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}

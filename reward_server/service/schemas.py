@@ -12,9 +12,11 @@ keeps unencodable strings out of the tokenizer and out of the response.
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from decimal import Decimal
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema
 
 from reward_server.core import AnswerType, Recipe, RewardParams, ScoreItem
 
@@ -97,29 +99,85 @@ class ExplainResponse(ScoreResponse):
     )
 
 
+#: About 3,900 decimal digits: under Python's limit on int-to-text conversion (4,300 digits).
+_MAX_LABEL_BITS = 13_000
+
+
+def _check_label(value: Any) -> str | int | float:
+    """One error per bad label (a plain union would report one per branch)."""
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise ValueError(f"must be a string or a finite number, not {type(value).__name__}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"must be a finite number, not {value}")
+    if isinstance(value, int) and value.bit_length() > _MAX_LABEL_BITS:
+        raise ValueError("integer too long for a gold answer")
+    return value
+
+
+#: A gold answer as OpenRLHF sends it: the dataset's value as is (an int or float column stays a
+#: number). ``bool`` is no number here, and NaN or infinity is no answer.
+OpenRLHFLabel = Annotated[
+    str | int | float,
+    PlainValidator(_check_label),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "string", "pattern": "\\S"},  # not empty or blank (see openrlhf_items)
+                {"type": "integer"},
+                {"type": "number"},
+            ]
+        }
+    ),
+]
+
+
+def label_text(label: str | int | float) -> str:
+    """The gold answer text of an OpenRLHF label: numbers written out in plain decimal.
+
+    A float keeps its shortest round-trip digits with no exponent (SPEC §2's ``N`` reads ``1e+20``
+    as its last number, 20), and ``N`` then canonicalizes ``18.0`` to 18.
+
+    >>> [label_text(x) for x in ("#### 18", 18, 18.0, -0.5, 1e20, 1e-07)]
+    ['#### 18', '18', '18.0', '-0.5', '100000000000000000000', '0.0000001']
+    """
+    if isinstance(label, str):
+        return label
+    if isinstance(label, int):
+        return str(label)
+    return format(Decimal(repr(label)), "f")
+
+
 class OpenRLHFRequest(BaseModel):
     """OpenRLHF's remote reward protocol (``--reward.remote_url``).
 
     ``query[i]`` is the prompt followed by the response; ``prompts[i]`` is that prompt and
-    ``labels[i]`` the gold answer. The completion scored is what follows ``prompts[i]`` in
-    ``query[i]`` (special tokens such as padding may precede it); a query that does not contain
-    its prompt is refused with a 422 naming ``prompts.i``.
+    ``labels[i]`` the gold answer, a string or a number as the dataset holds it (see
+    :func:`label_text`). The completion scored is what follows ``prompts[i]`` in ``query[i]``
+    (special tokens such as padding may precede it); a query that does not contain its prompt is
+    refused with a 422 naming ``prompts.i``, and so is an empty label (``labels.i``: OpenRLHF
+    sends ``""`` when no label key is set).
     """
 
     model_config = _STRICT
 
     query: list[str] = Field(description="prompt + response, one per sample")
     prompts: list[str] = Field(description="the prompt of each sample (it must occur in its query)")
-    labels: list[str] = Field(description="the gold answer of each sample")
+    labels: list[OpenRLHFLabel] = Field(
+        description="the gold answer of each sample: a non-empty string, or a finite number "
+        "(written in plain decimal, then canonicalized like any answer)"
+    )
 
 
 class OpenRLHFResponse(BaseModel):
-    """OpenRLHF's expected reply: ``rewards`` drive training, ``scores`` are logged."""
+    """OpenRLHF's expected reply: ``rewards`` drive training, ``scores`` filter groups."""
 
-    rewards: list[float] = Field(description="R_final per sample")
-    scores: list[float] = Field(description="the same values (OpenRLHF logs them)")
+    rewards: list[float] = Field(description="R_final per sample (unnormalized by default)")
+    scores: list[float] = Field(
+        description="correctness per sample, 0 or 1: OpenRLHF's dynamic filtering keeps a "
+        "prompt whose mean score lies strictly inside --algo.dynamic_filtering_range"
+    )
     extra_logs: dict[str, list[float]] = Field(
-        description="raw components per sample, plus correct and n_strat"
+        description="raw components per sample, plus correct, strategy_correct and n_strat"
     )
 
 

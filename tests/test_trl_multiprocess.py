@@ -1,0 +1,168 @@
+"""The TRL adapter under several processes: each gets the rewards of one request over the step.
+
+Two real processes (``torch.multiprocessing`` spawn) join a real ``torch.distributed`` gloo group,
+as ``accelerate launch`` would set up; each calls the reward function the way TRL 1.16 does, with
+its own half of the step, where one prompt's group is split across the two processes. Every
+completion's reward must equal the reward one ``/v1/score`` request over the whole step gives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.client_fixtures import ServerProcess, reward_server  # noqa: F401 - fixture
+from tests.server_process import free_port
+from tests.test_client import completion
+from trainer_client import RewardClient
+from trainer_client.trl import prompt_key
+
+pytestmark = pytest.mark.slow
+
+WORLD = 2
+GENERATIONS = 4
+
+
+def step_rows() -> list[dict[str, Any]]:
+    """3 prompts × 4 generations of mixed quality; split in halves, prompt 1 spans both."""
+    rng = random.Random(11)
+    rows = []
+    for p in range(3):
+        gold = str(40 + p)
+        prompt = [{"role": "user", "content": f"Question {p}: how many?"}]
+        for g in range(GENERATIONS):
+            m = rng.randint(0, 3)
+            outs = [rng.choice([gold, "7", "13"]) for _ in range(m)]
+            reasons = [f"prompt {p} try {g}: idea {j} with {rng.random():.4f}" for j in range(m)]
+            text = completion(outs, rng.choice([gold, "7", None]), reasons)
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if g == 3:  # a response-schema template: the strategies come back as reasoning
+                message = {"role": "assistant", "reasoning_content": text, "content": ""}
+            rows.append(
+                {"prompt": prompt, "completion": [message], "text": text, "answer": gold,
+                 "ids": list(range(5 + 7 * g + p))}
+            )  # fmt: skip
+    return rows
+
+
+def _worker(rank: int, url: str, store: str, out_dir: str) -> None:
+    """One training process: joins the gloo group, scores its half as TRL would, reports."""
+    import torch.distributed as dist
+
+    from trainer_client.trl import sde2_reward
+
+    # A file store: no rank hosts a TCP store that the other could outlive.
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    try:
+        rows = step_rows()
+        half = len(rows) // WORLD
+        mine = rows[rank * half : (rank + 1) * half]
+        metrics: dict[str, list[float]] = defaultdict(list)
+        extra: dict[str, list[Any]] = defaultdict(list)
+        fn = sde2_reward(url)
+        rewards = asyncio.run(
+            fn(
+                prompts=[r["prompt"] for r in mine],
+                completions=[r["completion"] for r in mine],
+                completion_ids=[r["ids"] for r in mine],
+                answer=[r["answer"] for r in mine],
+                trainer_state=None,
+                log_metric=lambda k, v: metrics[k].append(v),
+                log_extra=lambda k, v: extra[k].extend(v),
+            )
+        )
+        report = {"rewards": rewards, "metrics": metrics, "extra": extra}
+        Path(out_dir, f"{rank}.json").write_text(json.dumps(report))
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def test_two_processes_get_the_whole_step_rewards(
+    reward_server: ServerProcess,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    import torch.multiprocessing as mp
+
+    mp.spawn(
+        _worker, args=(reward_server.url, str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD
+    )
+    reports = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(WORLD)]
+
+    rows = step_rows()
+    items = [
+        {"completion": r["text"], "answer": r["answer"], "group": prompt_key(r["prompt"]),
+         "num_tokens": len(r["ids"])}
+        for r in rows
+    ]  # fmt: skip
+    half = len(rows) // WORLD
+    with RewardClient(reward_server.url) as rc:
+        whole = rc.score(items, diagnostics=True)  # one request over the whole step
+        alone = rc.score(items[:half], diagnostics=True)  # what rank 0 alone would normalize to
+    got = [r for report in reports for r in report["rewards"]]
+    assert got == pytest.approx(whole.rewards, abs=1e-9)
+    # The check has teeth: normalizing each process's half on its own gives other numbers.
+    assert alone.rewards != pytest.approx(whole.rewards[:half], abs=1e-3)
+    # Prompt 1's group (items 4..7) spans both processes.
+    assert items[half - 1]["group"] == items[half]["group"]
+
+    # Step metrics are the whole step's on every process (TRL averages them across processes).
+    m0, m1 = reports[0]["metrics"], reports[1]["metrics"]
+    assert m0 == m1
+    assert m0["sde2/acc"] == [pytest.approx(whole.accuracy)]
+    assert m0["sde2/oc"] == [pytest.approx(sum(whole.components["oc"]) / len(items))]
+    assert not any(math.isnan(v) for vs in m0.values() for v in vs)
+    # Columns are each process's own completions (TRL gathers them).
+    columns = [c for report in reports for c in report["extra"]["sde2/correct"]]
+    assert columns == [it.correct for it in whole.items]
+    assert sum(it.n_strat for it in whole.items[3::4]) > 0  # reasoning_content was scored
+
+
+def _failing_worker(rank: int, urls: list[str], store: str, out_dir: str) -> None:
+    """Rank 0's server is dead: both processes must stop with an error, neither may hang."""
+    import torch.distributed as dist
+
+    from trainer_client.retry import RetryPolicy
+    from trainer_client.trl import sde2_reward
+
+    # A file store: no rank hosts a TCP store that the other could outlive.
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    try:
+        rows = step_rows()[rank::WORLD]
+        fn = sde2_reward(urls[rank], retry=RetryPolicy(max_attempts=2, backoff_base=0.01))
+        try:
+            asyncio.run(
+                fn(
+                    prompts=[r["prompt"] for r in rows],
+                    completions=[r["completion"] for r in rows],
+                    answer=[r["answer"] for r in rows],
+                )
+            )
+            outcome = "returned rewards"
+        except Exception as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+        Path(out_dir, f"{rank}.txt").write_text(outcome)
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def test_a_failure_on_one_process_stops_every_process(
+    reward_server: ServerProcess,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    import torch.multiprocessing as mp
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    urls = [dead, reward_server.url]
+    mp.spawn(_failing_worker, args=(urls, str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD)
+    own, other = ((tmp_path / f"{r}.txt").read_text() for r in range(WORLD))
+    assert own.startswith("RewardServiceError") and dead in own
+    assert other.startswith("RewardServiceError: reward scoring failed on process(es) rank 0")
