@@ -392,9 +392,10 @@ def sde2_reward(
     other reward functions), picklable, and named after the recipe. ``explain_extremes`` logs,
     as the column ``<recipe>/explanation``, why the best and the worst completion of each call
     got their reward with one process (TRL shows ``log_extra`` columns with
-    ``log_completions=True``); under several processes the column is not logged. ``diagnostics=True`` computes ``Uniq``
-    for every multi-strategy completion (the ``uniq`` metric over all of them) at extra encoder
-    work; by default only what the reward needs is encoded.
+    ``log_completions=True``); under several processes the column is not logged.
+    ``diagnostics=True`` computes ``Uniq`` for every multi-strategy completion (the ``uniq``
+    metric over all of them) at extra encoder work; by default only what the reward needs is
+    encoded.
 
     Usage::
 
