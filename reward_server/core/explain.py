@@ -53,11 +53,12 @@ from reward_server.core.scoring import (
     ItemAnalysis,
     PreparedBatch,
     ScoreItem,
+    embed,
     finish_batch,
     prepare_batch,
 )
 from reward_server.core.text import OffsetMap, preprocess, preprocess_with_offsets
-from reward_server.encoders.base import EMBEDDING_DIM, Encoder
+from reward_server.encoders.base import Encoder
 
 Json = dict[str, Any]
 
@@ -508,11 +509,7 @@ def score_and_explain(
         diagnostics=True,
         math_judge=math_judge,
     )
-    embeddings = (
-        encoder.encode(prepared.texts)
-        if prepared.texts
-        else np.zeros((0, EMBEDDING_DIM), dtype=np.float32)
-    )
+    embeddings = embed(encoder, prepared.texts)
     score = finish_batch(prepared, embeddings, normalize=normalize)
     explanation = explain_batch(
         items,

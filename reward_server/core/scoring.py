@@ -251,6 +251,13 @@ def finish_batch(
     return BatchScore(prepared.recipe, p, values, agg, results)
 
 
+def embed(encoder: Encoder, texts: Sequence[str]) -> npt.NDArray[np.float32]:
+    """The embeddings of ``texts``; the encoder is not called for a batch that needs none."""
+    if not texts:
+        return np.zeros((0, EMBEDDING_DIM), dtype=np.float32)
+    return encoder.encode(texts)
+
+
 def score_batch(
     items: Sequence[ScoreItem],
     encoder: Encoder,
@@ -271,9 +278,4 @@ def score_batch(
         diagnostics=diagnostics,
         math_judge=math_judge,
     )
-    embeddings = (
-        encoder.encode(prepared.texts)
-        if prepared.texts
-        else np.zeros((0, EMBEDDING_DIM), dtype=np.float32)
-    )
-    return finish_batch(prepared, embeddings, normalize=normalize)
+    return finish_batch(prepared, embed(encoder, prepared.texts), normalize=normalize)
