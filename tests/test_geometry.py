@@ -61,3 +61,18 @@ def test_cosine_renormalizes_its_inputs() -> None:
     c = cosine_matrix(np.array([[3.0, 0.0], [0.0, 0.5], [1.0, 1.0]], dtype=np.float32))
     assert c[0, 0] == pytest.approx(1.0) and c[0, 1] == pytest.approx(0.0)
     assert c[0, 2] == pytest.approx(math.sqrt(0.5))
+
+
+def test_rows_normalized_once_give_each_selection_its_exact_cosines() -> None:
+    """The scorer normalizes a batch once and takes each item's Gram matrix from those rows;
+    explanations recompute ``cosine_matrix`` of the item alone: bit for bit the same."""
+    from reward_server.core.geometry import unit_rows
+
+    rng = np.random.default_rng(7)
+    batch = rng.standard_normal((300, 384)).astype(np.float32)
+    batch[5] = 0.0  # a zero row stays zero
+    unit = unit_rows(batch)
+    for _ in range(50):
+        idx = list(rng.choice(300, size=int(rng.integers(2, 11)), replace=False))
+        h = unit[idx]
+        assert np.array_equal(h @ h.T, cosine_matrix(batch[idx]))

@@ -193,11 +193,16 @@ def test_score_benchmark_runs_end_to_end(
     from benchmarks import bench_score
 
     status = bench_score.main(
-        ["--rounds", "1", "--prompts", "1", "--port", "18739", "--model", str(onnx_model_dir)]
-    )
+        ["--rounds", "1", "--prompts", "1", "--port", "18739", "--model", str(onnx_model_dir),
+         "--overhead-steps", "3"]
+    )  # fmt: skip
     out = capsys.readouterr().out
     assert status == 0, out
     assert "rewards agree (<= 1e-5): yes" in out
     assert re.search(r"ratio A/B = [0-9.]+ +ratio A/C = [0-9.]+", out), out
     assert re.search(r"-> \d+% of floor", out), out
     assert re.search(r"fp32 ceiling: .* A/C at most (inf|[0-9.]+) ", out), out
+    # Everything but the encoder: in process and through the server, with the same rewards.
+    assert re.search(r"\(D\) in process.* [0-9.]+ +[0-9.]+ +<= 1\.5", out), out
+    assert re.search(r"\(E\) through the server.* [0-9.]+ +[0-9.]+ +<= 3\.0", out), out
+    assert "(D) and (E) rewards agree (<= 1e-9): yes" in out

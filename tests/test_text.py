@@ -1,5 +1,7 @@
 """SPEC §1 preprocessing and field-text cleaning, rule by rule."""
 
+import re
+import sys
 import unicodedata
 
 import pytest
@@ -83,3 +85,25 @@ def test_preprocess_is_the_spec_map_then_nfkc(text: str) -> None:
     """The fast paths (ASCII returned as is, one ``str.replace`` per mapped character) give
     exactly SPEC §1's simultaneous map followed by NFKC, on any text."""
     assert preprocess(text) == unicodedata.normalize("NFKC", text.translate(_SPEC_MAP))
+
+
+def test_every_whitespace_but_the_space_is_non_printable() -> None:
+    """What ``field_text``'s already-folded check relies on, over all of Unicode."""
+    spaces = [chr(i) for i in range(sys.maxunicode + 1) if chr(i).isspace()]
+    assert len(spaces) > 20
+    assert [c for c in spaces if c != " " and c.isprintable()] == []
+
+
+_FIELD_ALPHABET = st.one_of(
+    st.sampled_from(" \t\n\r\x0b\x0c\x1c\x1f\x85\xa0\u2028\u3000*_`~ab1"), st.characters()
+)
+
+
+@settings(max_examples=500)
+@given(st.text(alphabet=_FIELD_ALPHABET))
+def test_field_text_is_the_plain_cleaning(raw: str) -> None:
+    """The fast paths (no fence scan without "`" or "~", no split of a folded text) give the
+    plain definition: fences out, then ``**`` and ``__``, then whitespace folded."""
+    plain = re.sub(r"(?:```|~~~)(?:[A-Za-z][A-Za-z0-9_+\-]*)?", " ", raw)
+    plain = plain.replace("**", "").replace("__", "")
+    assert field_text(raw) == " ".join(plain.split())

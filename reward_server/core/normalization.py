@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import numpy.typing as npt
@@ -136,6 +137,9 @@ def aggregate(
     advantages = group_advantages(rewards, groups, params.eps) if groups is not None else None
     arrays: list[Sequence[float]] = [rewards, *components.values(), *normalized.values()]
     arrays += [list(mean.values()), list(std.values()), advantages or []]
-    if not all(math.isfinite(v) for a in arrays for v in a):
+    # One C-level pass over every value (a generator of math.isfinite calls cost more than the
+    # rest of the aggregation).
+    flat = np.fromiter(chain.from_iterable(arrays), np.float64, sum(map(len, arrays)))
+    if not np.isfinite(flat).all():
         raise NonFiniteRewardError()
     return Aggregate(rewards, normalized, mean, std, advantages)

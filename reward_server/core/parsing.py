@@ -75,8 +75,18 @@ def field_tags(
 def first_field(text: str, name: str, start: int = 0, end: int | None = None) -> str:
     """Field text between the first ``<name…>`` in ``text[start:end]`` and the first closing
     after it; ``""`` when either tag is missing."""
-    opening, closing = field_tags(text, name, start, end)
-    if opening is None or closing is None:
+    return _field(text, _opening(name), _closing(name), start, len(text) if end is None else end)
+
+
+def _field(
+    text: str, opening_re: re.Pattern[str], closing_re: re.Pattern[str], start: int, end: int
+) -> str:
+    """:func:`first_field` with its patterns given (the scan below looks them up once)."""
+    opening = opening_re.search(text, start, end)
+    if opening is None:
+        return ""
+    closing = closing_re.search(text, opening.end(), end)
+    if closing is None:
         return ""
     return field_text(text[opening.end() : closing.start()])
 
@@ -158,6 +168,8 @@ def scan_strategies(
     """
     seen: set[Strategy] = set()
     kept = 0
+    reasoning = _opening("reasoning"), _closing("reasoning")
+    outcome = _opening("strategy_outcome"), _closing("strategy_outcome")
     pending: re.Match[str] | None = None  # the opening of the block being read
     for tag in _opening_or_closing("strategy").finditer(text):
         if tag.group(1) is None:
@@ -171,10 +183,7 @@ def scan_strategies(
             continue  # a closing without an opening is ignored
         opening, pending = pending, None
         start, end = opening.end(), tag.start()
-        block = Strategy(
-            first_field(text, "reasoning", start, end),
-            first_field(text, "strategy_outcome", start, end),
-        )
+        block = Strategy(_field(text, *reasoning, start, end), _field(text, *outcome, start, end))
         status: BlockStatus
         if kept >= max_strategies:
             status = "beyond_max"

@@ -14,8 +14,9 @@ work of many concurrent requests into shared batches:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -25,7 +26,7 @@ from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from reward_server.core import components as C
 from reward_server.core.answers import MathJudge, make_matcher, math_equivalent
-from reward_server.core.geometry import semantic_gain
+from reward_server.core.geometry import gain_of_cosines, unit_rows
 from reward_server.core.normalization import Aggregate, aggregate
 from reward_server.core.params import RECIPE_COMPONENTS, AnswerType, Recipe, RewardParams
 from reward_server.core.parsing import ParsedCompletion, parse_completion
@@ -70,10 +71,19 @@ class ItemAnalysis:
     parsed: ParsedCompletion
     correct: bool
     strategy_correct: bool
-    length: int
     #: Whether ``g(H)`` (and so the encoder) is needed: ``sd`` in the recipe, ``χ = 0``, ``m ≥ 2``
     #: (``m = 1`` gives ``g = 1`` without it), or diagnostics on with ``m ≥ 2``.
     needs_geometry: bool
+    #: The item's ``num_tokens`` and completion, for :attr:`length`.
+    num_tokens: int | None = field(default=None, repr=False)
+    completion: str = field(default="", repr=False)
+
+    @cached_property
+    def length(self) -> int:
+        """``ℓ``: ``num_tokens``, else the completion's words. Counted on first use: only the
+        ``len`` component needs it, and splitting a whole completion is a large share of
+        parsing one."""
+        return self.num_tokens if self.num_tokens is not None else len(self.completion.split())
 
 
 @dataclass(frozen=True)
@@ -166,10 +176,9 @@ def analyze_item(
     matches = make_matcher(answer_type, preprocess(item.answer), math_judge)
     strategy_correct = any(matches(s.outcome) for s in parsed.strategies)
     correct = parsed.final_answer is not None and matches(parsed.final_answer)
-    length = item.num_tokens if item.num_tokens is not None else len(item.completion.split())
     m = parsed.n_strat
     needs = m >= 2 and (diagnostics or ("sd" in RECIPE_COMPONENTS[recipe] and not strategy_correct))
-    return ItemAnalysis(parsed, correct, strategy_correct, length, needs)
+    return ItemAnalysis(parsed, correct, strategy_correct, needs, item.num_tokens, item.completion)
 
 
 def prepare_batch(
@@ -199,17 +208,17 @@ def prepare_batch(
     return PreparedBatch(recipe, answer_type, params, analyses, groups, list(texts))
 
 
-def _component_values(a: ItemAnalysis, gain: float, p: RewardParams) -> dict[str, float]:
-    """Every component of SPEC §4 for one item (each is a few flops; recipes pick theirs)."""
-    m = a.parsed.n_strat
-    return {
-        "oc": C.outcome_correctness(a.correct, p),
-        "re": C.reasoning_exploitation(a.strategy_correct, p),
-        "fa": C.format_adherence(m, a.parsed.final_answer is not None, p),
-        "sd": C.semantic_exploration(a.strategy_correct, gain, p),
-        "rd": C.count_exploration(a.strategy_correct, m, p),
-        "len": C.length_penalty(a.length, p),
-    }
+#: Each component of SPEC §4 for one item, from its analysis and ``g(H)``.
+_COMPONENTS: dict[str, Callable[[ItemAnalysis, float, RewardParams], float]] = {
+    "oc": lambda a, gain, p: C.outcome_correctness(a.correct, p),
+    "re": lambda a, gain, p: C.reasoning_exploitation(a.strategy_correct, p),
+    "fa": lambda a, gain, p: C.format_adherence(
+        a.parsed.n_strat, a.parsed.final_answer is not None, p
+    ),
+    "sd": lambda a, gain, p: C.semantic_exploration(a.strategy_correct, gain, p),
+    "rd": lambda a, gain, p: C.count_exploration(a.strategy_correct, a.parsed.n_strat, p),
+    "len": lambda a, gain, p: C.length_penalty(a.length, p),
+}
 
 
 def finish_batch(
@@ -225,9 +234,11 @@ def finish_batch(
         # NaN cosines would silently drop strategies (NaN <= δ is false): fail loudly instead.
         raise ValueError("the encoder returned non-finite embeddings")
     row = {text: i for i, text in enumerate(prepared.texts)}
+    unit = unit_rows(embeddings)  # once for the batch: each item's H selects rows of it
     p = prepared.params
     keys = RECIPE_COMPONENTS[prepared.recipe]
     values: dict[str, list[float]] = {k: [] for k in keys}
+    recipe_components = [(k, _COMPONENTS[k]) for k in keys]
     results: list[ItemResult] = []
     for a in prepared.analyses:
         m = a.parsed.n_strat
@@ -235,15 +246,14 @@ def finish_batch(
         uniq: int | None
         div: float | None
         if a.needs_geometry:
-            h = embeddings[[row[s.reasoning] for s in a.parsed.strategies]]
-            gain, uniq, div = semantic_gain(h, p.similarity_threshold)
+            h = unit[[row[s.reasoning] for s in a.parsed.strategies]]
+            gain, uniq, div = gain_of_cosines(h @ h.T, p.similarity_threshold)
         elif m <= 1:  # g(H) is known without the encoder: 0 for no strategy, 1 for one
             gain, uniq, div = (0.0, None, None) if m == 0 else (1.0, 1, 1.0)
         else:  # not needed (χ = 1 or no `sd` in the recipe): NaN makes any misuse loud
             gain, uniq, div = math.nan, None, None
-        item_values = _component_values(a, gain, p)
-        for k in keys:
-            values[k].append(item_values[k])
+        for k, component in recipe_components:
+            values[k].append(component(a, gain, p))
         results.append(
             ItemResult(m, a.parsed.final_answer, a.correct, a.strategy_correct, uniq, div)
         )

@@ -52,9 +52,28 @@ def field_text(raw: str) -> str:
     >>> field_text("<reasoning>**</reasoning>".split(">")[1].split("<")[0])
     ''
     """
-    text = _FENCE.sub(" ", raw).replace("**", "").replace("__", "")
+    # The fence scan runs only where a fence can be: `in` is a memchr scan, the regex a
+    # character-by-character one, and most reasoning texts hold neither "`" nor "~".
+    text = _FENCE.sub(" ", raw) if "`" in raw or "~" in raw else raw
+    text = text.replace("**", "").replace("__", "")
+    if _folded(text):
+        return text
     # str.split() with no argument splits on runs of str.isspace characters and drops the ends.
     return " ".join(text.split())
+
+
+def _folded(text: str) -> bool:
+    """Whether ``" ".join(text.split()) == text`` already, told without building the words.
+
+    Every ``str.isspace`` character but the ASCII space is non-printable (checked over all of
+    Unicode in ``tests/test_text.py``), so a printable text's only whitespace is spaces, and it
+    is folded when no two are adjacent and none is at an end. These are C scans; splitting and
+    joining a reasoning text of 100 words costs ten times more.
+
+    >>> _folded("a b"), _folded("a  b"), _folded(" a"), _folded("a\\tb"), _folded("")
+    (True, False, False, False, True)
+    """
+    return text.isprintable() and "  " not in text and text[:1] != " " and text[-1:] != " "
 
 
 # A run of non-ASCII characters with the ASCII character before it, if any (it may compose with

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
+import orjson
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
@@ -77,6 +78,15 @@ class BodyTooLarge(Exception):
 
 class BodyTimeout(Exception):
     """The body did not arrive within ``body_timeout`` seconds (a stalled or too slow upload)."""
+
+
+class FastJSONResponse(JSONResponse):
+    """A JSON response serialized by orjson: for a 64-completion step it takes a tenth of the
+    standard library's time, a visible share of a step when the encoder costs little (GPU).
+    Same compact JSON; scoring responses hold only finite floats (the scorer refuses others)."""
+
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content)
 
 
 def _error(status: int, detail: Any, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -265,7 +275,7 @@ def create_app(service: ScoringService) -> FastAPI:
             return failure
         assert scored is not None
         metrics.requests.labels(route, "200").inc()
-        return JSONResponse(scored.as_dict(), headers=timing_headers(scored))
+        return FastJSONResponse(scored.as_dict(), headers=timing_headers(scored))
 
     score_doc: dict[str, Any] = {
         "response_model": ScoreResponse,

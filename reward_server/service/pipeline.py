@@ -29,6 +29,7 @@ from reward_server.core import (
     BatchScore,
     InvalidBatch,
     NonFiniteRewardError,
+    PreparedBatch,
     RewardParams,
     finish_batch,
     prepare_batch,
@@ -334,24 +335,32 @@ class ScoringService:
         with self.batcher.admit():
             if receive is not None:
                 await receive()
+
+            def prepare(request: ScoreRequest) -> PreparedBatch:
+                return prepare_batch(
+                    request.items,
+                    recipe=request.recipe,
+                    answer_type=request.answer_type,
+                    params=request.params,
+                    diagnostics=request.diagnostics or explain,
+                    math_judge=self.math_judge(deadline),
+                )
+
+            def parse_and_prepare() -> tuple[ScoreRequest, PreparedBatch | None]:
+                # One trip to the pool for validation, limits and parsing: each trip is a
+                # thread hand-off and a GIL hand-back, a visible share of a millisecond step.
+                # A math request is prepared in threads of its own instead (its checks wait on
+                # the judge's children, and must not hold the pool every request shares).
+                request = parse()
+                self.check_limits(request, loc_map)
+                return request, None if request.answer_type == "math" else prepare(request)
+
             try:
-                request = await self._in_pool(parse)
+                request, prepared = await self._in_pool(parse_and_prepare)
+                if prepared is None:
+                    prepared = await self._in_pool(partial(prepare, request), self._math_pool)
             except ValidationError as exc:
                 raise RequestInvalid(issues_from_validation(exc, loc_map)) from None
-            self.check_limits(request, loc_map)
-            try:
-                prepared = await self._in_pool(
-                    partial(
-                        prepare_batch,
-                        request.items,
-                        recipe=request.recipe,
-                        answer_type=request.answer_type,
-                        params=request.params,
-                        diagnostics=request.diagnostics or explain,
-                        math_judge=self.math_judge(deadline),
-                    ),
-                    self._math_pool if request.answer_type == "math" else None,
-                )
             except InvalidBatch as exc:
                 loc = loc_map(exc.loc) if loc_map else exc.loc
                 raise RequestInvalid([issue(loc, exc.message, "invalid_batch")]) from None

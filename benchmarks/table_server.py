@@ -1,0 +1,81 @@
+"""A zero-cost encoder for measuring everything *but* the encoder: embeddings from a table.
+
+:class:`TableEncoder` answers ``encode`` by looking each text up in a table of embeddings that the
+real encoder computed beforehand (an unknown text is a ``KeyError``, never a made-up vector), so
+the rewards are the real ones and the Uniq walk sees real cosines. Everything else a step costs
+still runs: JSON parsing and validation, answers, geometry, components, normalization, the
+batcher's queue and thread hop, the response's JSON and HTTP.
+
+``python -m benchmarks.table_server --table FILE.npz --port N`` serves the standard app
+(:func:`reward_server.service.serve.serve_async`, the code ``sde2-reward serve`` runs) with that
+encoder; ``bench_score.py`` starts it. It is a benchmark tool, not a server backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from reward_server.encoders.base import EMBEDDING_DIM
+
+
+class TableEncoder:
+    """Texts -> rows of a precomputed ``(n, d)`` float32 table (an :class:`Encoder`)."""
+
+    name = "table (precomputed embeddings, benchmark)"
+
+    def __init__(self, texts: Sequence[str], rows: npt.NDArray[np.float32]) -> None:
+        if len(texts) != rows.shape[0]:
+            raise ValueError(f"{len(texts)} texts for {rows.shape[0]} rows")
+        self._index = {text: i for i, text in enumerate(texts)}
+        self._rows = np.ascontiguousarray(rows, dtype=np.float32)
+
+    def encode(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
+        """The stored rows of ``texts``, in order (``KeyError`` for a text not in the table)."""
+        if not texts:
+            return np.zeros((0, EMBEDDING_DIM), np.float32)
+        return self._rows[[self._index[t] for t in texts]]
+
+    def warmup(self) -> None:
+        """Nothing to warm: the table is in memory."""
+
+    def save(self, path: Path) -> None:
+        """Write the table as ``.npz`` (texts and rows)."""
+        texts = np.array(list(self._index), dtype=object)
+        np.savez(path, texts=texts, rows=self._rows)
+
+    @classmethod
+    def load(cls, path: Path) -> TableEncoder:
+        """Read a table written by :meth:`save`."""
+        with np.load(path, allow_pickle=True) as data:
+            return cls([str(t) for t in data["texts"]], data["rows"])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Serve the app with a :class:`TableEncoder` until SIGTERM."""
+    import logging
+
+    from reward_server.service.config import Settings
+    from reward_server.service.memory import tune_malloc
+    from reward_server.service.serve import serve_async
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--table", type=Path, required=True, help=".npz written by save()")
+    parser.add_argument("--port", type=int, default=18732)
+    args = parser.parse_args(argv)
+    tune_malloc()  # as `sde2-reward serve` does
+    logging.basicConfig(level="WARNING")
+    settings = Settings(port=args.port, cache_size=0, log_level="warning")
+    return asyncio.run(serve_async(settings, encoder=TableEncoder.load(args.table)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
