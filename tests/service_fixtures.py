@@ -17,10 +17,11 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import numpy.typing as npt
 import pytest
@@ -28,6 +29,7 @@ import pytest
 from reward_server.core import RewardParams, ScoreItem, score_batch
 from reward_server.encoders.base import Encoder
 from reward_server.service.config import Settings
+from reward_server.service.grpc_server import RewardStub, create_server
 from reward_server.service.pipeline import ScoringService
 from tests.doubles import HashEncoder
 
@@ -175,3 +177,28 @@ def onnx_encoder_fixture(onnx_model_dir: Path) -> Encoder:
     from reward_server.encoders.onnx_runtime import OnnxEncoder
 
     return OnnxEncoder(onnx_model_dir)
+
+
+class Running:
+    """A started gRPC server over a service, with a client stub."""
+
+    def __init__(self, service: ScoringService) -> None:
+        self.service = service
+
+    async def __aenter__(self) -> Running:
+        self.server, port = create_server(self.service, "127.0.0.1", 0)
+        await self.server.start()
+        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        self.stub = RewardStub(self.channel)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.channel.close()
+        await self.server.stop(None)
+
+
+@pytest.fixture(name="hashed")
+async def hashed_fixture() -> AsyncIterator[Running]:
+    """A gRPC server over a service with the deterministic encoder double."""
+    async with Running(make_service()) as running:
+        yield running

@@ -7,7 +7,6 @@ scorer and against ``/v1/score`` itself), the same 4xx for bad or hostile input,
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -17,16 +16,20 @@ from hypothesis import strategies as st
 
 from reward_server.service.explain_routes import INSPECTOR_FILES, inspector_file
 from reward_server.service.grpc_server import (
-    RewardStub,
-    create_server,
     pb,
     request_from_dict,
     response_to_dict,
 )
-from reward_server.service.pipeline import ScoringService
 from tests.doubles import HashEncoder
 from tests.hostile import PIECES
-from tests.service_fixtures import http_client, make_service, reference_response, step_items
+from tests.service_fixtures import (  # noqa: F401  (fixtures)
+    Running,
+    hashed_fixture,
+    http_client,
+    make_service,
+    reference_response,
+    step_items,
+)
 
 hostile_text = st.lists(st.one_of(st.sampled_from(PIECES), st.text(max_size=20)), max_size=60).map(
     "".join
@@ -190,30 +193,6 @@ def test_openapi_documents_explain_with_the_score_body(client: Any) -> None:
     assert "explanation" in json.dumps(op["responses"]["200"]) or "ExplainResponse" in json.dumps(
         op["responses"]["200"]
     )
-
-
-class Running:
-    """A started gRPC server over a service, with a client stub."""
-
-    def __init__(self, service: ScoringService) -> None:
-        self.service = service
-
-    async def __aenter__(self) -> Running:
-        self.server, port = create_server(self.service, "127.0.0.1", 0)
-        await self.server.start()
-        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-        self.stub = RewardStub(self.channel)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.channel.close()
-        await self.server.stop(None)
-
-
-@pytest.fixture
-async def hashed() -> AsyncIterator[Running]:
-    async with Running(make_service()) as running:
-        yield running
 
 
 async def test_grpc_explain_equals_http_explain(hashed: Running) -> None:

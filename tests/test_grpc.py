@@ -6,7 +6,6 @@ import asyncio
 import importlib.util
 import re
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -16,8 +15,6 @@ import pytest
 import tomllib
 
 from reward_server.service.grpc_server import (
-    RewardStub,
-    create_server,
     pb,
     request_from_dict,
     response_to_dict,
@@ -26,8 +23,10 @@ from reward_server.service.pipeline import ScoringService
 from tests.doubles import HashEncoder
 from tests.server_process import REPO
 from tests.service_fixtures import (  # noqa: F401  (fixtures)
+    Running,
     SlowEncoder,
     assert_same_response,
+    hashed_fixture,
     http_client,
     make_service,
     onnx_encoder_fixture,
@@ -35,30 +34,6 @@ from tests.service_fixtures import (  # noqa: F401  (fixtures)
     reference_response,
     step_items,
 )
-
-
-class Running:
-    """A started gRPC server over a service, with a client stub."""
-
-    def __init__(self, service: ScoringService) -> None:
-        self.service = service
-
-    async def __aenter__(self) -> Running:
-        self.server, port = create_server(self.service, "127.0.0.1", 0)
-        await self.server.start()
-        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-        self.stub = RewardStub(self.channel)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.channel.close()
-        await self.server.stop(None)
-
-
-@pytest.fixture
-async def hashed() -> AsyncIterator[Running]:
-    async with Running(make_service()) as running:
-        yield running
 
 
 async def test_score_matches_http_and_in_process_exactly(hashed: Running) -> None:
