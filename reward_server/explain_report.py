@@ -16,14 +16,12 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 from pydantic import ValidationError
 
 from reward_server.core import NonFiniteRewardError, RewardParams, finish_batch, prepare_batch
 from reward_server.core.explain import ExplainLimits, explain_batch
-from reward_server.encoders.base import EMBEDDING_DIM
 from reward_server.math_judge import IsolatedMathJudge
-from reward_server.offline import InputError, encode_with_progress, read_items
+from reward_server.offline import InputError, embed_with_progress, read_items
 
 Json = dict[str, Any]
 #: Strategies shown in a cosine matrix (wider ones are cut; the JSON has them all).
@@ -249,12 +247,7 @@ def run(args: argparse.Namespace) -> int:
             diagnostics=True,
             math_judge=judge,
         )
-        embeddings = np.zeros((0, EMBEDDING_DIM), np.float32)
-        if prepared.texts:
-            from reward_server.encoders.loading import load_encoder
-
-            encoder = load_encoder(args.backend, args.model)
-            embeddings = encode_with_progress(encoder, prepared.texts, not args.quiet)
+        embeddings = embed_with_progress(prepared.texts, args.backend, args.model, not args.quiet)
         normalize = not args.no_normalize
         score = finish_batch(prepared, embeddings, normalize=normalize)
         explanation = explain_batch(

@@ -13,7 +13,7 @@ import json
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import numpy as np
 from pydantic import ValidationError
@@ -29,6 +29,9 @@ from reward_server.core import (
 from reward_server.core.params import RECIPE_COMPONENTS
 from reward_server.encoders.base import EMBEDDING_DIM, Encoder
 from reward_server.math_judge import IsolatedMathJudge
+
+if TYPE_CHECKING:
+    from reward_server.encoders.loading import Backend
 
 #: Texts per encoder call: small enough for a live progress bar, large enough to batch well.
 CHUNK = 256
@@ -70,6 +73,18 @@ def encode_with_progress(encoder: Encoder, texts: Sequence[str], show: bool) -> 
             parts.append(encoder.encode(chunk))
             bar.update(len(chunk))
     return np.concatenate(parts) if parts else np.zeros((0, EMBEDDING_DIM), np.float32)
+
+
+def embed_with_progress(
+    texts: Sequence[str], backend: Backend, model: str | None, show: bool
+) -> np.ndarray:
+    """The embeddings of ``texts`` behind a progress bar; the encoder is loaded only when some
+    text needs it (loading costs seconds, and a batch may need no encoder at all)."""
+    if not texts:
+        return np.zeros((0, EMBEDDING_DIM), np.float32)
+    from reward_server.encoders.loading import load_encoder
+
+    return encode_with_progress(load_encoder(backend, model), texts, show)
 
 
 def output_records(score: BatchScore) -> Iterator[dict[str, Any]]:
@@ -142,13 +157,7 @@ def run(args: argparse.Namespace) -> int:
     show = not args.quiet
     if show:
         print(f"{len(items)} items, {len(prepared.texts)} texts to embed", file=sys.stderr)
-    embeddings = np.zeros((0, EMBEDDING_DIM), np.float32)
-    if prepared.texts:
-        from reward_server.encoders.loading import load_encoder
-
-        embeddings = encode_with_progress(
-            load_encoder(args.backend, args.model), prepared.texts, show
-        )
+    embeddings = embed_with_progress(prepared.texts, args.backend, args.model, show)
     try:
         score = finish_batch(prepared, embeddings, normalize=not args.no_normalize)
     except NonFiniteRewardError as exc:
