@@ -83,6 +83,19 @@ def test_nfkc_expansion_counts_against_the_character_limit() -> None:
         assert r.json()["detail"][0]["field"] == "items.0.answer"
 
 
+def test_nfkc_expands_no_character_more_than_the_limit_check_assumes() -> None:
+    """The limit check normalizes only texts longer than limit / NFKC_MAX_EXPANSION: sound only
+    if no code point expands further (composition only shortens a string)."""
+    from reward_server.service.pipeline import NFKC_MAX_EXPANSION
+
+    widest = max(
+        len(unicodedata.normalize("NFKC", chr(c)))
+        for c in range(0x110000)
+        if not 0xD800 <= c < 0xE000
+    )
+    assert widest == NFKC_MAX_EXPANSION
+
+
 def test_batcher_stops_encoding_for_a_request_gone_between_chunks() -> None:
     encoder = SlowEncoder(delay=0.05)
     batcher = Batcher(encoder, capacity=8, batch_tokens=100_000, chunk_tokens=4 * 27)

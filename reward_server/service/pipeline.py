@@ -51,6 +51,9 @@ Loc = tuple[str | int, ...]
 #: Most validation issues reported for one request (a 10k-item batch of wrong types would
 #: otherwise produce a response larger than the request).
 MAX_ISSUES = 20
+#: The most characters Unicode NFKC makes of one (U+FDFA, UAX #15's expansion factor for NFKC);
+#: SPEC §1's typography map is one-to-one.
+NFKC_MAX_EXPANSION = 18
 
 
 class RequestInvalid(Exception):
@@ -278,8 +281,14 @@ class ScoringService:
             ):
                 if value is not None and len(value) > limit:
                     add(("items", i, name), f"at most {limit} characters, got {len(value)}")
-                elif name in ("completion", "answer") and value and not value.isascii():
+                elif (
+                    name in ("completion", "answer")
+                    and value
+                    and len(value) * NFKC_MAX_EXPANSION > limit
+                    and not value.isascii()
+                ):
                     # NFKC (SPEC §1) can expand a character 18x (U+FDFA): bound what is scored.
+                    # Shorter texts cannot pass the limit, and are not normalized twice.
                     n = len(preprocess(value))
                     if n > limit:
                         add(
