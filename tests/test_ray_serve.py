@@ -308,7 +308,12 @@ def test_replica_killed_during_a_stream(cluster: Cluster) -> None:
         else:
             assert "detail" in data
     assert statuses.count(200) >= len(bodies) // 2
+    # The ingress's log reaches its file asynchronously: wait for the line, do not race it.
+    log_deadline = time.monotonic() + 20
     lost = _ingress_log().count("scorer replica lost") - log_before
+    while lost < 1 and time.monotonic() < log_deadline:
+        time.sleep(0.5)
+        lost = _ingress_log().count("scorer replica lost") - log_before
     print(f"requests the ingress retried on another replica: {lost}")
     assert lost >= 1, "no request was in flight on the killed replica: the retry went untested"
 
