@@ -21,7 +21,12 @@ from pydantic import ValidationError
 from reward_server.core import NonFiniteRewardError, RewardParams, finish_batch, prepare_batch
 from reward_server.core.explain import ExplainLimits, explain_batch
 from reward_server.math_judge import IsolatedMathJudge
-from reward_server.offline import InputError, embed_with_progress, read_items
+from reward_server.offline import (
+    InputError,
+    add_recipe_arguments,
+    embed_with_progress,
+    read_items,
+)
 
 Json = dict[str, Any]
 #: Strategies shown in a cosine matrix (wider ones are cut; the JSON has them all).
@@ -216,10 +221,7 @@ def render(explanation: Json) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``sde2-reward explain`` (those of ``score`` that apply, plus the view)."""
     parser.add_argument("--in", dest="input", required=True, help="input JSONL (as for score)")
-    parser.add_argument("--recipe", choices=["sde2", "cfee", "cfl"], default="sde2")
-    parser.add_argument(
-        "--answer-type", choices=["numeric", "choice", "exact", "math"], default="numeric"
-    )
+    add_recipe_arguments(parser)
     parser.add_argument("--params", default="{}", help="reward parameters as JSON")
     parser.add_argument("--no-normalize", action="store_true", help="sum raw components")
     parser.add_argument("--item", type=int, default=None, help="report only this item (0-based)")

@@ -13,12 +13,14 @@ import json
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO, get_args
 
 import numpy as np
 from pydantic import ValidationError
 
 from reward_server.core import (
+    RECIPES,
+    AnswerType,
     BatchScore,
     NonFiniteRewardError,
     RewardParams,
@@ -26,7 +28,6 @@ from reward_server.core import (
     finish_batch,
     prepare_batch,
 )
-from reward_server.core.params import RECIPE_COMPONENTS
 from reward_server.encoders.base import EMBEDDING_DIM, Encoder
 from reward_server.math_judge import IsolatedMathJudge
 
@@ -99,14 +100,18 @@ def output_records(score: BatchScore) -> Iterator[dict[str, Any]]:
         }
 
 
+def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--recipe`` and ``--answer-type``, their choices read from the core (the registered
+    recipes when the parser is built, and :data:`AnswerType`)."""
+    parser.add_argument("--recipe", choices=list(RECIPES), default="sde2")
+    parser.add_argument("--answer-type", choices=get_args(AnswerType), default="numeric")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``sde2-reward score``."""
     parser.add_argument("--in", dest="input", type=Path, required=True, help="input JSONL")
     parser.add_argument("--out", type=Path, required=True, help="output JSONL ('-' for stdout)")
-    parser.add_argument("--recipe", choices=sorted(RECIPE_COMPONENTS), default="sde2")
-    parser.add_argument(
-        "--answer-type", choices=["numeric", "choice", "exact", "math"], default="numeric"
-    )
+    add_recipe_arguments(parser)
     parser.add_argument(
         "--params", default="{}", help="reward parameters as JSON, e.g. '{\"explore_cap\": 0.7}'"
     )

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from reward_server.core.params import RECIPE_COMPONENTS, RewardParams
+from reward_server.core import RECIPES, RewardParams
 from trainer_client.datasets import DATASETS, DEFAULT_SOURCES, load_examples
 from trainer_client.retry import RetryPolicy, RewardServiceError
 
@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         help="reward server base URL; repeat for replicas (the batch is sharded)",
     )
-    g.add_argument("--recipe", choices=sorted(RECIPE_COMPONENTS), default="sde2")
+    g.add_argument("--recipe", choices=list(RECIPES), default="sde2")
     g.add_argument("--weight", action="append", default=[], help="ablation weight, e.g. sd=0")
     g.add_argument(
         "--param",

@@ -8,7 +8,7 @@ functions concurrently on its own event loop, detecting them with ``inspect.isco
 the "picklable reward forms" it supports (a reward function may cross process boundaries in
 multiprocess setups). Hence the shape chosen here:
 a small picklable class whose *bound async method*, named after the recipe (``sde2``, ``cfee``,
-``cfl``, which TRL uses as the metric name), is the reward function.
+``cfl`` or any other registered one: TRL uses it as the metric name), is the reward function.
 
 One call sees one process's slice of the step: with one process that is the whole step, and the
 server normalizes over exactly what the paper normalizes over (SPEC §7). With several processes
@@ -28,9 +28,10 @@ import hashlib
 import json
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from types import MethodType
 from typing import Any
 
-from reward_server.core.params import RECIPE_COMPONENTS, RewardParams
+from reward_server.core import RECIPES, RewardParams
 from trainer_client.client import DEFAULT_TIMEOUT, AsyncRewardClient
 from trainer_client.results import ScoreResult
 from trainer_client.retry import RetryPolicy, RewardServiceError
@@ -111,8 +112,8 @@ class SDE2Reward:
         api_key: str | None = None,
         explain_extremes: bool = False,
     ) -> None:
-        if recipe not in RECIPE_COMPONENTS:
-            raise ValueError(f"recipe must be one of {sorted(RECIPE_COMPONENTS)}, got {recipe!r}")
+        if recipe not in RECIPES:
+            raise ValueError(f"recipe must be one of {list(RECIPES)}, got {recipe!r}")
         self.urls = [url] if isinstance(url, str) else list(url)
         self.recipe = recipe
         self.answer_column = answer_column
@@ -130,6 +131,8 @@ class SDE2Reward:
         self.explain_extremes = explain_extremes
         self.last_result: ScoreResult | None = None
         self._client: tuple[asyncio.AbstractEventLoop, AsyncRewardClient] | None = None
+        if recipe in vars(self) or hasattr(type(self), recipe):  # it would shadow the function
+            raise ValueError(f"recipe {recipe!r} is named like an attribute of {type(self)}")
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -283,7 +286,7 @@ class SDE2Reward:
         name = self.recipe
         if log_metric is not None:
             n = len(step.items)
-            for key in RECIPE_COMPONENTS[self.recipe]:
+            for key in RECIPES[self.recipe].components:
                 log_metric(f"{name}/{key}", sum(step.components[key]) / n)
             log_metric(f"{name}/acc", step.accuracy)
             log_metric(f"{name}/s_acc", step.strategy_accuracy)
@@ -292,7 +295,7 @@ class SDE2Reward:
             if known:
                 log_metric(f"{name}/uniq", sum(known) / len(known))
         if log_extra is not None:
-            for key in RECIPE_COMPONENTS[self.recipe]:
+            for key in RECIPES[self.recipe].components:
                 log_extra(f"{name}/{key}", list(local.components[key]))
             log_extra(f"{name}/n_strat", [it.n_strat for it in local.items])
             log_extra(f"{name}/uniq", _uniq(local))
@@ -300,25 +303,27 @@ class SDE2Reward:
             log_extra(f"{name}/strategy_correct", [it.strategy_correct for it in local.items])
             log_extra(f"{name}/final_answer", [it.final_answer for it in local.items])
 
-    # One method per recipe, so that the function's __name__ (TRL's metric name) is the recipe.
+    def __getattr__(self, name: str) -> RewardFunction:
+        """``holder.<recipe>``: the reward function of a registered recipe, a bound async method
+        named after it (TRL's metric name), made from the registry so that a new recipe needs
+        no method here. Pickled, it is looked up again by name on the other side."""
+        if name.startswith("_") or name not in RECIPES:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return MethodType(_recipe_function(name), self)
 
-    async def sde2(
-        self, prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any
+
+def _recipe_function(recipe: str) -> Callable[..., Any]:
+    """An ``async def`` reward function named ``recipe`` that scores through ``self.score``."""
+
+    async def reward(
+        self: SDE2Reward, prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any
     ) -> list[float | None]:
-        """SD-E² reward (oc, re, fa, sd)."""
         return await self.score(prompts, completions, **kwargs)
 
-    async def cfee(
-        self, prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any
-    ) -> list[float | None]:
-        """GRPO-CFEE reward (oc, fa, re, rd)."""
-        return await self.score(prompts, completions, **kwargs)
-
-    async def cfl(
-        self, prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any
-    ) -> list[float | None]:
-        """GRPO-CFL reward (oc, fa, len)."""
-        return await self.score(prompts, completions, **kwargs)
+    spec = RECIPES[recipe]
+    reward.__name__ = reward.__qualname__ = recipe
+    reward.__doc__ = f"{spec.description} ({', '.join(spec.components)})."
+    return reward
 
 
 def _uniq(result: ScoreResult) -> list[int | None]:

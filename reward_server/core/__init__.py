@@ -11,14 +11,8 @@ from reward_server.core.normalization import (
     group_advantages,
     zscore,
 )
-from reward_server.core.params import (
-    RECIPE_COMPONENTS,
-    AnswerType,
-    ComponentKey,
-    Recipe,
-    RewardParams,
-    Weights,
-)
+from reward_server.core.params import AnswerType, ComponentKey, RewardParams, Weights
+from reward_server.core.recipes import RECIPES, Recipe, RecipeSpec
 from reward_server.core.scoring import (
     BatchScore,
     InvalidBatch,
@@ -31,7 +25,7 @@ from reward_server.core.scoring import (
 )
 
 __all__ = [
-    "RECIPE_COMPONENTS",
+    "RECIPES",
     "Aggregate",
     "AnswerType",
     "BatchScore",
@@ -41,6 +35,7 @@ __all__ = [
     "NonFiniteRewardError",
     "PreparedBatch",
     "Recipe",
+    "RecipeSpec",
     "RewardParams",
     "ScoreItem",
     "Weights",

@@ -37,8 +37,9 @@ from reward_server.core.answers import (
     make_matcher,
     math_equivalent,
 )
+from reward_server.core.components import COMPONENTS
 from reward_server.core.geometry import cosine_matrix, diversity, kept_mask
-from reward_server.core.params import RECIPE_COMPONENTS, AnswerType, Recipe, RewardParams
+from reward_server.core.params import AnswerType, RewardParams
 from reward_server.core.parsing import (
     Block,
     Strategy,
@@ -48,6 +49,7 @@ from reward_server.core.parsing import (
     locate_final_answer,
     scan_strategies,
 )
+from reward_server.core.recipes import RECIPES, Recipe
 from reward_server.core.scoring import (
     BatchScore,
     ItemAnalysis,
@@ -61,16 +63,6 @@ from reward_server.core.text import OffsetMap, preprocess, preprocess_with_offse
 from reward_server.encoders.base import Encoder
 
 Json = dict[str, Any]
-
-#: SPEC §4's formula of each component, as shown next to its inputs.
-FORMULAS: dict[str, str] = {
-    "oc": "lambda_oc · correct",
-    "re": "lambda_re · chi",
-    "fa": "min(1, gamma_strategies · n_strat) + gamma_answer · final + gamma_complete · complete",
-    "sd": "collapse_bonus · chi + (1 − chi) · min(explore_cap, explore_rate · g)",
-    "rd": "collapse_bonus · chi + (1 − chi) · min(explore_cap, explore_rate · n_strat)",
-    "len": "−min(1, max(0, length − length_target) / length_target)",
-}
 
 _BLOCK_REASONS = {
     "invalid": "a field is empty, so the block is not a valid strategy",
@@ -319,37 +311,13 @@ def _components(
     i: int, analysis: ItemAnalysis, geometry: Json, score: BatchScore, p: RewardParams
 ) -> Json:
     """Each component of the recipe: value (from the score), formula and inputs."""
-    m = analysis.parsed.n_strat
-    final = analysis.parsed.final_answer is not None
-    chi = analysis.strategy_correct
-    explore = {
-        "collapse_bonus": p.collapse_bonus,
-        "explore_cap": p.explore_cap,
-        "explore_rate": p.explore_rate,
-        "chi": chi,
-    }
-    inputs: dict[str, Json] = {
-        "oc": {"lambda_oc": p.lambda_oc, "correct": analysis.correct},
-        "re": {"lambda_re": p.lambda_re, "chi": chi},
-        "fa": {
-            "gamma_strategies": p.gamma_strategies,
-            "n_strat": m,
-            "gamma_answer": p.gamma_answer,
-            "final": final,
-            "gamma_complete": p.gamma_complete,
-            "complete": m > 0 and final,
-        },
-        "sd": {
-            **explore,
-            "g": geometry["g"],
-            "capped": not chi and p.explore_rate * geometry["g"] > p.explore_cap,
-        },
-        "rd": {**explore, "n_strat": m, "capped": not chi and p.explore_rate * m > p.explore_cap},
-        "len": {"length": analysis.length, "length_target": p.length_target},
-    }
     return {
-        key: {"value": values[i], "formula": FORMULAS[key], "inputs": inputs[key]}
-        for key, values in score.components.items()
+        key: {
+            "value": score.components[key][i],
+            "formula": COMPONENTS[key].formula,
+            "inputs": COMPONENTS[key].inputs(analysis, geometry["g"], p),
+        }
+        for key in RECIPES[score.recipe].components
     }
 
 
@@ -468,7 +436,7 @@ def explain_batch(
         "recipe": prepared.recipe,
         "answer_type": prepared.answer_type,
         "normalize": normalize,
-        "components": list(RECIPE_COMPONENTS[prepared.recipe]),
+        "components": list(RECIPES[prepared.recipe].components),
         "offsets": "Unicode code points of the completion as sent, [start, end)",
         "limits": asdict(limits),
         "items": [

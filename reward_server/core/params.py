@@ -10,18 +10,12 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-#: Reward components, by their wire keys (SPEC §4).
+#: Reward components, by their wire keys (SPEC §4); the rows of
+#: :data:`reward_server.core.components.COMPONENTS` and the fields of :class:`Weights` (a test
+#: checks all three agree). Recipes are in :mod:`reward_server.core.recipes`.
 ComponentKey = Literal["oc", "re", "fa", "sd", "rd", "len"]
-#: Reward recipes (SPEC §4): the component set each one aggregates.
-Recipe = Literal["sde2", "cfee", "cfl"]
 #: Answer matchers (SPEC §2).
 AnswerType = Literal["numeric", "choice", "exact", "math"]
-
-RECIPE_COMPONENTS: dict[str, tuple[ComponentKey, ...]] = {
-    "sde2": ("oc", "re", "fa", "sd"),
-    "cfee": ("oc", "fa", "re", "rd"),
-    "cfl": ("oc", "fa", "len"),
-}
 
 
 class Weights(BaseModel):

@@ -14,7 +14,7 @@ work of many concurrent requests into shared batches:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -24,12 +24,13 @@ import numpy.typing as npt
 from pydantic import ConfigDict, Field
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
-from reward_server.core import components as C
 from reward_server.core.answers import MathJudge, make_matcher, math_equivalent
+from reward_server.core.components import COMPONENTS
 from reward_server.core.geometry import gain_of_cosines, unit_rows
 from reward_server.core.normalization import Aggregate, aggregate
-from reward_server.core.params import RECIPE_COMPONENTS, AnswerType, Recipe, RewardParams
+from reward_server.core.params import AnswerType, RewardParams
 from reward_server.core.parsing import ParsedCompletion, parse_completion
+from reward_server.core.recipes import RECIPES, Recipe, RecipeSpec
 from reward_server.core.text import preprocess
 from reward_server.encoders.base import EMBEDDING_DIM, Encoder
 
@@ -71,8 +72,8 @@ class ItemAnalysis:
     parsed: ParsedCompletion
     correct: bool
     strategy_correct: bool
-    #: Whether ``g(H)`` (and so the encoder) is needed: ``sd`` in the recipe, ``χ = 0``, ``m ≥ 2``
-    #: (``m = 1`` gives ``g = 1`` without it), or diagnostics on with ``m ≥ 2``.
+    #: Whether ``g(H)`` (and so the encoder) is needed: a recipe that needs it (``sd``), ``χ = 0``,
+    #: ``m ≥ 2`` (``m = 1`` gives ``g = 1`` without it), or diagnostics on with ``m ≥ 2``.
     needs_geometry: bool
     #: The item's ``num_tokens`` and completion, for :attr:`length`.
     num_tokens: int | None = field(default=None, repr=False)
@@ -163,6 +164,14 @@ def _groups(items: Sequence[ScoreItem]) -> list[str] | None:
     return None
 
 
+def recipe_spec(recipe: str) -> RecipeSpec:
+    """The registered recipe ``recipe``; :class:`InvalidBatch` naming ``recipe`` if unknown."""
+    spec = RECIPES.get(recipe)
+    if spec is None:
+        raise InvalidBatch(("recipe",), f"unknown recipe {recipe!r}: one of {list(RECIPES)}")
+    return spec
+
+
 def analyze_item(
     item: ScoreItem,
     recipe: Recipe,
@@ -177,7 +186,7 @@ def analyze_item(
     strategy_correct = any(matches(s.outcome) for s in parsed.strategies)
     correct = parsed.final_answer is not None and matches(parsed.final_answer)
     m = parsed.n_strat
-    needs = m >= 2 and (diagnostics or ("sd" in RECIPE_COMPONENTS[recipe] and not strategy_correct))
+    needs = m >= 2 and (diagnostics or (recipe_spec(recipe).needs_encoder and not strategy_correct))
     return ItemAnalysis(parsed, correct, strategy_correct, needs, item.num_tokens, item.completion)
 
 
@@ -196,6 +205,7 @@ def prepare_batch(
     isolated one, see :mod:`reward_server.math_judge`).
     """
     params = params or RewardParams()
+    recipe_spec(recipe)
     if not items:
         raise InvalidBatch(("items",), "the batch is empty: send at least one item")
     groups = _groups(items)
@@ -206,19 +216,6 @@ def prepare_batch(
         s.reasoning for a in analyses if a.needs_geometry for s in a.parsed.strategies
     )
     return PreparedBatch(recipe, answer_type, params, analyses, groups, list(texts))
-
-
-#: Each component of SPEC §4 for one item, from its analysis and ``g(H)``.
-_COMPONENTS: dict[str, Callable[[ItemAnalysis, float, RewardParams], float]] = {
-    "oc": lambda a, gain, p: C.outcome_correctness(a.correct, p),
-    "re": lambda a, gain, p: C.reasoning_exploitation(a.strategy_correct, p),
-    "fa": lambda a, gain, p: C.format_adherence(
-        a.parsed.n_strat, a.parsed.final_answer is not None, p
-    ),
-    "sd": lambda a, gain, p: C.semantic_exploration(a.strategy_correct, gain, p),
-    "rd": lambda a, gain, p: C.count_exploration(a.strategy_correct, a.parsed.n_strat, p),
-    "len": lambda a, gain, p: C.length_penalty(a.length, p),
-}
 
 
 def finish_batch(
@@ -236,9 +233,9 @@ def finish_batch(
     row = {text: i for i, text in enumerate(prepared.texts)}
     unit = unit_rows(embeddings)  # once for the batch: each item's H selects rows of it
     p = prepared.params
-    keys = RECIPE_COMPONENTS[prepared.recipe]
+    keys = recipe_spec(prepared.recipe).components
     values: dict[str, list[float]] = {k: [] for k in keys}
-    recipe_components = [(k, _COMPONENTS[k]) for k in keys]
+    recipe_components = [(k, COMPONENTS[k].value) for k in keys]
     results: list[ItemResult] = []
     for a in prepared.analyses:
         m = a.parsed.n_strat

@@ -28,6 +28,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import Message
 
+from reward_server.core.params import RewardParams, Weights
 from reward_server.service._generated.sde2.v1 import reward_pb2 as pb
 from reward_server.service.batcher import (
     DeadlineExceeded,
@@ -41,21 +42,10 @@ from reward_server.service.schemas import ScoreRequest
 log = logging.getLogger(__name__)
 
 SERVICE = "sde2.v1.RewardService"
-_PARAM_FIELDS = (
-    "lambda_oc",
-    "lambda_re",
-    "gamma_strategies",
-    "gamma_answer",
-    "gamma_complete",
-    "collapse_bonus",
-    "explore_cap",
-    "explore_rate",
-    "similarity_threshold",
-    "length_target",
-    "eps",
-    "max_strategies",
-)
-_WEIGHT_FIELDS = ("oc", "re", "fa", "sd", "rd", "len")
+#: The messages' fields are the models' (``RewardParams`` less its nested ``weights``; ``Weights``):
+#: a test checks ``reward.proto`` declares exactly these.
+_PARAM_FIELDS = tuple(name for name in RewardParams.model_fields if name != "weights")
+_WEIGHT_FIELDS = tuple(Weights.model_fields)
 
 
 def _set_fields(msg: Message, names: tuple[str, ...]) -> dict[str, Any]:

@@ -32,11 +32,9 @@ class ScoreRequest(BaseModel):
         description="completions to score with their gold answers; normalization (SPEC §5) "
         "runs over these items, so send a whole GRPO step per request"
     )
-    recipe: Recipe = Field(
-        "sde2",
-        description="component set: sde2 = oc, re, fa, sd; cfee = oc, fa, re, rd; "
-        "cfl = oc, fa, len",
-    )
+    # No description here: the Recipe type's schema lists the registered recipes and their
+    # components when the document is made (reward_server.core.recipes).
+    recipe: Recipe = "sde2"
     answer_type: AnswerType = Field(
         "numeric", description="answer matcher: numeric, choice (A-E), exact or math"
     )
