@@ -9,8 +9,8 @@ here the project's :class:`~trainer_client.client.RewardClient` does the call, w
 backoff, ``Retry-After`` and replica failover, and the bearer key from ``SDE2_API_KEY``.
 
 Configuration is by environment (OpenRLHF passes nothing else): ``SDE2_URL`` (one URL, or several
-comma-separated replicas), ``SDE2_API_KEY``, and optionally ``SDE2_RECIPE`` (``sde2``, ``cfee``,
-``cfl``), ``SDE2_ANSWER_TYPE`` (``numeric``, ``choice``, ``exact``, ``math``) and
+comma-separated replicas), ``SDE2_API_KEY``, and optionally ``SDE2_RECIPE`` (a recipe the server
+knows, ``sde2`` by default), ``SDE2_ANSWER_TYPE`` (``numeric``, ``choice``, ``exact``, ``math``) and
 ``SDE2_MAX_ATTEMPTS`` (tries per sample, default 6).
 
 The server's ``/get_reward`` route does the scoring (one definition of how a query is split from

@@ -3,9 +3,9 @@
 Defaults are the paper's (Sec. 4.2 and App. F): lr 5e-6 with cosine decay, warmup ratio 0.1,
 gradient clipping 0.1, G = 6 completions per prompt, LoRA r = 64, α = 32, dropout 0, sequences of
 at most 2048 tokens, 4-bit weights when CUDA and bitsandbytes are present, and the multi-strategy
-prompt. Recipes ``sde2``/``cfee``/``cfl`` and ablations (``--weight sd=0``) only change the
-reward request. Everything can be shrunk for a CPU smoke run (``--max-steps 2 --num-generations 2
---max-new-tokens 16 --batch-size 2``).
+prompt. The recipe (``--recipe``, any registered one) and ablations (``--weight sd=0``) only change
+the reward request. Everything can be shrunk for a CPU smoke run (``--max-steps 2
+--num-generations 2 --max-new-tokens 16 --batch-size 2``).
 
 Checkpoints go to ``--output-dir`` every ``--save-steps``; ``--resume`` continues from the latest
 one (or from the given checkpoint folder) with optimizer, scheduler and RNG state.
