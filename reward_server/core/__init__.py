@@ -1,7 +1,8 @@
-"""The pure SD-E² reward core: parsing, answers, geometry, components, normalization.
+"""The pure SD-E² reward core: parsing, answers, geometry, components, recipes, normalization.
 
-No I/O and no globals: every function takes what it needs and returns a value. The encoder is
-passed in (see :class:`reward_server.encoders.base.Encoder`).
+No I/O and no globals but one, the recipe registry (:mod:`reward_server.core.recipes` says why):
+every function takes what it needs and returns a value. The encoder is passed in (see
+:class:`reward_server.encoders.base.Encoder`).
 """
 
 from reward_server.core.normalization import (
