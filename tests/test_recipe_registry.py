@@ -18,7 +18,7 @@ import pytest
 from google.protobuf.descriptor import FieldDescriptor
 
 from reward_server.cli import main
-from reward_server.core import RECIPES, RecipeSpec, ScoreItem, prepare_batch
+from reward_server.core import RECIPES, InvalidBatch, RecipeSpec, ScoreItem, prepare_batch
 from reward_server.core.components import COMPONENTS
 from reward_server.core.params import ComponentKey, RewardParams, Weights
 from reward_server.service.grpc_server import (
@@ -223,6 +223,9 @@ async def test_an_unregistered_recipe_is_refused_everywhere(
     assert exit_.value.code == 2 and "--recipe" in capsys.readouterr().err
     with pytest.raises(ValueError, match="recipe"):
         SDE2Reward("http://127.0.0.1:1", recipe=PROBE)
+    with pytest.raises(InvalidBatch) as invalid:
+        prepare_batch([ScoreItem(**ITEMS[0])], recipe=PROBE)
+    assert invalid.value.loc == ("recipe",)
 
 
 @pytest.mark.parametrize(

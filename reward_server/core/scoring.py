@@ -166,10 +166,12 @@ def _groups(items: Sequence[ScoreItem]) -> list[str] | None:
 
 def recipe_spec(recipe: str) -> RecipeSpec:
     """The registered recipe ``recipe``; :class:`InvalidBatch` naming ``recipe`` if unknown."""
-    spec = RECIPES.get(recipe)
-    if spec is None:
-        raise InvalidBatch(("recipe",), f"unknown recipe {recipe!r}: one of {list(RECIPES)}")
-    return spec
+    try:
+        return RECIPES[recipe]
+    except KeyError:
+        raise InvalidBatch(
+            ("recipe",), f"unknown recipe {recipe!r}: one of {list(RECIPES)}"
+        ) from None
 
 
 def analyze_item(
