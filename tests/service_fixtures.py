@@ -27,7 +27,7 @@ import numpy.typing as npt
 import pytest
 
 from reward_server.core import RewardParams, ScoreItem, score_batch
-from reward_server.encoders.base import Encoder
+from reward_server.encoders.base import Encoder, EncoderDescription, EncoderStats
 from reward_server.service.config import Settings
 from reward_server.service.grpc_server import RewardStub, create_server
 from reward_server.service.pipeline import ScoringService
@@ -52,11 +52,24 @@ class SlowEncoder:
         self.gate = threading.Event()
         self.gate.set()
 
+    @property
+    def dimension(self) -> int:
+        return self.inner.dimension
+
     def encode(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
         self.gate.wait()
         self.calls.append(list(texts))
         time.sleep(self.delay)
         return self.inner.encode(texts)
+
+    def warmup(self) -> None:
+        self.inner.warmup()
+
+    def describe(self) -> EncoderDescription:
+        return self.inner.describe()
+
+    def stats(self) -> EncoderStats:
+        return self.inner.stats()
 
 
 def make_settings(**overrides: Any) -> Settings:
