@@ -295,7 +295,7 @@ def test_settings_flags_then_env_then_defaults() -> None:
     assert (s.queue_capacity, s.api_key, s.request_timeout) == (3, "k", 2.5)  # env next
     assert s.model == "/models/x"
     assert s.max_body_bytes == Settings().max_body_bytes  # default
-    assert s.public()["api_key"] is True  # never the key itself
+    assert s.public()["api_key_required"] is True  # never the key itself
     with pytest.raises(SystemExit):
         parser.parse_args(["--api-key", "x"])  # the key is env-only (not visible in ps)
 
@@ -323,7 +323,7 @@ def test_bad_settings_are_refused_naming_the_setting(env: dict[str, str], named:
 
 def test_an_empty_api_key_variable_means_no_key() -> None:
     assert load_settings(None, {"SDE2_API_KEY": ""}).api_key is None
-    assert load_settings(None, {"SDE2_API_KEY": ""}).public()["api_key"] is False
+    assert load_settings(None, {"SDE2_API_KEY": ""}).public()["api_key_required"] is False
     assert Settings(drain_timeout=0.0).drain_timeout == 0.0  # 0: cancel at once, not "forever"
 
 

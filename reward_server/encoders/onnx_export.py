@@ -44,13 +44,11 @@ import numpy.typing as npt
 
 from reward_server.encoders import fidelity
 from reward_server.encoders.base import EMBEDDING_DIM, MAX_SEQ_LENGTH
+from reward_server.encoders.model_store import MANIFEST_FILE, MODEL_FILE, VARIANTS
 from reward_server.encoders.tokenization import save_configured_tokenizer
 
 log = logging.getLogger(__name__)
 
-VARIANTS = ("fp32", "fp16", "int8")
-MODEL_FILE = "model.onnx"
-MANIFEST_FILE = "manifest.json"
 MANIFEST_VERSION = 1
 #: Graph input / output names (the runtime relies on them).
 INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids")
