@@ -42,13 +42,20 @@ REAL_MODEL_ATOL = 1e-4
 
 class SlowEncoder:
     """:class:`HashEncoder` that takes ``delay`` seconds per call (to fill the queue on demand)
-    and records the batches it saw (to check coalescing)."""
+    and records the batches it saw (to check coalescing).
+
+    Tests synchronise on events, not on time: ``entered`` is set as soon as a call starts (its
+    texts in ``held``), and a call waits while ``gate`` is clear (the worker is then held inside
+    the encoder, and what the test submits meanwhile queues up behind it). Warm-up goes to the
+    inner double directly."""
 
     def __init__(self, delay: float = 0.2) -> None:
         self.inner = HashEncoder()
         self.delay = delay
         self.name = "slow-hash"
         self.calls: list[list[str]] = []
+        self.held: list[str] = []
+        self.entered = threading.Event()
         self.gate = threading.Event()
         self.gate.set()
 
@@ -57,6 +64,8 @@ class SlowEncoder:
         return self.inner.dimension
 
     def encode(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
+        self.held = list(texts)
+        self.entered.set()
         self.gate.wait()
         self.calls.append(list(texts))
         time.sleep(self.delay)
