@@ -108,7 +108,7 @@ def test_the_real_onnx_encoder_implements_it(onnx_encoder: Any, onnx_model_dir: 
         variant="fp32",
         provider="cpu",
         model_dir=onnx_encoder.model_dir,
-        max_batch_tokens=512,
+        max_batch_tokens=onnx_encoder.max_batch_tokens,
     )
     before = onnx_encoder.stats().work
     onnx_encoder.encode(["one text", "two texts"])
@@ -121,8 +121,10 @@ def test_a_wrapper_that_forgets_a_member_is_refused_at_load() -> None:
     with pytest.raises(TypeError, match="Forgetful is not an Encoder: it lacks dimension, warmup"):
         check_encoder(Forgetful(HashEncoder()))
     with pytest.raises(TypeError, match="describe, stats"):
-        ScoringService(make_settings(), encoder=Forgetful(HashEncoder()))  # type: ignore[arg-type]
-    loaded = ScoringService(make_settings(), loader=lambda: Forgetful(HashEncoder()))  # type: ignore[arg-type,return-value]
+        ScoringService(make_settings(), encoder=Forgetful(HashEncoder()))
+    with pytest.raises(TypeError, match="Forgetful is not an Encoder"):
+        CachedEncoder(Forgetful(HashEncoder()), 10)
+    loaded = ScoringService(make_settings(), loader=lambda: Forgetful(HashEncoder()))
     loaded.start(background=False)
     assert not loaded.ready
     assert loaded.load_error is not None and "lacks dimension, warmup" in loaded.load_error
@@ -170,7 +172,13 @@ def test_mypy_refuses_a_wrapper_that_forgets_a_member(tmp_path: Path) -> None:
         )
     )
     out, _, status = api.run(
-        ["--no-incremental", "--follow-imports=silent", "--config-file=", str(source)]
+        [
+            "--no-incremental",
+            "--follow-imports=silent",
+            "--config-file=",
+            f"--cache-dir={tmp_path / 'cache'}",
+            str(source),
+        ]
     )
     assert status == 1, out
     errors = [line for line in out.splitlines() if ": error:" in line]

@@ -25,6 +25,7 @@ from reward_server.encoders.base import (
     Encoder,
     EncoderDescription,
     EncoderStats,
+    check_encoder,
 )
 
 
@@ -45,7 +46,7 @@ class CachedEncoder:
     def __init__(self, inner: Encoder, max_entries: int) -> None:
         if max_entries < 0:
             raise ValueError("max_entries must be >= 0")
-        self.inner = inner
+        self.inner = check_encoder(inner)  # forwarding to a member it lacks would fail later
         self.max_entries = max_entries
         self._entries: OrderedDict[bytes, npt.NDArray[np.float32]] = OrderedDict()
         self._lock = threading.Lock()
