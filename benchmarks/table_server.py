@@ -24,7 +24,7 @@ import numpy.typing as npt
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from reward_server.encoders.base import EMBEDDING_DIM
+from reward_server.encoders.base import EMBEDDING_DIM, EncoderDescription, EncoderStats
 
 
 class TableEncoder:
@@ -44,8 +44,21 @@ class TableEncoder:
             return np.zeros((0, EMBEDDING_DIM), np.float32)
         return self._rows[[self._index[t] for t in texts]]
 
+    @property
+    def dimension(self) -> int:
+        """The table's row length."""
+        return int(self._rows.shape[1])
+
     def warmup(self) -> None:
         """Nothing to warm: the table is in memory."""
+
+    def describe(self) -> EncoderDescription:
+        """A lookup, not a model."""
+        return EncoderDescription(backend="table", variant="precomputed", provider="cpu")
+
+    def stats(self) -> EncoderStats:
+        """No counters: a lookup costs nothing worth counting."""
+        return EncoderStats()
 
     def save(self, path: Path) -> None:
         """Write the table as ``.npz`` (texts and rows)."""

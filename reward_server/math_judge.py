@@ -31,6 +31,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import IO, Any
 
 from reward_server.core.answers import MathJudge
@@ -190,6 +191,21 @@ class _FairSlots:
 _NONE = object()
 
 
+@dataclass
+class _Check:
+    """One pair's check in progress: the child in hand (back to the pool at the end), the time
+    limit, whether that limit is the caller's deadline, and why the check failed so far."""
+
+    prediction: str
+    gold: str
+    limit: float
+    by_deadline: bool
+    deadline: float | None
+    child: _Child | None
+    why: str = ""
+    cpu_before: float | None = None
+
+
 class IsolatedMathJudge:
     """``(prediction, gold) -> bool`` by math-verify, in ``workers`` killable child processes.
 
@@ -268,71 +284,108 @@ class IsolatedMathJudge:
         self, prediction: str, gold: str, limit: float, by_deadline: bool, deadline: float | None
     ) -> tuple[bool, bool]:
         """``(verdict, reached)``: ``reached`` is False for a timeout or crash."""
+        check = _Check(prediction, gold, limit, by_deadline, deadline, self._take_child(deadline))
+        try:
+            if self._closed:
+                raise RuntimeError("the math checker is closed")
+            verdict = self._first_verdict(check)
+            if verdict is not None:
+                return verdict, True
+            self._replace_child(check)
+        finally:
+            self._return_child(check)
+        return self._unreached(check)
+
+    def _take_child(self, deadline: float | None) -> _Child | None:
+        """A free child (None: start one), waiting at most until ``deadline``."""
         wait = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            child = self._slots.get(timeout=wait)
+            return self._slots.get(timeout=wait)
         except queue.Empty:
             raise MathDeadlineExceeded(
                 "request deadline passed waiting for the math checker"
             ) from None
-        try:
-            if self._closed:
-                raise RuntimeError("the math checker is closed")
-            for attempt in (1, 2):
-                if child is None or not child.alive():
-                    child = _Child()
-                child.started(self.start_timeout)
-                if attempt == 2 and deadline is not None:  # a retry has what is left
-                    remaining = max(0.0, deadline - time.monotonic())
-                    if remaining < limit:
-                        limit, by_deadline = remaining, True
-                try:
-                    cpu_before = child.cpu_seconds()
-                    child.send(prediction, gold)
-                    reply = child.read(limit)
-                except _ChildDied:
-                    # Killed mid-check: by the check itself (memory), or because the thread
-                    # that started it ended (PR_SET_PDEATHSIG follows the thread). A fresh
-                    # child tells the two apart; a second death is the check's doing.
-                    child.kill()
-                    child, why = None, "crashed its process twice"
-                    continue
-                if reply is None:
-                    why = f"exceeded {limit:.1f} s"
-                    cpu_after = child.cpu_seconds()
-                    starved = (
-                        cpu_before is not None
-                        and cpu_after is not None
-                        and cpu_after - cpu_before < 0.5 * limit
-                    )
-                    if starved and attempt == 1 and not by_deadline:
-                        # Not the check's doing (paused, or no CPU to run on): a fresh child.
-                        log.warning("math check starved of CPU: retrying it in a fresh child")
-                        child.kill()
-                        child = None
-                        continue
-                    break
-                if "error" in reply:
-                    raise RuntimeError(f"math check failed: {reply['error']}")
-                return bool(reply["equivalent"]), True
-            if child is not None:
-                child.kill()
-            child = None if self._closed else _Child()  # its successor boots meanwhile
-        finally:
-            if self._closed and child is not None:
-                child.kill()
-                child = None
-            self._slots.put(child)
-        if by_deadline:
+
+    def _first_verdict(self, check: _Check) -> bool | None:
+        """The verdict, from a second try in a fresh child when the first child died or was
+        starved of CPU; ``None`` when the check ran out of time or killed its process twice."""
+        for retry in (False, True):
+            try:
+                verdict = self._ask(check, retry)
+            except _ChildDied:
+                # Killed mid-check: by the check itself (memory), or because the thread that
+                # started it ended (PR_SET_PDEATHSIG follows the thread). A fresh child tells the
+                # two apart; a second death is the check's doing.
+                self._drop_child(check)
+                check.why = "crashed its process twice"
+                continue
+            if verdict is not None:
+                return verdict
+            if retry or check.by_deadline or not self._starved(check):
+                return None
+            # Not the check's doing (paused, or no CPU to run on): a fresh child.
+            log.warning("math check starved of CPU: retrying it in a fresh child")
+            self._drop_child(check)
+        return None
+
+    def _ask(self, check: _Check, retry: bool) -> bool | None:
+        """One try: the child's verdict, or ``None`` when it gave none within the limit."""
+        if check.child is None or not check.child.alive():
+            check.child = _Child()
+        child = check.child.started(self.start_timeout)
+        if retry and check.deadline is not None:  # a retry has what is left
+            remaining = max(0.0, check.deadline - time.monotonic())
+            if remaining < check.limit:
+                check.limit, check.by_deadline = remaining, True
+        check.cpu_before = child.cpu_seconds()
+        child.send(check.prediction, check.gold)
+        reply = child.read(check.limit)
+        if reply is None:
+            check.why = f"exceeded {check.limit:.1f} s"
+            return None
+        if "error" in reply:
+            raise RuntimeError(f"math check failed: {reply['error']}")
+        return bool(reply["equivalent"])
+
+    @staticmethod
+    def _starved(check: _Check) -> bool:
+        """Whether the child ran less than half of the limit: it was kept off the CPU."""
+        assert check.child is not None
+        after = check.child.cpu_seconds()
+        return (
+            check.cpu_before is not None
+            and after is not None
+            and after - check.cpu_before < 0.5 * check.limit
+        )
+
+    @staticmethod
+    def _drop_child(check: _Check) -> None:
+        if check.child is not None:
+            check.child.kill()
+        check.child = None
+
+    def _replace_child(self, check: _Check) -> None:
+        """After a failed check: its child is killed and a successor boots meanwhile."""
+        self._drop_child(check)
+        check.child = None if self._closed else _Child()
+
+    def _return_child(self, check: _Check) -> None:
+        if self._closed:
+            self._drop_child(check)
+        self._slots.put(check.child)
+
+    def _unreached(self, check: _Check) -> tuple[bool, bool]:
+        """A check that reached no verdict: a deadline error, or *not equivalent* (counted)."""
+        if check.by_deadline:
             raise MathDeadlineExceeded("request deadline passed while checking math answers")
         self.timeouts += 1
         if self.on_timeout is not None:
             self.on_timeout()
         log.warning(
             "math check of %r against %r %s: counted as not equivalent",
-            _preview(prediction),
-            _preview(gold),
-            why,
+            _preview(check.prediction),
+            _preview(check.gold),
+            check.why,
         )
         return False, False
 

@@ -13,14 +13,34 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from reward_server.encoders.base import EMBEDDING_DIM
+from reward_server.encoders.base import EMBEDDING_DIM, EncoderDescription, EncoderStats
 
 
 def _unit(v: npt.NDArray[np.float64]) -> npt.NDArray[np.float32]:
     return (v / np.linalg.norm(v)).astype(np.float32)
 
 
-class TableEncoder:
+class DoubleEncoder:
+    """What every leaf double says of itself beyond ``name`` and ``encode``: the model's
+    dimension, a one-text warm-up, a ``test`` backend and no counters. Wrappers do not inherit
+    it: they forward each member of the protocol to what they wrap."""
+
+    dimension = EMBEDDING_DIM
+
+    def encode(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
+        raise NotImplementedError
+
+    def warmup(self) -> None:
+        self.encode(["warm up"])
+
+    def describe(self) -> EncoderDescription:
+        return EncoderDescription(backend="test", variant="exact", provider="cpu")
+
+    def stats(self) -> EncoderStats:
+        return EncoderStats()
+
+
+class TableEncoder(DoubleEncoder):
     """Looks each text up in a table of vectors (padded to the model's dimension)."""
 
     name = "table"
@@ -40,7 +60,7 @@ class TableEncoder:
         )
 
 
-class HashEncoder:
+class HashEncoder(DoubleEncoder):
     """A stable pseudo-random unit vector per text, mixed with a shared direction so that
     cosines spread over roughly [0.2, 1] like real sentence embeddings do."""
 

@@ -27,7 +27,7 @@ import numpy.typing as npt
 import pytest
 
 from reward_server.core import RewardParams, ScoreItem, score_batch
-from reward_server.encoders.base import Encoder
+from reward_server.encoders.base import Encoder, EncoderDescription, EncoderStats
 from reward_server.service.config import Settings
 from reward_server.service.grpc_server import RewardStub, create_server
 from reward_server.service.pipeline import ScoringService
@@ -42,21 +42,43 @@ REAL_MODEL_ATOL = 1e-4
 
 class SlowEncoder:
     """:class:`HashEncoder` that takes ``delay`` seconds per call (to fill the queue on demand)
-    and records the batches it saw (to check coalescing)."""
+    and records the batches it saw (to check coalescing).
+
+    Tests synchronise on events, not on time: ``entered`` is set as soon as a call starts (its
+    texts in ``held``), and a call waits while ``gate`` is clear (the worker is then held inside
+    the encoder, and what the test submits meanwhile queues up behind it). Warm-up goes to the
+    inner double directly."""
 
     def __init__(self, delay: float = 0.2) -> None:
         self.inner = HashEncoder()
         self.delay = delay
         self.name = "slow-hash"
         self.calls: list[list[str]] = []
+        self.held: list[str] = []
+        self.entered = threading.Event()
         self.gate = threading.Event()
         self.gate.set()
 
+    @property
+    def dimension(self) -> int:
+        return self.inner.dimension
+
     def encode(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
+        self.held = list(texts)
+        self.entered.set()
         self.gate.wait()
         self.calls.append(list(texts))
         time.sleep(self.delay)
         return self.inner.encode(texts)
+
+    def warmup(self) -> None:
+        self.inner.warmup()
+
+    def describe(self) -> EncoderDescription:
+        return self.inner.describe()
+
+    def stats(self) -> EncoderStats:
+        return self.inner.stats()
 
 
 def make_settings(**overrides: Any) -> Settings:

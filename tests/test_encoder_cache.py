@@ -12,9 +12,10 @@ import pytest
 
 from reward_server.encoders.base import EMBEDDING_DIM, Encoder
 from reward_server.encoders.cache import CachedEncoder, text_key
+from tests.doubles import DoubleEncoder
 
 
-class CountingEncoder:
+class CountingEncoder(DoubleEncoder):
     """Deterministic unit vectors from a hash of the text; records every call."""
 
     name = "counting double"

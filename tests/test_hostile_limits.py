@@ -5,6 +5,7 @@ that is gone between chunks, and math checks are shared fairly and never remembe
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import time
 import unicodedata
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 from reward_server.encoders import tokenization
+from reward_server.encoders.base import EncoderDescription
 from reward_server.encoders.tokenization import encode_ids, load_tokenizer
 from reward_server.service.batcher import Batcher, DeadlineExceeded
 from tests.service_fixtures import (  # noqa: F401  (fixtures)
@@ -207,7 +209,8 @@ def test_chunk_size_defaults_to_2048_or_the_backends_larger_runs() -> None:
     from tests.doubles import HashEncoder
 
     class GpuSized(HashEncoder):
-        max_batch_tokens = 65536
+        def describe(self) -> EncoderDescription:
+            return dataclasses.replace(super().describe(), max_batch_tokens=65536)
 
     def chunk(service: Any) -> int:
         return int(service.batcher.chunk_tokens)

@@ -25,8 +25,48 @@ from reward_server.service.batcher import (
     estimate_tokens,
 )
 from reward_server.service.config import Settings, add_arguments, load_settings
+from reward_server.service.metrics import Metrics
+from reward_server.service.pipeline import ScoringService
 from tests.doubles import HashEncoder
-from tests.service_fixtures import SlowEncoder, http_client, make_service
+from tests.service_fixtures import SlowEncoder, http_client, make_service, make_settings
+
+
+class DepthWatch(Metrics):
+    """The service's metrics, which also let a test wait until the batcher's admitted and queued
+    counts reach a state (the batcher reports every change): no polling, no sleeping."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._changed = threading.Condition()
+        self._admitted = self._queued = 0
+
+    def on_depth(self, admitted: int, queued_requests: int, queued_tokens: int) -> None:
+        super().on_depth(admitted, queued_requests, queued_tokens)
+        with self._changed:
+            self._admitted, self._queued = admitted, queued_requests
+            self._changed.notify_all()
+
+    def wait_for(self, *, admitted: int | None = None, queued: int | None = None) -> bool:
+        """Whether the counts reached ``admitted`` / ``queued`` (within 10 s)."""
+        with self._changed:
+            return self._changed.wait_for(
+                lambda: admitted in (None, self._admitted) and queued in (None, self._queued), 10
+            )
+
+
+def watched_service(encoder: SlowEncoder, **overrides: Any) -> tuple[ScoringService, DepthWatch]:
+    """A started service over ``encoder`` whose metrics are a :class:`DepthWatch`."""
+    watch = DepthWatch()
+    service = ScoringService(make_settings(**overrides), encoder=encoder, metrics=watch)
+    service.start(background=False)
+    assert service.ready
+    return service, watch
+
+
+def past(instant: float) -> None:
+    """Return once ``time.monotonic()`` is past ``instant`` (a deadline under test)."""
+    while (left := instant - time.monotonic()) >= 0:
+        time.sleep(left + 1e-3)
 
 
 def needs_encoder(tag: str, n: int = 2) -> dict[str, Any]:
@@ -89,16 +129,14 @@ def test_body_limit_is_413_declared_or_streamed() -> None:
 
 def test_full_server_answers_429_at_once_then_recovers() -> None:
     encoder = SlowEncoder(delay=0.05)
-    service = make_service(encoder, queue_capacity=2)
+    service, watch = watched_service(encoder, queue_capacity=2)
     encoder.gate.clear()  # hold the first batch until the burst is done
     with http_client(service) as c, ThreadPoolExecutor(4) as pool:
         held = [
             pool.submit(c.post, "/v1/score", json={"items": [needs_encoder(f"held{i}")]})
             for i in range(2)
         ]
-        deadline = time.monotonic() + 5
-        while service.batcher.admitted < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        assert watch.wait_for(admitted=2)
         assert service.batcher.admitted == 2
         t0 = time.monotonic()
         rejected = [
@@ -130,15 +168,20 @@ def test_full_server_answers_429_at_once_then_recovers() -> None:
 
 
 def test_request_past_its_deadline_is_503_and_not_encoded() -> None:
-    encoder = SlowEncoder(delay=0.6)
+    encoder = SlowEncoder(delay=0.0)
     service = make_service(encoder, request_timeout=0.4)
+    encoder.gate.clear()  # the first request's encode lasts until the test opens the gate
     with http_client(service) as c, ThreadPoolExecutor(2) as pool:
         first = pool.submit(c.post, "/v1/score", json={"items": [needs_encoder("first")]})
-        time.sleep(0.1)
+        assert encoder.entered.wait(10)  # the worker is inside the encoder, for the first
         second = pool.submit(c.post, "/v1/score", json={"items": [needs_encoder("second")]})
         assert first.result(10).status_code == 503  # its encode outlived the deadline
         assert second.result(10).status_code == 503  # still queued at its deadline
-        time.sleep(0.8)
+        encoder.gate.set()
+        # The worker serves the queue in order: once a later request is encoded, the second one
+        # was either encoded or dropped.
+        later = c.post("/v1/score", json={"items": [needs_encoder("later")]})
+        assert later.status_code == 200
         encoded = {t for call in encoder.calls for t in call}
         assert not any("second" in t for t in encoded)  # dropped, never encoded
         assert 'sde2_failures_total{reason="deadline"} 2.0' in c.get("/metrics").text
@@ -171,7 +214,7 @@ def test_batcher_coalesces_concurrent_requests_and_dedups_texts() -> None:
     batcher = Batcher(encoder, capacity=16, batch_tokens=100_000)
     far = time.monotonic() + 30
     first = batcher.submit(["warm"], far)  # occupies the worker at the gate
-    time.sleep(0.05)
+    assert encoder.entered.wait(5)
     shared = "a strategy every request repeats"
     futures = [batcher.submit([shared, f"own text {i}"], far) for i in range(8)]
     encoder.gate.set()
@@ -226,11 +269,12 @@ def test_batcher_deadline_and_cancellation() -> None:
     encoder.gate.clear()
     batcher = Batcher(encoder, capacity=8, batch_tokens=10_000)
     blocker = batcher.submit(["block"], time.monotonic() + 30)
-    time.sleep(0.05)
-    expired = batcher.submit(["too late"], time.monotonic() + 0.05)
+    assert encoder.entered.wait(5)  # the worker holds the blocker at the gate
+    soon = time.monotonic() + 0.05
+    expired = batcher.submit(["too late"], soon)
     cancelled = batcher.submit(["gone"], time.monotonic() + 30)
     assert cancelled.cancel()
-    time.sleep(0.1)
+    past(soon)  # the expired job's deadline passes while it is queued
     encoder.gate.set()
     blocker.result(5)
     with pytest.raises(DeadlineExceeded):
@@ -263,12 +307,18 @@ def test_batcher_close_finishes_queued_work() -> None:
 
 
 def test_concurrent_http_requests_share_batches() -> None:
-    encoder = SlowEncoder(delay=0.3)
-    service = make_service(encoder, queue_capacity=32)
+    encoder = SlowEncoder(delay=0.0)
+    service, watch = watched_service(encoder, queue_capacity=32)
     encoder.calls.clear()  # forget the warm-up
+    encoder.gate.clear()  # the first request holds the worker until all twelve are in
     bodies = [{"items": [needs_encoder(f"r{i}", 3)]} for i in range(12)]
     with http_client(service) as c, ThreadPoolExecutor(12) as pool:
-        responses = list(pool.map(lambda b: c.post("/v1/score", json=b), bodies))
+        pending = [pool.submit(c.post, "/v1/score", json=b) for b in bodies]
+        assert encoder.entered.wait(10)
+        inside = {text.split()[0] for text in encoder.held}  # the requests the worker holds
+        assert watch.wait_for(queued=len(bodies) - len(inside))  # every other one is queued
+        encoder.gate.set()
+        responses = [f.result(10) for f in pending]
     assert all(r.status_code == 200 for r in responses)
     assert len(encoder.calls) < len(bodies)  # coalesced
     assert sum(len(call) for call in encoder.calls) == 36
@@ -295,7 +345,7 @@ def test_settings_flags_then_env_then_defaults() -> None:
     assert (s.queue_capacity, s.api_key, s.request_timeout) == (3, "k", 2.5)  # env next
     assert s.model == "/models/x"
     assert s.max_body_bytes == Settings().max_body_bytes  # default
-    assert s.public()["api_key"] is True  # never the key itself
+    assert s.public()["api_key_required"] is True  # never the key itself
     with pytest.raises(SystemExit):
         parser.parse_args(["--api-key", "x"])  # the key is env-only (not visible in ps)
 
@@ -323,7 +373,7 @@ def test_bad_settings_are_refused_naming_the_setting(env: dict[str, str], named:
 
 def test_an_empty_api_key_variable_means_no_key() -> None:
     assert load_settings(None, {"SDE2_API_KEY": ""}).api_key is None
-    assert load_settings(None, {"SDE2_API_KEY": ""}).public()["api_key"] is False
+    assert load_settings(None, {"SDE2_API_KEY": ""}).public()["api_key_required"] is False
     assert Settings(drain_timeout=0.0).drain_timeout == 0.0  # 0: cancel at once, not "forever"
 
 
@@ -332,7 +382,9 @@ def test_capacity_threads_do_not_leak() -> None:
     for _ in range(3):
         service = make_service()
         service.close()
-    time.sleep(0.2)
+    deadline = time.monotonic() + 10  # closed pools' threads exit on their own schedule
+    while threading.active_count() > before + 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert threading.active_count() <= before + 1
 
 
@@ -342,7 +394,7 @@ def test_batcher_refuses_work_that_would_outlast_the_deadline() -> None:
     batcher = Batcher(encoder, capacity=100, batch_tokens=1000, max_backlog_seconds=1.0)
     far = time.monotonic() + 30
     blocker = batcher.submit(["block"], far)  # the worker holds this one at the gate
-    time.sleep(0.05)
+    assert encoder.entered.wait(5)
     # ~25k estimated tokens queued: at the starting estimate of 5k tokens/s, ~5 s of work.
     queued = [batcher.submit(["t" * 1000 + str(i)], far) for i in range(100)]
     with pytest.raises(Overloaded) as err:

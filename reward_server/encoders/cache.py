@@ -11,6 +11,7 @@ whatever the texts are.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import threading
 from collections import OrderedDict
@@ -19,7 +20,13 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from reward_server.encoders.base import EMBEDDING_DIM, Encoder
+from reward_server.encoders.base import (
+    CacheCounts,
+    Encoder,
+    EncoderDescription,
+    EncoderStats,
+    check_encoder,
+)
 
 
 def text_key(text: str) -> bytes:
@@ -39,7 +46,7 @@ class CachedEncoder:
     def __init__(self, inner: Encoder, max_entries: int) -> None:
         if max_entries < 0:
             raise ValueError("max_entries must be >= 0")
-        self.inner = inner
+        self.inner = check_encoder(inner)  # forwarding to a member it lacks would fail later
         self.max_entries = max_entries
         self._entries: OrderedDict[bytes, npt.NDArray[np.float32]] = OrderedDict()
         self._lock = threading.Lock()
@@ -50,6 +57,25 @@ class CachedEncoder:
     def name(self) -> str:
         """The inner encoder's name: caching does not change what is computed."""
         return self.inner.name
+
+    @property
+    def dimension(self) -> int:
+        """The inner encoder's."""
+        return self.inner.dimension
+
+    def warmup(self) -> None:
+        """The inner encoder's warm-up: a cached answer would warm nothing."""
+        self.inner.warmup()
+
+    def describe(self) -> EncoderDescription:
+        """The inner encoder's description: the cache computes nothing itself."""
+        return self.inner.describe()
+
+    def stats(self) -> EncoderStats:
+        """The inner encoder's counters, with this cache's lookups."""
+        with self._lock:
+            counts = CacheCounts(self.hits, self.misses)
+        return dataclasses.replace(self.inner.stats(), cache=counts)
 
     def __bool__(self) -> bool:
         """Always true: an empty cache is still an encoder (``__len__`` alone would make a fresh
@@ -71,7 +97,7 @@ class CachedEncoder:
             with self._lock:
                 self.misses += len(texts)
             return self.inner.encode(texts)
-        out = np.empty((len(texts), EMBEDDING_DIM), dtype=np.float32)
+        out = np.empty((len(texts), self.inner.dimension), dtype=np.float32)
         keys = [text_key(t) for t in texts]
         # miss key -> (text, positions in the input that want it); duplicates encoded once.
         missing: dict[bytes, tuple[str, list[int]]] = {}

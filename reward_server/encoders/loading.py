@@ -1,43 +1,57 @@
 """Build the encoder a command asked for: one place that maps (backend, model) to an Encoder.
 
 ``onnx`` (the default) resolves ``model`` through the model store (an export folder, a Hugging
-Face folder or hub id, or the embedded default) and runs it on onnxruntime, optionally behind the
-LRU embedding cache; ``torch`` is the sentence-transformers reference. Imports are lazy so that
-choosing ONNX never imports torch.
+Face folder or hub id, or the embedded default) and runs it on onnxruntime; ``torch`` is the
+sentence-transformers reference. Either may run behind the LRU embedding cache. Imports are lazy
+so that choosing ONNX never imports torch.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
-from reward_server.encoders.base import Encoder
+from reward_server.encoders.base import Encoder, Provider
 
 Backend = Literal["onnx", "torch"]
+#: The backends :func:`load_encoder` offers (the server's ``--backend`` choices).
+BACKENDS: tuple[Backend, ...] = get_args(Backend)
 
 
 def load_encoder(
     backend: Backend = "onnx",
     model: str | None = None,
     *,
-    provider: Literal["cpu", "cuda"] = "cpu",
+    variant: str = "fp32",
+    provider: Provider = "cpu",
     intra_op_threads: int | None = None,
     max_batch_tokens: int | None = None,
     cache_size: int = 0,
 ) -> Encoder:
-    """The encoder for ``backend`` and ``model`` (``None``: the embedded default)."""
+    """The encoder for ``backend`` and ``model`` (``None``: the embedded default).
+
+    ``variant`` is the ONNX export to make when ``model`` is not an export yet;
+    ``max_batch_tokens`` is onnxruntime's padded tokens per run; ``intra_op_threads`` the
+    backend's CPU threads; ``cache_size`` > 0 puts the LRU embedding cache in front.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
+    encoder: Encoder
     if backend == "torch":
         from reward_server.encoders.reference import SentenceTransformerEncoder
 
-        return SentenceTransformerEncoder(model, device="cuda" if provider == "cuda" else "cpu")
-    from reward_server.encoders.model_store import resolve_model
-    from reward_server.encoders.onnx_runtime import OnnxEncoder
+        encoder = SentenceTransformerEncoder(
+            model, device="cuda" if provider == "cuda" else "cpu", num_threads=intra_op_threads
+        )
+    else:
+        from reward_server.encoders.model_store import resolve_model
+        from reward_server.encoders.onnx_runtime import OnnxEncoder
 
-    encoder: Encoder = OnnxEncoder(
-        resolve_model(model),
-        provider=provider,
-        intra_op_threads=intra_op_threads,
-        max_batch_tokens=max_batch_tokens,
-    )
+        encoder = OnnxEncoder(
+            resolve_model(model, variant),
+            provider=provider,
+            intra_op_threads=intra_op_threads,
+            max_batch_tokens=max_batch_tokens,
+        )
     if cache_size > 0:
         from reward_server.encoders.cache import CachedEncoder
 

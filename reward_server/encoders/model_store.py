@@ -23,10 +23,16 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Literal, get_args
 
 #: Name of the cache entry of the default model (the offline all-MiniLM-L6-v2 package).
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
+#: What an export folder holds: the graph, and the manifest that says what it is.
+MODEL_FILE = "model.onnx"
 MANIFEST_FILE = "manifest.json"
+#: The numeric forms an export can take (fp16 runs on CUDA only).
+Variant = Literal["fp32", "fp16", "int8"]
+VARIANTS: tuple[Variant, ...] = get_args(Variant)
 #: An export takes ~30-60 s on 2 cores; a waiting process gives up after this long.
 DEFAULT_LOCK_TIMEOUT_S = 1800.0
 _WEIGHT_SUFFIXES = (".safetensors", ".bin")
@@ -43,7 +49,7 @@ def cache_dir() -> Path:
 
 def is_export(folder: Path) -> bool:
     """Whether ``folder`` is a finished ONNX export of ours."""
-    return (folder / MANIFEST_FILE).is_file() and (folder / "model.onnx").is_file()
+    return (folder / MANIFEST_FILE).is_file() and (folder / MODEL_FILE).is_file()
 
 
 @contextmanager

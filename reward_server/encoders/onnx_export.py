@@ -2,7 +2,7 @@
 
 Why export at all: the reward server must not import torch (startup time, image size, memory),
 and one ONNX graph holding BERT + mean pooling + L2 normalization runs the whole encoder in a
-single onnxruntime call. Why these exact steps (measured, see FACTS.md):
+single onnxruntime call. Why these exact steps:
 
 * ``torch.onnx.export(dynamo=False)`` traced on a dummy batch *with padding*; traced without
   padding, transformers' mask code takes its "no padding" shortcut and the mask path is baked out
@@ -44,13 +44,11 @@ import numpy.typing as npt
 
 from reward_server.encoders import fidelity
 from reward_server.encoders.base import EMBEDDING_DIM, MAX_SEQ_LENGTH
+from reward_server.encoders.model_store import MANIFEST_FILE, MODEL_FILE, VARIANTS
 from reward_server.encoders.tokenization import save_configured_tokenizer
 
 log = logging.getLogger(__name__)
 
-VARIANTS = ("fp32", "fp16", "int8")
-MODEL_FILE = "model.onnx"
-MANIFEST_FILE = "manifest.json"
 MANIFEST_VERSION = 1
 #: Graph input / output names (the runtime relies on them).
 INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids")
@@ -59,7 +57,7 @@ OUTPUT_NAME = "sentence_embedding"
 FP32_MIN_COSINE = 0.9999
 #: Tokenizer side files copied along (if present) so the folder is usable by other tools too.
 _TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
-#: Weights per int8 scale (see ``_quantize_int8`` for how it was chosen).
+#: Weights per int8 scale (see ``_quantize_int8``).
 INT8_BLOCK_SIZE = 32
 
 
@@ -205,31 +203,13 @@ def _op_counts(path: Path) -> dict[str, int]:
 
 def _quantize_int8(fp32_path: Path, out: Path) -> None:
     """8-bit weights of every MatMul, one symmetric scale per block of 32 input rows
-    (``MatMulNBits``), computed in fp32.
-
-    Measured against fp32 on the GSM8K sets of :mod:`fidelity` (300 texts, 400 completions;
-    speed: seconds per GRPO step's texts against fp32 in the same run, 2-core AVX-512 VNNI CPU):
-
-    ========================================  ==========  ========  =============  =====
-    setting                                   min cosine  max |Δκ|  agreement      speed
-    ========================================  ==========  ========  =============  =====
-    dynamic, default (per-tensor, all ops)    0.891                 88-92 %
-    dynamic, MatMul only, per-channel         0.989       5.0e-2    93-97 %        1.44x
-    dynamic, MatMul + Attention, per-channel  0.986       5.9e-2    94-95 %        1.68x
-    dynamic, only the 6 attention outputs     0.99987               99.25-99.75 %
-    blocks of 32, int8 compute                0.99969     6.5e-3    98.25-99.5 %   0.81x
-    blocks of 128, int8 compute               0.99923     1.1e-2    98-99.75 %     0.97x
-    blocks of 32, fp32 compute (used)         0.99985     4.1e-3    99-99.5 %      0.82x
-    ========================================  ==========  ========  =============  =====
+    (``MatMulNBits``), computed in fp32: of the settings tried, the closest to fp32 (the
+    comparison is in ``benchmarks/README.md``).
 
     Dynamic quantization is excluded whatever its agreement: it picks one activation scale per
-    *batch* tensor, so a text's embedding depends on the texts batched with it (measured: cosine
-    0.991 between a text embedded alone and in a batch). Under the server's request coalescing a
-    request's rewards would change with other clients' traffic. Block-wise weights keep every
-    text's embedding a function of that text alone (1e-7, as fp32). None of the settings reaches
-    the 99.5 % gate at every δ, so with the default gate the int8 export refuses; on this CPU it
-    would not be faster either (its file is 67 MB instead of 90 MB: the word-embedding table,
-    half the weights, stays fp32).
+    *batch* tensor, so a text's embedding depends on the texts batched with it, and under the
+    server's request coalescing a request's rewards would change with other clients' traffic.
+    Block-wise weights keep every text's embedding a function of that text alone, as fp32 does.
     """
     import onnx
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
@@ -328,12 +308,7 @@ def export_model(
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, not {variant!r}")
     out_dir = Path(out_dir).expanduser().resolve()
-    if out_dir.exists() and not overwrite:
-        if (out_dir / MANIFEST_FILE).is_file():
-            raise FileExistsError(f"{out_dir} already holds an export (use --overwrite)")
-        if any(out_dir.iterdir()):
-            raise FileExistsError(f"{out_dir} exists and is not empty")
-    import onnxruntime
+    _check_target(out_dir, overwrite)
     import torch
 
     t0 = time.perf_counter()
@@ -344,12 +319,7 @@ def export_model(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        stage = work / "stage"
-        stage.mkdir()
-        save_configured_tokenizer(src.folder, stage, max_len)
-        for name in _TOKENIZER_SIDE_FILES:
-            if (src.folder / name).is_file():
-                shutil.copy2(src.folder / name, stage / name)
+        stage = _stage_tokenizer(src, work / "stage", max_len)
         raw = work / "raw.onnx"
         log.info("tracing %s to ONNX (opset %d)", src.label, opset)
         _export_graph(st_model, raw, opset)
@@ -358,51 +328,16 @@ def export_model(
             shutil.copytree(stage, fp32_dir)
         fused = _optimize(raw, fp32_dir / MODEL_FILE, fp16=False)
         _write_manifest(fp32_dir, src, "fp32", max_len, {}, fused)
-
-        problems, text_source = fidelity.load_problems(gsm8k)
-        log.info("measuring fp32 fidelity on %d texts (%s)", n_texts, text_source)
-        texts = fidelity.build_texts(problems, n_texts)
-        ref = np.asarray(
-            st_model.encode(
-                texts, batch_size=32, normalize_embeddings=True, show_progress_bar=False
-            ),
-            dtype=np.float32,
-        )
-        fp32_emb = _embed_onnx(fp32_dir, texts)
-        fp32_cos = fidelity.row_cosines(ref, fp32_emb)
-        report: dict[str, Any] = {
-            "text_set": text_source,
-            "n_texts": len(texts),
-            "fp32_vs_sentence_transformers": _cosine_summary(fp32_cos),
-        }
-        if fp32_cos.min() < FP32_MIN_COSINE:
-            raise ExportRefused(
-                f"fp32 graph differs from sentence-transformers: min cosine {fp32_cos.min():.6f}"
-                f" < {FP32_MIN_COSINE} on {text_source}"
-            )
+        measured = _measure_fp32(st_model, fp32_dir, gsm8k, n_texts)
         if variant == "fp16":
             fused = _optimize(raw, stage / MODEL_FILE, fp16=True)
-            report["fp16"] = "not measured at export: the fp16 graph runs on CUDA only"
+            measured.report["fp16"] = "not measured at export: the fp16 graph runs on CUDA only"
         elif variant == "int8":
-            _quantize_int8(fp32_dir / MODEL_FILE, stage / MODEL_FILE)
-            fused = _op_counts(stage / MODEL_FILE)
-            _write_manifest(stage, src, "int8", max_len, {}, fused)
-            int8_emb = _embed_onnx(stage, texts)
-            report["int8_vs_sentence_transformers"] = _cosine_summary(
-                fidelity.row_cosines(ref, int8_emb)
+            fused = _quantize_and_gate(
+                measured, src, fp32_dir, stage, max_len, n_completions, int8_min_agreement
             )
-            report["int8_vs_fp32"] = _cosine_summary(fidelity.row_cosines(fp32_emb, int8_emb))
-            log.info("int8 Uniq gate on %d completions", n_completions)
-            gate = int8_gate(fp32_dir, stage, problems, n_completions, int8_min_agreement)
-            report["int8_uniq_gate"] = gate.to_dict()
-            require_gate(gate)
-        report["export_seconds"] = round(time.perf_counter() - t0, 1)
-        versions = {
-            "onnxruntime": onnxruntime.__version__,
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-        }
-        _write_manifest(stage, src, variant, max_len, report, fused, versions)
+        measured.report["export_seconds"] = round(time.perf_counter() - t0, 1)
+        _write_manifest(stage, src, variant, max_len, measured.report, fused, _versions())
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(stage, out_dir)
@@ -410,6 +345,102 @@ def export_model(
         shutil.rmtree(work, ignore_errors=True)
     log.info("exported %s (%s) to %s", src.label, variant, out_dir)
     return out_dir
+
+
+def _check_target(out_dir: Path, overwrite: bool) -> None:
+    """Refuse to export over an export or into a non-empty folder, unless ``overwrite``."""
+    if out_dir.exists() and not overwrite:
+        if (out_dir / MANIFEST_FILE).is_file():
+            raise FileExistsError(f"{out_dir} already holds an export (use --overwrite)")
+        if any(out_dir.iterdir()):
+            raise FileExistsError(f"{out_dir} exists and is not empty")
+
+
+def _stage_tokenizer(src: SourceModel, stage: Path, max_len: int) -> Path:
+    """A new folder ``stage`` holding the configured tokenizer and its side files."""
+    stage.mkdir()
+    save_configured_tokenizer(src.folder, stage, max_len)
+    for name in _TOKENIZER_SIDE_FILES:
+        if (src.folder / name).is_file():
+            shutil.copy2(src.folder / name, stage / name)
+    return stage
+
+
+@dataclass
+class _Measured:
+    """The fp32 graph's fidelity run: its texts and embeddings, reused by the int8 gate."""
+
+    problems: list[tuple[str, list[str]]]
+    texts: list[str]
+    reference: npt.NDArray[np.float32]
+    fp32: npt.NDArray[np.float32]
+    report: dict[str, Any]
+
+
+def _measure_fp32(
+    st_model: Any, fp32_dir: Path, gsm8k: str | Path | None, n_texts: int
+) -> _Measured:
+    """Compare the fp32 graph with sentence-transformers; :class:`ExportRefused` below
+    :data:`FP32_MIN_COSINE` on any text."""
+    problems, text_source = fidelity.load_problems(gsm8k)
+    log.info("measuring fp32 fidelity on %d texts (%s)", n_texts, text_source)
+    texts = fidelity.build_texts(problems, n_texts)
+    reference = np.asarray(
+        st_model.encode(texts, batch_size=32, normalize_embeddings=True, show_progress_bar=False),
+        dtype=np.float32,
+    )
+    fp32_emb = _embed_onnx(fp32_dir, texts)
+    fp32_cos = fidelity.row_cosines(reference, fp32_emb)
+    report: dict[str, Any] = {
+        "text_set": text_source,
+        "n_texts": len(texts),
+        "fp32_vs_sentence_transformers": _cosine_summary(fp32_cos),
+    }
+    if fp32_cos.min() < FP32_MIN_COSINE:
+        raise ExportRefused(
+            f"fp32 graph differs from sentence-transformers: min cosine {fp32_cos.min():.6f}"
+            f" < {FP32_MIN_COSINE} on {text_source}"
+        )
+    return _Measured(problems, texts, reference, fp32_emb, report)
+
+
+def _quantize_and_gate(
+    measured: _Measured,
+    src: SourceModel,
+    fp32_dir: Path,
+    stage: Path,
+    max_len: int,
+    n_completions: int,
+    min_agreement: float,
+) -> dict[str, int]:
+    """Write the int8 graph into ``stage``, measure it and run the Uniq gate (which raises
+    :class:`ExportRefused`); returns its op counts."""
+    _quantize_int8(fp32_dir / MODEL_FILE, stage / MODEL_FILE)
+    ops = _op_counts(stage / MODEL_FILE)
+    _write_manifest(stage, src, "int8", max_len, {}, ops)
+    int8_emb = _embed_onnx(stage, measured.texts)
+    report = measured.report
+    report["int8_vs_sentence_transformers"] = _cosine_summary(
+        fidelity.row_cosines(measured.reference, int8_emb)
+    )
+    report["int8_vs_fp32"] = _cosine_summary(fidelity.row_cosines(measured.fp32, int8_emb))
+    log.info("int8 Uniq gate on %d completions", n_completions)
+    gate = int8_gate(fp32_dir, stage, measured.problems, n_completions, min_agreement)
+    report["int8_uniq_gate"] = gate.to_dict()
+    require_gate(gate)
+    return ops
+
+
+def _versions() -> dict[str, str]:
+    """The libraries that made the export (recorded in the manifest)."""
+    import onnxruntime
+    import torch
+
+    return {
+        "onnxruntime": onnxruntime.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
 
 
 def _write_manifest(

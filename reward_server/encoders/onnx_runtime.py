@@ -1,21 +1,19 @@
 """The production encoder: onnxruntime + tokenizers + numpy, no torch.
 
-Speed comes from five things (measured on a 2-core AVX-512 machine):
+Where its speed comes from (the figures are in ``benchmarks/README.md``):
 
 * one fused graph (BERT + pooling + normalize, see :mod:`onnx_export`) per batch;
 * length-sorted, token-budgeted batches: texts are sorted by token count and cut so that a batch's
   *padded* size (rows × longest row) stays within ``max_batch_tokens``. Padding is pure waste and
   attention cost grows with the padded length, so mixing one 256-token text with many 20-token
   ones would multiply the work;
-* *small* batches on CPU (512 padded tokens): a third of the time goes to memory-bound ops
-  (SkipLayerNormalization, BiasGelu, the attention core) that read and write whole activation
-  tensors, and a 512-token batch keeps those tensors in cache between ops. On the standard GRPO
-  step one run per 512 tokens was 1.15x faster than one per 4096, with one thread or two;
+* *small* batches on CPU: much of the time goes to memory-bound ops (SkipLayerNormalization,
+  BiasGelu, the attention core) that read and write whole activation tensors, and a small batch
+  keeps those tensors in cache between ops;
 * onnxruntime's CPU memory arena, so activation buffers are reused from run to run. Without it
-  every run maps fresh buffers and the kernel faults and zeroes them page by page: under the
-  server's malloc tuning (:mod:`reward_server.service.memory`, large blocks always mapped) that
-  made the server's encoder 1.45x slower than this one. With 512-token runs the arena's high-water
-  mark is small (resident memory 214 MB after five steps, against 386 MB with 4096-token runs);
+  every run maps fresh buffers and the kernel faults and zeroes them page by page, which the
+  server's malloc tuning (:mod:`reward_server.service.memory`, large blocks always mapped) makes
+  the rule; small runs also keep the arena's high-water mark small;
 * a thread pool sized to the CPUs this process may really use (affinity mask and cgroup quota),
   not ``os.cpu_count()``: in a container limited to 2 CPUs on a 64-core host, 64 spinning threads
   are much slower than 2.
@@ -33,22 +31,28 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from reward_server.encoders.base import EMBEDDING_DIM, MAX_SEQ_LENGTH
+from reward_server.encoders.base import (
+    EMBEDDING_DIM,
+    MAX_SEQ_LENGTH,
+    EncoderDescription,
+    EncoderStats,
+    EncodeStats,
+    Provider,
+)
+from reward_server.encoders.model_store import MANIFEST_FILE, MODEL_FILE
 from reward_server.encoders.tokenization import encode_ids, load_tokenizer
 
-Provider = Literal["cpu", "cuda"]
 _ORT_PROVIDER = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
-#: Default budget of padded tokens per batch on CPU. Measured on the standard GRPO step (median
-#: seconds per step with one and two threads): 384-768 are best and within 3 % of each other, 256
-#: is 4 % slower, 1024 4-10 %, 2048 7-16 %, 4096 15 %. Larger machines (more cache per batch) may
-#: prefer more: ``--encoder-batch-tokens``.
+#: Default budget of padded tokens per batch on CPU: the fastest on the standard GRPO step
+#: (``benchmarks/README.md``). Machines with more cache per core may prefer more:
+#: ``--encoder-batch-tokens``.
 DEFAULT_MAX_BATCH_TOKENS = 512
 #: A text joins a batch only if it is at least this share of the batch's longest (padding waste).
 MIN_ROW_FILL = 0.8
@@ -123,25 +127,10 @@ def check_session_provider(provider: Provider, session_providers: Sequence[str])
         )
 
 
-@dataclass
-class EncodeStats:
-    """What one ``encode`` call cost; summed into :attr:`OnnxEncoder.totals` for metrics."""
-
-    texts: int = 0
-    tokens: int = 0  # real tokens, [CLS]/[SEP] included
-    padded_tokens: int = 0  # tokens actually computed (rows × padded length, over batches)
-    batches: int = 0
-    tokenize_seconds: float = 0.0
-    inference_seconds: float = 0.0
-
-    def add(self, other: EncodeStats) -> None:
-        """Accumulate ``other`` into this object."""
-        self.texts += other.texts
-        self.tokens += other.tokens
-        self.padded_tokens += other.padded_tokens
-        self.batches += other.batches
-        self.tokenize_seconds += other.tokenize_seconds
-        self.inference_seconds += other.inference_seconds
+def read_manifest(model_dir: Path) -> dict[str, Any]:
+    """The export's manifest (empty for a folder without one: a bare ``model.onnx``)."""
+    path = model_dir / MANIFEST_FILE
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
 
 def plan_batches(
@@ -189,21 +178,11 @@ class OnnxEncoder:
         memory_arena: bool = True,
         device_id: int = 0,
     ) -> None:
-        import onnxruntime as ort
-
         self.model_dir = Path(model_dir)
-        manifest_path = self.model_dir / "manifest.json"
-        self.manifest: dict[str, Any] = (
-            json.loads(manifest_path.read_text(encoding="utf-8")) if manifest_path.is_file() else {}
-        )
+        self.manifest = read_manifest(self.model_dir)
         self.variant: str = str(self.manifest.get("variant", "fp32"))
-        if self.variant == "fp16" and provider != "cuda":
-            raise ProviderUnavailableError(
-                f"{self.model_dir} holds the fp16 graph, which is meant for CUDA only; "
-                "use the fp32 export on CPU"
-            )
         self.provider: Provider = provider
-        ort_provider = check_provider_available(provider)
+        ort_provider = self._check_provider()
         self.max_seq_length = int(self.manifest.get("max_seq_length", MAX_SEQ_LENGTH))
         self.max_batch_tokens = max_batch_tokens or (
             DEFAULT_MAX_BATCH_TOKENS_CUDA if provider == "cuda" else DEFAULT_MAX_BATCH_TOKENS
@@ -213,6 +192,35 @@ class OnnxEncoder:
         self.min_row_fill = min_row_fill
         self.intra_op_threads = intra_op_threads or available_cpus()
         self._tokenizer = load_tokenizer(self.model_dir, self.max_seq_length)
+        options = self._session_options(
+            sequential=sequential,
+            graph_optimization=graph_optimization,
+            allow_spinning=allow_spinning,
+            memory_arena=memory_arena,
+        )
+        self._session = self._open_session(options, ort_provider, device_id)
+        self._device_id = device_id
+        self._input_names = {i.name for i in self._session.get_inputs()}
+        self._output_name = self._session.get_outputs()[0].name
+        self._stats_lock = threading.Lock()
+        self.totals = EncodeStats()
+        model_name = str(self.manifest.get("model_name", "all-MiniLM-L6-v2"))
+        self._name = f"{model_name} onnx {self.variant}" + (" cuda" if provider == "cuda" else "")
+
+    def _check_provider(self) -> str:
+        """The onnxruntime provider to ask for; raise when it cannot run this graph here."""
+        if self.variant == "fp16" and self.provider != "cuda":
+            raise ProviderUnavailableError(
+                f"{self.model_dir} holds the fp16 graph, which is meant for CUDA only; "
+                "use the fp32 export on CPU"
+            )
+        return check_provider_available(self.provider)
+
+    def _session_options(
+        self, *, sequential: bool, graph_optimization: str, allow_spinning: bool, memory_arena: bool
+    ) -> Any:
+        """onnxruntime's session options for this encoder's threads and settings."""
+        import onnxruntime as ort
 
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = self.intra_op_threads
@@ -226,40 +234,59 @@ class OnnxEncoder:
             "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
             "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
         }[graph_optimization]
-        # Spinning worker threads burn the cores they wait on. The reward server shares its CPUs
-        # with request handling and often with a trainer; measured on a contended 2-core box,
-        # no-spin ran 1.4x faster than sentence-transformers vs 1.13x with spinning.
+        # Spinning worker threads burn the cores they wait on, and the reward server shares its
+        # CPUs with request handling and often with a trainer.
         opts.add_session_config_entry(
             "session.intra_op.allow_spinning", "1" if allow_spinning else "0"
         )
         # The CPU arena keeps the largest batch's buffers for the next run (see the module
         # docstring): off, each run's buffers are mapped, faulted and zeroed anew.
         opts.enable_cpu_mem_arena = memory_arena
+        return opts
+
+    def _open_session(self, options: Any, ort_provider: str, device_id: int) -> Any:
+        """The inference session, checked to run on the provider asked for."""
+        import onnxruntime as ort
+
         providers: list[Any] = (
             [(ort_provider, {"device_id": device_id}), "CPUExecutionProvider"]
-            if provider == "cuda"
+            if self.provider == "cuda"
             else [ort_provider]
         )
-        self._session = ort.InferenceSession(
-            str(self.model_dir / "model.onnx"), sess_options=opts, providers=providers
+        session = ort.InferenceSession(
+            str(self.model_dir / MODEL_FILE), sess_options=options, providers=providers
         )
-        check_session_provider(provider, self._session.get_providers())
-        self._device_id = device_id
-        self._input_names = {i.name for i in self._session.get_inputs()}
-        self._output_name = self._session.get_outputs()[0].name
-        self._stats_lock = threading.Lock()
-        self.totals = EncodeStats()
-        model_name = str(self.manifest.get("model_name", "all-MiniLM-L6-v2"))
-        self._name = f"{model_name} onnx {self.variant}" + (" cuda" if provider == "cuda" else "")
+        check_session_provider(self.provider, session.get_providers())
+        return session
 
     @property
     def name(self) -> str:
         """E.g. ``"all-MiniLM-L6-v2 onnx fp32"`` (what the response's ``encoder`` field shows)."""
         return self._name
 
+    @property
+    def dimension(self) -> int:
+        """The export's embedding length (384 for all-MiniLM-L6-v2)."""
+        return int(self.manifest.get("embedding_dim", EMBEDDING_DIM))
+
     def warmup(self) -> None:
         """Run a few batches of different shapes so first requests do not pay allocator setup."""
         self.encode(["warm up " * n for n in (1, 8, 64, 200)])
+
+    def describe(self) -> EncoderDescription:
+        """ONNX, the export's variant, the provider, the folder and the run size."""
+        return EncoderDescription(
+            backend="onnx",
+            variant=self.variant,
+            provider=self.provider,
+            model_dir=self.model_dir,
+            max_batch_tokens=self.max_batch_tokens,
+        )
+
+    def stats(self) -> EncoderStats:
+        """The work done so far (no cache here: see :mod:`reward_server.encoders.cache`)."""
+        with self._stats_lock:
+            return EncoderStats(work=replace(self.totals))
 
     def encode(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
         """Embeddings of ``texts`` in input order, shape ``(len(texts), 384)``, unit rows."""
@@ -270,7 +297,7 @@ class OnnxEncoder:
     ) -> tuple[npt.NDArray[np.float32], EncodeStats]:
         """Like :meth:`encode`, also returning what the call cost (for metrics)."""
         stats = EncodeStats(texts=len(texts))
-        out = np.empty((len(texts), EMBEDDING_DIM), dtype=np.float32)
+        out = np.empty((len(texts), self.dimension), dtype=np.float32)
         if not texts:
             return out, stats
         t0 = time.perf_counter()

@@ -16,7 +16,12 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from reward_server.encoders.base import EMBEDDING_DIM, MAX_SEQ_LENGTH
+from reward_server.encoders.base import (
+    MAX_SEQ_LENGTH,
+    EncoderDescription,
+    EncoderStats,
+    Provider,
+)
 
 
 class SentenceTransformerEncoder:
@@ -48,6 +53,17 @@ class SentenceTransformerEncoder:
         if self._model.max_seq_length is None:
             self._model.max_seq_length = MAX_SEQ_LENGTH
         self.batch_size = batch_size
+        self._provider: Provider = "cuda" if str(device).startswith("cuda") else "cpu"
+        self._model_dir = Path(str(model)) if Path(str(model)).is_dir() else None
+        # sentence-transformers 6 renamed the method; 5 has only the old name.
+        dimension = (
+            getattr(self._model, "get_embedding_dimension", None)
+            or self._model.get_sentence_embedding_dimension
+        )
+        size = dimension()
+        if size is None:
+            raise ValueError(f"{model}: sentence-transformers reports no embedding dimension")
+        self._dimension = int(size)
         self._name = f"{Path(str(model)).name if Path(str(model)).is_dir() else model} torch"
         if Path(str(model)).name == "model":  # the offline package's folder name says nothing
             self._name = "all-MiniLM-L6-v2 torch"
@@ -58,6 +74,11 @@ class SentenceTransformerEncoder:
         return self._name
 
     @property
+    def dimension(self) -> int:
+        """The model's embedding length (384 for all-MiniLM-L6-v2)."""
+        return self._dimension
+
+    @property
     def max_seq_length(self) -> int:
         """Token budget per text, [CLS]/[SEP] included (256 for all-MiniLM-L6-v2)."""
         return int(self._model.max_seq_length)
@@ -65,7 +86,7 @@ class SentenceTransformerEncoder:
     def encode(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
         """``SentenceTransformer.encode(texts, normalize_embeddings=True)`` as float32."""
         if not texts:
-            return np.empty((0, EMBEDDING_DIM), dtype=np.float32)
+            return np.empty((0, self.dimension), dtype=np.float32)
         emb = self._model.encode(
             list(texts),
             batch_size=self.batch_size,
@@ -74,3 +95,17 @@ class SentenceTransformerEncoder:
             show_progress_bar=False,
         )
         return np.ascontiguousarray(emb, dtype=np.float32)
+
+    def warmup(self) -> None:
+        """One short and one long text through the model (torch initialises lazily)."""
+        self.encode(["warm up", "warm up " * 200])
+
+    def describe(self) -> EncoderDescription:
+        """sentence-transformers in float32, on the device it was given."""
+        return EncoderDescription(
+            backend="torch", variant="fp32", provider=self._provider, model_dir=self._model_dir
+        )
+
+    def stats(self) -> EncoderStats:
+        """No counters: sentence-transformers does not report its work."""
+        return EncoderStats()

@@ -11,13 +11,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from collections.abc import Mapping
+import typing
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-Provider = Literal["cpu", "cuda"]
-VARIANTS = ("fp32", "fp16", "int8")
-LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+from reward_server.encoders.base import Provider
+from reward_server.encoders.loading import Backend
+from reward_server.encoders.model_store import Variant
+
+LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 _AT_LEAST_ONE = (
     "max_body_bytes", "max_items", "max_completion_chars", "max_answer_chars",
     "queue_capacity", "batch_tokens", "workers", "max_header_bytes", "keep_alive_timeout",
@@ -43,11 +46,17 @@ class Settings:
             "(default: the embedded all-MiniLM-L6-v2, exported once into a cache)"
         },
     )
-    variant: str = field(
-        default="fp32",
-        metadata={"help": "export variant when the model must be exported (fp32, fp16, int8)"},
+    backend: Backend = field(
+        default="onnx",
+        metadata={
+            "help": "encoder backend: onnxruntime, or the sentence-transformers reference "
+            "(torch: exact, slower; needs the export extra)"
+        },
     )
-    provider: Provider = field(default="cpu", metadata={"help": "onnxruntime provider"})
+    variant: Variant = field(
+        default="fp32", metadata={"help": "export variant when the model must be exported"}
+    )
+    provider: Provider = field(default="cpu", metadata={"help": "where the encoder runs"})
     workers: int = field(
         default=1,
         metadata={
@@ -60,44 +69,64 @@ class Settings:
     )
     api_key: str | None = field(
         default=None,
-        metadata={"help": "bearer key for the scoring routes (env SDE2_API_KEY only)", "env": True},
+        metadata={
+            "help": "bearer key for the scoring routes (env SDE2_API_KEY only)",
+            "env": True,
+            "secret": True,
+            "info": "api_key_required",
+        },
     )
     max_body_bytes: int = field(
-        default=16 * 1024 * 1024, metadata={"help": "largest request body (413 above)"}
+        default=16 * 1024 * 1024,
+        metadata={"info": "max_body_bytes", "help": "largest request body (413 above)"},
     )
-    max_items: int = field(default=1024, metadata={"help": "most items per request (422 above)"})
+    max_items: int = field(
+        default=1024, metadata={"info": "max_items", "help": "most items per request (422 above)"}
+    )
     max_completion_chars: int = field(
-        default=200_000, metadata={"help": "longest completion in characters (422 above)"}
+        default=200_000,
+        metadata={
+            "info": "max_completion_chars",
+            "help": "longest completion in characters (422 above)",
+        },
     )
     max_answer_chars: int = field(
-        default=10_000, metadata={"help": "longest gold answer in characters (422 above)"}
+        default=10_000,
+        metadata={
+            "info": "max_answer_chars",
+            "help": "longest gold answer in characters (422 above)",
+        },
     )
     max_request_tokens: int = field(
         default=262_144,
         metadata={
+            "info": "max_request_tokens",
             "help": "most encoder tokens one request may need (estimated: 4 characters a token, "
-            "at most 256 a text, distinct texts only); 422 above"
+            "at most 256 a text, distinct texts only); 422 above",
         },
     )
     max_header_bytes: int = field(
         default=32 * 1024,
         metadata={
+            "info": "max_header_bytes",
             "help": "largest request line plus headers in bytes (431 and the connection closed "
-            "above)"
+            "above)",
         },
     )
     header_timeout: float = field(
         default=10.0,
         metadata={
+            "info": "header_timeout_s",
             "help": "seconds a client has to send a request's line and headers, from the "
-            "connection (or the next request's first byte); the connection is closed after it"
+            "connection (or the next request's first byte); the connection is closed after it",
         },
     )
     body_timeout: float = field(
         default=15.0,
         metadata={
+            "info": "body_timeout_s",
             "help": "seconds an admitted request has to send its whole body (408 after it): how "
-            "long a stalled upload can hold an admission slot"
+            "long a stalled upload can hold an admission slot",
         },
     )
     keep_alive_timeout: int = field(
@@ -105,16 +134,23 @@ class Settings:
     )
     request_timeout: float = field(
         default=120.0,
-        metadata={"help": "seconds a request may take in the server before a 503 (deadline)"},
+        metadata={
+            "info": "request_timeout_s",
+            "help": "seconds a request may take in the server before a 503 (deadline)",
+        },
     )
     queue_capacity: int = field(
         default=64,
-        metadata={"help": "requests admitted at once (parsing, queued or encoding); 429 above"},
+        metadata={
+            "info": "queue_capacity",
+            "help": "requests admitted at once (parsing, queued or encoding); 429 above",
+        },
     )
     batch_tokens: int = field(
         default=32768,
         metadata={
-            "help": "estimated tokens the encoder worker takes from the queue per coalesced call"
+            "info": "batch_tokens",
+            "help": "estimated tokens the encoder worker takes from the queue per coalesced call",
         },
     )
     chunk_tokens: int | None = field(
@@ -132,7 +168,8 @@ class Settings:
     # ~1.7 kB per entry: 20k entries bound the cache near 35 MB, inside the memory budget, and
     # still hold a few GRPO steps for retried or re-scored batches.
     cache_size: int = field(
-        default=20_000, metadata={"help": "embeddings kept in the LRU cache (0 disables it)"}
+        default=20_000,
+        metadata={"info": "cache_size", "help": "embeddings kept in the LRU cache (0 disables it)"},
     )
     math_timeout: float = field(
         default=2.0,
@@ -152,7 +189,7 @@ class Settings:
     drain_timeout: float = field(
         default=30.0, metadata={"help": "seconds SIGTERM waits for in-flight requests"}
     )
-    log_level: str = field(default="info", metadata={"help": "uvicorn / server log level"})
+    log_level: LogLevel = field(default="info", metadata={"help": "uvicorn / server log level"})
 
     def __post_init__(self) -> None:
         rules: list[tuple[str, bool, str]] = [
@@ -166,10 +203,12 @@ class Settings:
                 self.grpc_port is None or 0 <= self.grpc_port <= 65535,
                 "a port number (0-65535)",
             ),
-            ("variant", self.variant in VARIANTS, "one of " + ", ".join(VARIANTS)),
-            ("provider", self.provider in ("cpu", "cuda"), "one of cpu, cuda"),
-            ("log_level", self.log_level in LOG_LEVELS, "one of " + ", ".join(LOG_LEVELS)),
         ]
+        for f in dataclasses.fields(self):
+            choices = _kind(f.name).choices
+            if choices is not None:
+                ok = getattr(self, f.name) in choices
+                rules.append((f.name, ok, "one of " + ", ".join(choices)))
         for name in ("intra_op_threads", "encoder_batch_tokens", "chunk_tokens"):
             value = getattr(self, name)
             rules.append((name, value is None or value >= 1, "an integer >= 1 (or unset)"))
@@ -181,10 +220,19 @@ class Settings:
                 )
 
     def public(self) -> dict[str, Any]:
-        """The settings as reported by ``/v1/info`` (never the key itself)."""
-        out = dataclasses.asdict(self)
-        out["api_key"] = self.api_key is not None
-        return out
+        """What ``/v1/info`` (and gRPC ``Info``) report of the settings, as ``limits``: each field
+        whose metadata names its ``info`` key; a secret shows only whether it is set."""
+        shown: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            if "info" in f.metadata:
+                value = getattr(self, f.name)
+                shown[f.metadata["info"]] = value is not None if f.metadata.get("secret") else value
+        return shown
+
+
+#: Each setting's type, resolved from its annotation (which this module's ``from __future__``
+#: import keeps as text).
+_FIELD_TYPES: dict[str, Any] = typing.get_type_hints(Settings)
 
 
 def env_name(name: str) -> str:
@@ -192,20 +240,40 @@ def env_name(name: str) -> str:
     return "SDE2_" + name.upper()
 
 
-def _parse_optional_int(text: str) -> int | None:
-    return None if text.lower() in ("", "none") else int(text)
+@dataclass(frozen=True)
+class _Kind:
+    """How a flag or env string becomes a field's value, read off the field's type."""
+
+    convert: Callable[[str], Any]
+    #: The allowed values of a ``Literal`` field (argparse ``choices``; checked on every source).
+    choices: tuple[str, ...] | None = None
 
 
-def _converter(f: dataclasses.Field[Any]) -> Any:
-    """The function turning a flag / env string into the field's type."""
-    kind = str(f.type)
-    if "int | None" in kind:
-        return _parse_optional_int
-    if kind.startswith("int"):
-        return int
-    if kind.startswith("float"):
-        return float
-    return str
+def _kind(name: str) -> _Kind:
+    """The :class:`_Kind` of the field ``name``: ``int``, ``float``, ``str``, a ``Literal`` of
+    strings, or one of these or ``None`` (an optional number is unset by "" or "none"; an optional
+    string is taken as given, so that a key spelled "none" stays a key)."""
+    hint = _FIELD_TYPES[name]
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    base = next(a for a in args if a is not type(None)) if optional else hint
+    if typing.get_origin(base) is Literal:
+        return _Kind(str, typing.get_args(base))
+    if base not in (int, float, str):
+        raise TypeError(f"setting {name}: no parser for {hint!r}")
+    if optional and base is not str:
+        return _Kind(_or_none(base))
+    return _Kind(base)
+
+
+def _or_none(convert: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``convert``, except that "" and "none" (any case) give ``None``."""
+
+    def parse(text: str) -> Any:
+        return None if text.lower() in ("", "none") else convert(text)
+
+    parse.__name__ = getattr(convert, "__name__", "value")  # argparse names it in its errors
+    return parse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -217,15 +285,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         kwargs: dict[str, Any] = {
             "dest": f.name,
             "default": None,
-            "type": _converter(f),
+            "type": _kind(f.name).convert,
+            "choices": _kind(f.name).choices,
             "help": f"{f.metadata['help']} (env {env_name(f.name)}; default {f.default})",
         }
-        if f.name == "provider":
-            kwargs["choices"] = ["cpu", "cuda"]
-        if f.name == "variant":
-            kwargs["choices"] = list(VARIANTS)
-        if f.name == "log_level":
-            kwargs["choices"] = list(LOG_LEVELS)
         parser.add_argument(flag, **kwargs)
 
 
@@ -244,7 +307,7 @@ def load_settings(
             if f.metadata.get("env") and not raw:
                 continue  # SDE2_API_KEY= (an unset shell variable) means no key, not ""
             try:
-                values[f.name] = _converter(f)(raw)
+                values[f.name] = _kind(f.name).convert(raw)
             except ValueError as exc:
                 raise ValueError(f"{env_name(f.name)}={raw!r}: {exc}") from exc
     return Settings(**values)

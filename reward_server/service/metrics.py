@@ -21,6 +21,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from reward_server.encoders.base import Encoder
 from reward_server.service.batcher import BatchObserver, BatchRecord
 
 #: Seconds: from sub-millisecond parsing up to the slowest full GRPO step on a small CPU.
@@ -51,22 +52,13 @@ class _EncoderCollector(Collector):
     """Reads the encoder's own counters at scrape time (cache hits, tokens actually computed),
     so the encoder stays free of any metrics dependency."""
 
-    def __init__(self, encoder: Any) -> None:
+    def __init__(self, encoder: Encoder) -> None:
         self.encoder = encoder
 
-    def _find(self, attr: str) -> Any:
-        enc = self.encoder
-        for _ in range(4):  # walk wrappers such as the cache (``inner``)
-            if enc is None:
-                return None
-            if hasattr(enc, attr):
-                return getattr(enc, attr)
-            enc = getattr(enc, "inner", None)
-        return None
-
     def collect(self) -> Iterator[Any]:
-        hits, misses = self._find("hits"), self._find("misses")
-        if isinstance(hits, int) and isinstance(misses, int):
+        stats = self.encoder.stats()
+        if stats.cache is not None:
+            hits, misses = stats.cache.hits, stats.cache.misses
             lookups = CounterMetricFamily(
                 "sde2_cache_lookups", "embedding cache lookups by result", labels=["result"]
             )
@@ -78,16 +70,16 @@ class _EncoderCollector(Collector):
             )
             ratio.add_metric([], hits / (hits + misses) if hits + misses else 0.0)
             yield ratio
-        totals = self._find("totals")
-        if totals is not None:
-            for attr, help_text in (
-                ("tokens", "real tokens embedded"),
-                ("padded_tokens", "tokens computed including padding"),
-                ("batches", "onnxruntime runs"),
-                ("texts", "texts embedded by the model"),
+        work = stats.work
+        if work is not None:
+            for name, value, help_text in (
+                ("tokens", work.tokens, "real tokens embedded"),
+                ("padded_tokens", work.padded_tokens, "tokens computed including padding"),
+                ("batches", work.batches, "onnxruntime runs"),
+                ("texts", work.texts, "texts embedded by the model"),
             ):
-                c = CounterMetricFamily(f"sde2_encoder_{attr}", help_text)
-                c.add_metric([], int(getattr(totals, attr, 0)))
+                c = CounterMetricFamily(f"sde2_encoder_{name}", help_text)
+                c.add_metric([], value)
                 yield c
 
 
@@ -153,7 +145,7 @@ class Metrics(BatchObserver):
         )
         self.ready = Gauge("sde2_ready", "1 once the model is loaded and warm", registry=r)
 
-    def attach_encoder(self, encoder: Any) -> None:
+    def attach_encoder(self, encoder: Encoder) -> None:
         """Expose the encoder's own counters (cache, tokens) at scrape time."""
         self.registry.register(_EncoderCollector(encoder))
 

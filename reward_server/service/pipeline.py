@@ -37,7 +37,7 @@ from reward_server.core import (
 from reward_server.core.answers import MathJudge, math_available
 from reward_server.core.explain import explain_batch
 from reward_server.core.text import preprocess
-from reward_server.encoders.base import EMBEDDING_DIM, Encoder
+from reward_server.encoders.base import EMBEDDING_DIM, Encoder, check_encoder
 from reward_server.math_judge import IsolatedMathJudge, MathDeadlineExceeded
 from reward_server.service.batcher import Batcher, DeadlineExceeded, estimate_tokens
 from reward_server.service.config import Settings
@@ -101,31 +101,10 @@ class Scored:
         return {**self.score.as_dict(), "encoder": self.encoder}
 
 
-def _warm_up(encoder: Encoder) -> None:
-    """One real inference before reporting ready. The backend's own ``warmup`` (several batch
-    shapes) is found under wrappers such as the cache, whose lookups would otherwise answer a
-    repeated warm-up text without running the model."""
-    inner: Any = encoder
-    for _ in range(4):
-        warmup = getattr(inner, "warmup", None)
-        if callable(warmup):
-            warmup()
-            return
-        if not hasattr(inner, "inner"):
-            break
-        inner = inner.inner
-    inner.encode(["warm up"])
-
-
 def _chunk_tokens(encoder: Encoder) -> int:
     """The default ``chunk_tokens``: 2048 (~0.4 s of fp32 on 2 CPU cores), or the backend's own
     run size when larger (a GPU backend runs big batches in milliseconds)."""
-    inner: Any = encoder
-    for _ in range(4):
-        if isinstance(getattr(inner, "max_batch_tokens", None), int):
-            return max(2048, int(inner.max_batch_tokens))
-        inner = getattr(inner, "inner", None)
-    return 2048
+    return max(2048, encoder.describe().max_batch_tokens or 0)
 
 
 def _constant(encoder: Encoder | None) -> Callable[[], Encoder]:
@@ -152,6 +131,8 @@ class ScoringService:
             raise ValueError("pass exactly one of encoder and loader")
         self.settings = settings
         self.metrics = metrics or Metrics()
+        if encoder is not None:
+            check_encoder(encoder)  # a wrapper that forgot a member fails here, not in service
         self._loader: Callable[[], Encoder] = loader if loader is not None else _constant(encoder)
         self.encoder: Encoder | None = None
         self.batcher: Batcher | None = None
@@ -186,8 +167,8 @@ class ScoringService:
     def _load(self) -> None:
         try:
             t0 = time.monotonic()
-            encoder = self._loader()
-            _warm_up(encoder)
+            encoder = check_encoder(self._loader())
+            encoder.warmup()
             self.metrics.attach_encoder(encoder)
             self.encoder = encoder
             self.batcher = Batcher(
@@ -431,15 +412,13 @@ class ScoringService:
     def info(self, reveal_paths: bool = True) -> dict[str, Any]:
         """``/v1/info`` and gRPC ``Info``; ``reveal_paths=False`` (a caller without the key,
         when one is set) leaves out where the model lies on the server's disk."""
-        inner: Any = self.encoder
-        while inner is not None and not hasattr(inner, "variant") and hasattr(inner, "inner"):
-            inner = inner.inner
-        model_dir = getattr(inner, "model_dir", None)
         s = self.settings
+        described = self.encoder.describe() if self.encoder is not None else None
+        model_dir = described.model_dir if described is not None else None
         return {
             "encoder": self.encoder_name,
-            "variant": str(getattr(inner, "variant", "unknown")),
-            "provider": str(getattr(inner, "provider", s.provider)),
+            "variant": described.variant if described is not None else "unknown",
+            "provider": described.provider if described is not None else s.provider,
             "model_path": None if model_dir is None or not reveal_paths else str(model_dir),
             "version": __version__,
             "defaults": {
@@ -449,18 +428,5 @@ class ScoringService:
                 "diagnostics": False,
                 "params": RewardParams().model_dump(),
             },
-            "limits": {
-                "max_body_bytes": s.max_body_bytes,
-                "max_items": s.max_items,
-                "max_completion_chars": s.max_completion_chars,
-                "max_answer_chars": s.max_answer_chars,
-                "max_request_tokens": s.max_request_tokens,
-                "max_header_bytes": s.max_header_bytes,
-                "header_timeout_s": s.header_timeout,
-                "body_timeout_s": s.body_timeout,
-                "request_timeout_s": s.request_timeout,
-                "queue_capacity": s.queue_capacity,
-                "batch_tokens": s.batch_tokens,
-                "cache_size": s.cache_size,
-            },
+            "limits": s.public(),
         }

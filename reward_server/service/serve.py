@@ -40,7 +40,10 @@ from reward_server.service.config import add_arguments as add_settings_arguments
 from reward_server.service.memory import tune_malloc
 
 if TYPE_CHECKING:
+    import uvicorn
+
     from reward_server.encoders.base import Encoder
+    from reward_server.service.pipeline import ScoringService
 
 log = logging.getLogger("sde2.serve")
 
@@ -59,12 +62,13 @@ def resolve_model_dir(settings: Settings) -> Path:
 
 
 def build_encoder(settings: Settings) -> Encoder:
-    """The ONNX encoder for ``settings``, behind the LRU embedding cache when enabled."""
+    """The ``--backend`` encoder for ``settings``, behind the LRU embedding cache when enabled."""
     from reward_server.encoders.loading import load_encoder
 
     return load_encoder(
-        "onnx",
-        str(resolve_model_dir(settings)),
+        settings.backend,
+        settings.model,
+        variant=settings.variant,
         provider=settings.provider,
         intra_op_threads=settings.intra_op_threads,
         max_batch_tokens=settings.encoder_batch_tokens,
@@ -102,15 +106,40 @@ async def serve_async(
     )
     service.start()  # loading begins now (the app's lifespan would start it only once bound)
     # The web stack is imported while the encoder loads in its thread: onnxruntime builds its
-    # session mostly outside the GIL, so the two overlap (a third of the cold start).
+    # session mostly outside the GIL, so the two overlap.
+    server = _http_server(settings, service)
+    loop = asyncio.get_running_loop()
+    stop = _Stop(server)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.request, sig)
+    watcher = asyncio.create_task(_watch_loading(service, stop))
+    try:
+        if reuse_port and not await _ready_before_stop(watcher, stop):
+            return 1 if stop.failed else 0
+        failed_to_bind = await _serve_until_stopped(settings, service, server, stop, reuse_port)
+        if failed_to_bind:
+            return 3
+    finally:
+        watcher.cancel()
+        # Exiting while the loading thread is inside onnxruntime aborts the process ("terminate
+        # called without an active exception", exit 134): let loading end first (bounded).
+        await loop.run_in_executor(None, service.wait_loaded, 120.0)
+        await loop.run_in_executor(None, service.close)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    log.info("stopped")
+    return 0 if server.started and not stop.failed else 1
+
+
+def _http_server(settings: Settings, service: ScoringService) -> uvicorn.Server:
+    """uvicorn serving the app, with the request-head bounds and without its signal handlers."""
     import uvicorn
 
     from reward_server.service.http_app import create_app
     from reward_server.service.http_protocol import bounded_h11_protocol
 
-    app = create_app(service)
     config = uvicorn.Config(
-        app,
+        create_app(service),
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
@@ -127,75 +156,76 @@ async def serve_async(
     )
     server = uvicorn.Server(config)
     server.capture_signals = _no_signal_capture  # type: ignore[method-assign]
+    return server
 
-    loop = asyncio.get_running_loop()
-    stopping = asyncio.Event()
-    failed = asyncio.Event()
 
-    def request_stop(sig: signal.Signals) -> None:
+class _Stop:
+    """The process's stop: requested by SIGTERM/SIGINT or by a failed load, awaited by both
+    servers."""
+
+    def __init__(self, server: uvicorn.Server) -> None:
+        self.server = server
+        self.requested = asyncio.Event()
+        self.failed = False
+
+    def request(self, sig: signal.Signals) -> None:
         log.info("received %s: draining in-flight requests", sig.name)
-        server.should_exit = True
-        stopping.set()
+        self.server.should_exit = True
+        self.requested.set()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, request_stop, sig)
 
-    async def watch_loading() -> None:
-        await loop.run_in_executor(None, service.wait_loaded)
-        if service.load_error is not None:
-            log.error("cannot serve: %s", service.load_error)
-            failed.set()
-            request_stop(signal.SIGTERM)
-        else:
-            log.info("ready: %s", service.encoder_name)
+async def _watch_loading(service: ScoringService, stop: _Stop) -> None:
+    """Stop the process when the encoder fails to load; log when it is ready."""
+    await asyncio.get_running_loop().run_in_executor(None, service.wait_loaded)
+    if service.load_error is not None:
+        log.error("cannot serve: %s", service.load_error)
+        stop.failed = True
+        stop.request(signal.SIGTERM)
+    else:
+        log.info("ready: %s", service.encoder_name)
 
-    watcher = asyncio.create_task(watch_loading())
+
+async def _ready_before_stop(watcher: asyncio.Task[None], stop: _Stop) -> bool:
+    """Wait for loading to end (True) or for a stop (False). A worker sharing the ports listens
+    only once warm: the kernel hands connections to listening sockets only, so a loading worker
+    never answers 503 while another one is ready."""
+    stop_wait = asyncio.create_task(stop.requested.wait())
+    await asyncio.wait({watcher, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+    stop_wait.cancel()
+    return not stop.requested.is_set()
+
+
+async def _serve_until_stopped(
+    settings: Settings, service: ScoringService, server: uvicorn.Server, stop: _Stop, reuse: bool
+) -> bool:
+    """Serve HTTP (and gRPC when asked) until stopped; True when the gRPC port cannot be bound."""
     grpc_server = None
-    try:
-        if reuse_port:
-            # A worker sharing the ports listens only once warm: the kernel hands connections
-            # to listening sockets only, so a loading worker never answers 503 while another
-            # one is ready.
-            stop_wait = asyncio.create_task(stopping.wait())
-            await asyncio.wait({watcher, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
-            stop_wait.cancel()
-            if stopping.is_set():
-                return 1 if failed.is_set() else 0
-        if settings.grpc_port is not None:
-            from reward_server.service.grpc_server import create_server
+    if settings.grpc_port is not None:
+        from reward_server.service.grpc_server import create_server
 
-            try:
-                grpc_server, bound = create_server(
-                    service, settings.host, settings.grpc_port, reuse_port=reuse_port
-                )
-            except OSError as exc:  # like uvicorn's own bind failure: a message, exit 3
-                log.error("%s", exc)
-                return 3
-            await grpc_server.start()
-            log.info("gRPC listening on %s:%d", settings.host, bound)
-
-        async def stop_grpc() -> None:
-            await stopping.wait()
-            if grpc_server is not None:
-                await grpc_server.stop(grace=settings.drain_timeout)
-
-        sockets = [reuse_port_socket(settings.host, settings.port)] if reuse_port else None
-        grpc_stopper = asyncio.create_task(stop_grpc())
         try:
-            await server.serve(sockets=sockets)
-        finally:
-            stopping.set()  # uvicorn may also stop on its own (startup failure)
-            await grpc_stopper
+            grpc_server, bound = create_server(
+                service, settings.host, settings.grpc_port, reuse_port=reuse
+            )
+        except OSError as exc:  # like uvicorn's own bind failure: a message, exit 3
+            log.error("%s", exc)
+            return True
+        await grpc_server.start()
+        log.info("gRPC listening on %s:%d", settings.host, bound)
+
+    async def stop_grpc() -> None:
+        await stop.requested.wait()
+        if grpc_server is not None:
+            await grpc_server.stop(grace=settings.drain_timeout)
+
+    sockets = [reuse_port_socket(settings.host, settings.port)] if reuse else None
+    grpc_stopper = asyncio.create_task(stop_grpc())
+    try:
+        await server.serve(sockets=sockets)
     finally:
-        watcher.cancel()
-        # Exiting while the loading thread is inside onnxruntime aborts the process ("terminate
-        # called without an active exception", exit 134): let loading end first (bounded).
-        await loop.run_in_executor(None, service.wait_loaded, 120.0)
-        await loop.run_in_executor(None, service.close)
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
-    log.info("stopped")
-    return 0 if server.started and not failed.is_set() else 1
+        stop.requested.set()  # uvicorn may also stop on its own (startup failure)
+        await grpc_stopper
+    return False
 
 
 def _worker_main(settings: Settings, index: int) -> None:
@@ -211,9 +241,9 @@ def _run_workers(settings: Settings) -> int:
     from reward_server.encoders.onnx_runtime import available_cpus
 
     # Resolve (and, for the default model, export) once here, not concurrently in each worker.
-    model_dir = str(resolve_model_dir(settings))
+    model = str(resolve_model_dir(settings)) if settings.backend == "onnx" else settings.model
     threads = settings.intra_op_threads or max(1, available_cpus() // settings.workers)
-    child = dataclasses.replace(settings, model=model_dir, intra_op_threads=threads)
+    child = dataclasses.replace(settings, model=model, intra_op_threads=threads)
     ctx = multiprocessing.get_context("spawn")
     procs = [
         ctx.Process(target=_worker_main, args=(child, i), name=f"sde2-worker-{i}")

@@ -1,0 +1,117 @@
+"""Settings: parsers and choices come from the fields' types, ``Settings.public()`` is exactly what
+``/v1/info`` and gRPC ``Info`` report of them, and the encoder backend is a setting."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import typing
+
+import pytest
+
+from reward_server.encoders.base import PROVIDERS
+from reward_server.encoders.loading import BACKENDS
+from reward_server.encoders.model_store import VARIANTS
+from reward_server.service.config import Settings, add_arguments, load_settings
+from reward_server.service.grpc_server import pb
+from tests.service_fixtures import Running, http_client, make_service
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p
+
+
+def choices(flag: str) -> tuple[str, ...]:
+    action = next(a for a in parser()._actions if flag in a.option_strings)
+    return tuple(action.choices or ())
+
+
+def test_choices_come_from_the_types_that_define_them() -> None:
+    assert choices("--backend") == BACKENDS == ("onnx", "torch")
+    assert choices("--variant") == VARIANTS == ("fp32", "fp16", "int8")
+    assert choices("--provider") == PROVIDERS == ("cpu", "cuda")
+    assert choices("--log-level") == typing.get_args(typing.get_type_hints(Settings)["log_level"])
+    assert choices("--port") == ()
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--backend", "tensorrt"])
+    with pytest.raises(ValueError, match=r"backend \(--backend / SDE2_BACKEND\) must be one of"):
+        load_settings(None, {"SDE2_BACKEND": "tensorrt"})
+    assert load_settings(parser().parse_args(["--backend", "torch"]), {}).backend == "torch"
+    assert load_settings(None, {"SDE2_BACKEND": "torch"}).backend == "torch"
+    assert Settings().backend == "onnx"
+
+
+def test_each_field_is_parsed_as_its_type() -> None:
+    env = {
+        "SDE2_GRPC_PORT": "none",  # int | None: unset
+        "SDE2_CHUNK_TOKENS": "4096",  # int | None: a number
+        "SDE2_INTRA_OP_THREADS": "",  # int | None: unset
+        "SDE2_HEADER_TIMEOUT": "2.5",  # float
+        "SDE2_MODEL": "none",  # str | None: a model name is taken as given
+        "SDE2_API_KEY": "none",  # a key spelled "none" is a key, never "no key"
+    }
+    s = load_settings(None, env)
+    assert (s.grpc_port, s.chunk_tokens, s.intra_op_threads) == (None, 4096, None)
+    assert (s.header_timeout, s.model, s.api_key) == (2.5, "none", "none")
+    args = parser().parse_args(["--grpc-port", "None", "--max-items", "9"])
+    assert (args.grpc_port, args.max_items) == (None, 9)
+    with pytest.raises(ValueError, match="SDE2_MAX_ITEMS='many'"):
+        load_settings(None, {"SDE2_MAX_ITEMS": "many"})
+
+
+def test_public_is_what_v1_info_reports_of_the_settings() -> None:
+    settings = {"api_key": "s3cret", "max_items": 12, "header_timeout": 3.5, "cache_size": 7}
+    service = make_service(**settings)
+    public = service.settings.public()
+    assert public == {
+        "api_key_required": True,
+        "max_body_bytes": service.settings.max_body_bytes,
+        "max_items": 12,
+        "max_completion_chars": service.settings.max_completion_chars,
+        "max_answer_chars": service.settings.max_answer_chars,
+        "max_request_tokens": service.settings.max_request_tokens,
+        "max_header_bytes": service.settings.max_header_bytes,
+        "header_timeout_s": 3.5,
+        "body_timeout_s": service.settings.body_timeout,
+        "request_timeout_s": service.settings.request_timeout,
+        "queue_capacity": service.settings.queue_capacity,
+        "batch_tokens": service.settings.batch_tokens,
+        "cache_size": 7,
+    }
+    with http_client(service) as c:
+        info = c.get("/v1/info")
+    assert info.status_code == 200
+    assert info.json()["limits"] == public
+    assert "s3cret" not in info.text  # the key itself is never shown
+
+
+async def test_grpc_info_reports_the_same_settings() -> None:
+    service = make_service(max_items=5, api_key="k3y")
+    async with Running(service) as running:
+        info = await running.stub.Info(pb.InfoRequest())
+    assert json.loads(info.limits_json) == service.settings.public()
+    assert "k3y" not in str(info)
+
+
+@pytest.mark.slow
+def test_the_torch_backend_serves_sentence_transformers() -> None:
+    """``--backend torch`` reaches the server's loader (sentence-transformers, ~5 s to load)."""
+    from reward_server.encoders.reference import SentenceTransformerEncoder
+    from reward_server.service.serve import build_encoder
+
+    encoder = build_encoder(Settings(backend="torch", cache_size=0, intra_op_threads=2))
+    assert isinstance(encoder, SentenceTransformerEncoder)
+    assert encoder.name == "all-MiniLM-L6-v2 torch"
+    assert (encoder.describe().backend, encoder.describe().variant) == ("torch", "fp32")
+    service = make_service(encoder)
+    with http_client(service) as c:
+        info = c.get("/v1/info").json()
+        scored = c.post("/v1/score", json={"items": [{"completion": "x", "answer": "1"}]})
+    assert (info["encoder"], info["variant"], info["provider"]) == (
+        "all-MiniLM-L6-v2 torch",
+        "fp32",
+        "cpu",
+    )
+    assert scored.status_code == 200 and scored.json()["encoder"] == "all-MiniLM-L6-v2 torch"
