@@ -23,6 +23,7 @@ from reward_server.core.explain import ExplainLimits, explain_batch
 from reward_server.math_judge import IsolatedMathJudge
 from reward_server.offline import (
     InputError,
+    add_encoder_arguments,
     add_recipe_arguments,
     embed_with_progress,
     read_items,
@@ -227,9 +228,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--item", type=int, default=None, help="report only this item (0-based)")
     parser.add_argument("--json", action="store_true", help="print the explanation as JSON")
     parser.add_argument("--math-timeout", type=float, default=2.0, help="seconds per math check")
-    parser.add_argument("--backend", choices=["onnx", "torch"], default="onnx")
-    parser.add_argument("--model", default=None, help="ONNX folder, HF folder or hub id")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_encoder_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,7 +13,7 @@ import json
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO, get_args
+from typing import Any, TextIO, get_args
 
 import numpy as np
 from pydantic import ValidationError
@@ -29,10 +29,8 @@ from reward_server.core import (
     prepare_batch,
 )
 from reward_server.encoders.base import EMBEDDING_DIM, Encoder
+from reward_server.encoders.loading import BACKENDS, Backend
 from reward_server.math_judge import IsolatedMathJudge
-
-if TYPE_CHECKING:
-    from reward_server.encoders.loading import Backend
 
 #: Texts per encoder call: small enough for a live progress bar, large enough to batch well.
 CHUNK = 256
@@ -107,6 +105,14 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--answer-type", choices=get_args(AnswerType), default="numeric")
 
 
+def add_encoder_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--backend`` (choices from :data:`BACKENDS`), ``--model`` and ``--quiet``: how the offline
+    commands load the encoder and whether they show its progress."""
+    parser.add_argument("--backend", choices=BACKENDS, default="onnx")
+    parser.add_argument("--model", default=None, help="ONNX folder, HF folder or hub id")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``sde2-reward score``."""
     parser.add_argument("--in", dest="input", type=Path, required=True, help="input JSONL")
@@ -123,9 +129,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-normalize", action="store_true", help="sum raw components")
     parser.add_argument("--diagnostics", action="store_true", help="Uniq/Div for every item")
-    parser.add_argument("--backend", choices=["onnx", "torch"], default="onnx")
-    parser.add_argument("--model", default=None, help="ONNX folder, HF folder or hub id")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_encoder_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
