@@ -76,6 +76,16 @@ def _metric(text: str, name: str) -> float:
     raise KeyError(name)
 
 
+def _scored(text: str) -> float:
+    """Requests answered so far on the scoring routes (HTTP and gRPC), any status."""
+    routes = ('route="/v1/score"', 'route="grpc:Score"')
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("sde2_requests_total{") and any(r in line for r in routes)
+    )
+
+
 def test_overload_burst_gets_fast_429s_and_the_server_recovers(onnx_model_dir: Path) -> None:
     extra = ("--queue-capacity", "2", "--cache-size", "0")
     with ServerProcess(onnx_model_dir, *extra, grpc=False) as server:
@@ -115,12 +125,15 @@ def test_sigterm_drains_in_flight_requests_then_a_restart_serves(
         with ThreadPoolExecutor(5) as pool:
             http_calls = [pool.submit(post, server.url, b) for b in bodies]
             grpc_call = pool.submit(grpc_score, server, {"items": unique_items(seed=250)})
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:  # wait until the requests are inside
-                text = CLIENT.get(server.url + "/metrics").text
-                if _metric(text, "sde2_admitted_requests") >= 3:
-                    break
+            deadline = time.monotonic() + 60
+            admitted = inside = 0.0  # every request admitted or answered: none can arrive late
+            while inside < len(bodies) + 1 and time.monotonic() < deadline:
                 time.sleep(0.05)
+                text = CLIENT.get(server.url + "/metrics").text
+                admitted = _metric(text, "sde2_admitted_requests")
+                inside = admitted + _scored(text)
+            assert inside >= len(bodies) + 1, server.log_tail()
+            assert admitted >= 1, "every request was answered before the stop: nothing to drain"
             t0 = time.monotonic()
             server.terminate()
             responses = [f.result(timeout=120) for f in http_calls]
