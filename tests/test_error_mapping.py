@@ -16,6 +16,7 @@ server in process), never through the conversion function alone:
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -375,3 +376,46 @@ async def test_grpc_info_not_ready() -> None:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await running.stub.Info(pb.InfoRequest())
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE and err.value.details() == "loading"
+
+
+class _Refusing:
+    """A scorer deployment handle whose calls all fail with one of Ray's errors."""
+
+    def __init__(self, exc: Exception) -> None:
+        self.exc = exc
+        self.http = self
+
+    async def _fail(self) -> Any:
+        raise self.exc
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        return self._fail()
+
+
+async def test_ray_ingress_and_handle_answer_with_the_same_conversion() -> None:
+    """Under Ray Serve, a full router queue and a lost replica become the service's own errors,
+    answered by the ingress exactly as the app answers them (and by the handle as the status)."""
+    from ray.exceptions import RayActorError
+    from ray.serve.exceptions import BackPressureError
+
+    from reward_server.service.ray_app import Forwarded, Ingress, RewardHandle, ScoreCallError
+
+    cases = {
+        "overloaded": BackPressureError(num_queued_requests=3, max_queued_requests=2),
+        "replica_lost": RayActorError(),
+    }
+    for reason, ray_error in cases.items():
+        row = ROWS[reason]
+        answer = await Ingress(_Refusing(ray_error), 1024, attempts=2).relay(Forwarded())
+        assert answer.status == row.http_status
+        assert answer.header("retry-after") == "1"  # Ray says nothing sooner
+        assert answer.header("content-type") == "application/json"
+        detail = json.loads(answer.body)["detail"]
+        assert isinstance(detail, str) and detail
+        handle = RewardHandle.__new__(RewardHandle)  # no cluster: only its error path is used
+        handle.handle, handle.attempts = _Refusing(ray_error), 2
+        handle.handle.score = handle.handle
+        with pytest.raises(ScoreCallError) as err:
+            await handle.score_async(ONE_ITEM)
+        assert (err.value.status, err.value.retry_after) == (row.http_status, 1.0)
+        assert err.value.retryable and err.value.detail == detail
