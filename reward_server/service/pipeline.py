@@ -371,8 +371,7 @@ class ScoringService:
         answers 429 at once without buffering the body, and the bodies held in memory are
         bounded by the queue's capacity. ``timeout`` (seconds) tightens the server's
         ``request_timeout`` for this request. ``explain`` embeds ``H`` of every item (as
-        ``diagnostics`` does; the rewards are the
-        same) and adds the explanation.
+        ``diagnostics`` does; the rewards are the same) and adds the explanation.
         """
         t0 = time.monotonic()
         self.authorize(authorization)
@@ -388,15 +387,27 @@ class ScoringService:
                 return Scored(_nothing_scored(), timings, self.encoder_name)
             request, prepared = parsed
             self.check_encoder_budget(prepared.texts, loc_map)
-            self.metrics.items.observe(len(request.items))
-            t1 = time.monotonic()
-            embeddings, queue_s, encode_s = await self._embed(batcher, prepared.texts, deadline)
-            t2 = time.monotonic()
-            score = await self._reward(request, prepared, embeddings)
-            explanation = None
-            if explain:
-                explanation = await self._explain(request, prepared, embeddings, score, deadline)
-            t3 = time.monotonic()
+            return await self._score_prepared(batcher, request, prepared, t0, deadline, explain)
+
+    async def _score_prepared(
+        self,
+        batcher: Batcher,
+        request: ScoreRequest,
+        prepared: PreparedBatch,
+        t0: float,
+        deadline: float,
+        explain: bool,
+    ) -> Scored:
+        """Encode, reward (and explain) an admitted, prepared request; time every phase."""
+        self.metrics.items.observe(len(request.items))
+        t1 = time.monotonic()
+        embeddings, queue_s, encode_s = await self._embed(batcher, prepared.texts, deadline)
+        t2 = time.monotonic()
+        score = await self._reward(request, prepared, embeddings)
+        explanation = None
+        if explain:
+            explanation = await self._explain(request, prepared, embeddings, score, deadline)
+        t3 = time.monotonic()
         timings = {
             "parse": t1 - t0,
             "queue": queue_s,
