@@ -12,6 +12,7 @@ The messages (``pb``) are generated from ``protos/`` when the package is built (
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from google.protobuf.message import Message
@@ -96,3 +97,36 @@ def scored_to_proto(scored: Scored) -> pb.ScoreResponse:
     for it in d["items"]:
         resp.items.add(**{k: v for k, v in it.items() if v is not None})
     return resp
+
+
+def info_to_proto(info: dict[str, Any]) -> pb.InfoResponse:
+    """The service's info (``GET /v1/info``'s JSON) as an ``InfoResponse`` message."""
+    return pb.InfoResponse(
+        encoder=info["encoder"],
+        variant=info["variant"],
+        provider=info["provider"],
+        version=info["version"],
+        model_path=info["model_path"] or "",
+        defaults_json=json.dumps(info["defaults"]),
+        limits_json=json.dumps(info["limits"]),
+    )
+
+
+class Malformed:
+    """A request whose bytes are not the method's protobuf message (see :func:`lenient`)."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+
+def lenient(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    """A deserializer that never raises: grpc answers a raising one with UNKNOWN and a logged
+    traceback; the handler answers :class:`Malformed` with INVALID_ARGUMENT instead."""
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except Exception as exc:  # DecodeError, or anything the parser raises on junk
+            return Malformed(str(exc) or type(exc).__name__)
+
+    return deserialize

@@ -27,6 +27,9 @@ from reward_server.service.errors import NotReady, RequestInvalid, ServiceError
 from reward_server.service.grpc_messages import (
     METHODS,
     SERVICE,
+    Malformed,
+    info_to_proto,
+    lenient,
     pb,
     request_to_json,
     scored_to_proto,
@@ -86,15 +89,7 @@ class RewardServicer:
         if not self.service.ready:
             raise NotReady("loading")
         info = self.service.info(reveal_paths=self.service.is_authorized(_authorization(context)))
-        return pb.InfoResponse(
-            encoder=info["encoder"],
-            variant=info["variant"],
-            provider=info["provider"],
-            version=info["version"],
-            model_path=info["model_path"] or "",
-            defaults_json=json.dumps(info["defaults"]),
-            limits_json=json.dumps(info["limits"]),
-        )
+        return info_to_proto(info)
 
     async def Health(self, request: pb.HealthRequest, context: Context) -> pb.HealthResponse:
         """SERVING once the model is loaded and warm (``GET /readyz``)."""
@@ -111,33 +106,13 @@ def _authorization(context: Context) -> str | None:
     return None if value is None else str(value)
 
 
-class _Malformed:
-    """A request whose bytes are not the method's protobuf message (see :func:`_lenient`)."""
-
-    def __init__(self, why: str) -> None:
-        self.why = why
-
-
-def _lenient(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
-    """A deserializer that never raises: grpc answers a raising one with UNKNOWN and a logged
-    traceback; the handler answers :class:`_Malformed` with INVALID_ARGUMENT instead."""
-
-    def deserialize(data: bytes) -> Any:
-        try:
-            return parse(data)
-        except Exception as exc:  # DecodeError, or anything the parser raises on junk
-            return _Malformed(str(exc) or type(exc).__name__)
-
-    return deserialize
-
-
 def _translated(servicer: RewardServicer, name: str) -> Callable[[Any, Context], Awaitable[Any]]:
     """Method ``name`` of ``servicer``, its :class:`ServiceError` answered by :func:`abort`."""
     method = getattr(servicer, name)
 
     async def handle(request: Any, context: Context) -> Any:
         try:
-            if isinstance(request, _Malformed):
+            if isinstance(request, Malformed):
                 msg = f"request is not a valid protobuf message: {request.why}"
                 raise RequestInvalid.one((), msg, "malformed")
             return await method(request, context)
@@ -153,7 +128,7 @@ def generic_handler(servicer: RewardServicer) -> grpc.GenericRpcHandler:
     handlers = {
         name: grpc.unary_unary_rpc_method_handler(
             _translated(servicer, name),
-            request_deserializer=_lenient(getattr(pb, req).FromString),
+            request_deserializer=lenient(getattr(pb, req).FromString),
             response_serializer=getattr(pb, resp).SerializeToString,
         )
         for name, (req, resp) in METHODS.items()

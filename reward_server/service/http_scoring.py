@@ -42,11 +42,12 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 class FastJSONResponse(JSONResponse):
-    """A JSON response serialized by orjson: for a 64-completion step it takes a tenth of the
-    standard library's time, a visible share of a step when the encoder costs little (GPU).
-    Same compact JSON; scoring responses hold only finite floats (the scorer refuses others).
-    An integer orjson cannot write (past 64 bits: a parameter such as ``length_target`` may be
-    that large) falls back to the standard library instead of failing with a 500."""
+    """A JSON response serialized by orjson, much faster than the standard library for a step's
+    answer: serializing is a visible share of a step when the encoder costs little (GPU; see
+    benchmarks/README.md). Same compact JSON; scoring responses hold only finite floats (the
+    scorer refuses others). An integer orjson cannot write (past 64 bits: a parameter such as
+    ``length_target`` may be that large) falls back to the standard library instead of failing
+    with a 500."""
 
     def render(self, content: Any) -> bytes:
         try:

@@ -73,11 +73,11 @@ class RayOptions:
     """How the scorer deployment is scaled and placed.
 
     Defaults: autoscale between 1 and 4 replicas, aiming at 2 requests in flight per replica.
-    One request is a whole GRPO step (~0.3 s of encoder time per 8 completions on 2 cores), and
-    a replica already coalesces concurrent requests into shared encoder batches, so beyond ~2
-    in flight a replica only queues: latency grows, throughput does not (bench_load: 28 vs 31
-    completions/s at 1 vs 32 clients). ``max_ongoing_requests`` caps what one replica holds
-    (the rest wait in Ray's router, up to ``max_queued_requests``; beyond that: 429).
+    One request is a whole GRPO step and a replica already coalesces concurrent requests into
+    shared encoder batches, so beyond ~2 in flight a replica only queues: latency grows,
+    throughput does not (``bench_load.py`` in benchmarks/README.md). ``max_ongoing_requests``
+    caps what one replica holds (the rest wait in Ray's router, up to ``max_queued_requests``;
+    beyond that: 429).
     """
 
     num_replicas: int | None = field(
