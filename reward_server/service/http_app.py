@@ -28,8 +28,7 @@ from fastapi.responses import Response
 from reward_server import __version__
 from reward_server.service import explain_routes, openrlhf_routes, ops_routes, score_routes
 from reward_server.service.errors import RequestInvalid, ServiceError, issue
-from reward_server.service.http_scoring import answer_service_error, read_body
-from reward_server.service.openrlhf_routes import openrlhf_items
+from reward_server.service.http_scoring import answer_service_error
 from reward_server.service.pipeline import ScoringService
 
 
@@ -67,4 +66,4 @@ def create_app(service: ScoringService) -> FastAPI:
     return app
 
 
-__all__ = ["create_app", "openrlhf_items", "read_body"]
+__all__ = ["create_app"]

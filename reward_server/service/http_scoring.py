@@ -65,7 +65,7 @@ def service_of(request: Request) -> ScoringService:
 def error_response(exc: ServiceError) -> Response:
     """The HTTP answer to ``exc``: its status, ``{"detail": ...}`` and headers (499 has no
     body: nobody receives it)."""
-    if exc.http_status == ClientGone.http_status:
+    if isinstance(exc, ClientGone):
         return Response(status_code=exc.http_status)
     return JSONResponse(
         {"detail": exc.detail}, status_code=exc.http_status, headers=exc.http_headers
