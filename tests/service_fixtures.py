@@ -29,7 +29,8 @@ import pytest
 from reward_server.core import RewardParams, ScoreItem, score_batch
 from reward_server.encoders.base import Encoder, EncoderDescription, EncoderStats
 from reward_server.service.config import Settings
-from reward_server.service.grpc_server import RewardStub, create_server
+from reward_server.service.grpc_client import RewardStub
+from reward_server.service.grpc_server import create_server
 from reward_server.service.pipeline import ScoringService
 from tests.doubles import HashEncoder
 

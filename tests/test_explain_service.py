@@ -15,11 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from reward_server.service.explain_routes import INSPECTOR_FILES, inspector_file
-from reward_server.service.grpc_server import (
-    pb,
-    request_from_dict,
-    response_to_dict,
-)
+from reward_server.service.grpc_client import request_from_dict, response_to_dict
+from reward_server.service.grpc_messages import pb
 from tests.doubles import HashEncoder
 from tests.hostile import PIECES
 from tests.service_fixtures import (  # noqa: F401  (fixtures)

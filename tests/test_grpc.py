@@ -14,11 +14,8 @@ import grpc
 import pytest
 import tomllib
 
-from reward_server.service.grpc_server import (
-    pb,
-    request_from_dict,
-    response_to_dict,
-)
+from reward_server.service.grpc_client import request_from_dict, response_to_dict
+from reward_server.service.grpc_messages import pb
 from reward_server.service.pipeline import ScoringService
 from tests.doubles import HashEncoder
 from tests.server_process import REPO

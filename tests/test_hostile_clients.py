@@ -326,7 +326,8 @@ def test_grpc_port_in_use_exits_3_with_a_message(onnx_model_dir: Path) -> None:
 def test_malformed_protobuf_and_the_model_path_without_the_key(onnx_model_dir: Path) -> None:
     import grpc
 
-    from reward_server.service.grpc_server import SERVICE, RewardStub, pb
+    from reward_server.service.grpc_client import RewardStub
+    from reward_server.service.grpc_messages import SERVICE, pb
 
     env = {"SDE2_API_KEY": "s3cret"}
     with ServerProcess(onnx_model_dir, grpc=True, env=env) as server:

@@ -421,6 +421,40 @@ def test_openapi_describes_every_request_field_with_constraints(client: Any) -> 
     assert {"200", "413", "422", "429", "503"} <= set(responses)
 
 
+def _string_max_length(schema: dict[str, Any]) -> int:
+    branches = [schema, *schema.get("anyOf", [])]
+    (limit,) = [b["maxLength"] for b in branches if b.get("type") == "string"]
+    return int(limit)
+
+
+def test_openapi_text_limits_are_the_limits_the_service_enforces() -> None:
+    """One table (``ITEM_TEXT_LIMITS``) gives the OpenAPI ``maxLength`` of every item text, and
+    of the OpenRLHF field each comes from, and the limit the service refuses past."""
+    from reward_server.service.openrlhf_routes import ITEM_SOURCES
+    from reward_server.service.pipeline import ITEM_TEXT_LIMITS, item_text_limits
+
+    service = make_service(max_completion_chars=300, max_answer_chars=20)
+    limits = item_text_limits(service.settings)
+    assert limits == {"completion": 300, "prompt": 300, "answer": 20, "group": 20}
+    with http_client(service) as c:
+        doc = c.get("/openapi.json").json()
+        item = doc["components"]["schemas"]["ScoreItem"]["properties"]
+        openrlhf = doc["paths"]["/get_reward"]["post"]["requestBody"]["content"]
+        sources = openrlhf["application/json"]["schema"]["properties"]
+        for field in ITEM_TEXT_LIMITS:
+            assert _string_max_length(item[field]) == limits[field], field
+            if field in ITEM_SOURCES:
+                got = _string_max_length(sources[ITEM_SOURCES[field]]["items"])
+                assert got == limits[field], field
+            over = {"completion": "a", "answer": "1", field: "7" * (limits[field] + 1)}
+            r = c.post("/v1/score", json={"items": [over]})
+            assert r.status_code == 422, (field, r.text[:300])
+            assert r.json()["detail"][0]["field"] == f"items.0.{field}"
+            at_limit = {"completion": "a", "answer": "1", field: "7" * limits[field]}
+            assert c.post("/v1/score", json={"items": [at_limit]}).status_code == 200, field
+    service.close()
+
+
 def test_real_onnx_encoder_end_to_end(onnx_encoder: Any) -> None:
     body = {"items": step_items(seed=7, prompts=2, generations=4), "diagnostics": True}
     with http_client(make_service(onnx_encoder)) as c:

@@ -16,7 +16,7 @@ import grpc
 import httpx
 import pytest
 
-from reward_server.service.grpc_server import RewardStub, request_from_dict, response_to_dict
+from reward_server.service.grpc_client import RewardStub, request_from_dict, response_to_dict
 from tests.server_process import ServerProcess
 from tests.service_fixtures import (  # noqa: F401  (fixtures)
     REAL_MODEL_ATOL,

@@ -21,13 +21,8 @@ from reward_server.cli import main
 from reward_server.core import RECIPES, InvalidBatch, RecipeSpec, ScoreItem, prepare_batch
 from reward_server.core.components import COMPONENTS
 from reward_server.core.params import ComponentKey, RewardParams, Weights
-from reward_server.service.grpc_server import (
-    _PARAM_FIELDS,
-    _WEIGHT_FIELDS,
-    pb,
-    request_from_dict,
-    response_to_dict,
-)
+from reward_server.service.grpc_client import request_from_dict, response_to_dict
+from reward_server.service.grpc_messages import PARAM_FIELDS, WEIGHT_FIELDS, pb
 from tests.doubles import HashEncoder
 from tests.server_process import REPO
 from tests.service_fixtures import Running, http_client, make_service
@@ -270,11 +265,11 @@ def test_proto_messages_have_exactly_the_models_fields() -> None:
 
     double, int64 = FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_INT64
     weights = fields(pb.Weights)
-    assert list(weights) == list(_WEIGHT_FIELDS) == list(Weights.model_fields)
+    assert list(weights) == list(WEIGHT_FIELDS) == list(Weights.model_fields)
     assert set(weights.values()) == {double}
     params = fields(pb.RewardParams)
-    assert set(params) == {*_PARAM_FIELDS, "weights"} == set(RewardParams.model_fields)
-    for name in _PARAM_FIELDS:
+    assert set(params) == {*PARAM_FIELDS, "weights"} == set(RewardParams.model_fields)
+    for name in PARAM_FIELDS:
         annotation = RewardParams.model_fields[name].annotation
         assert params[name] == (int64 if annotation is int else double), name
 

@@ -34,7 +34,7 @@ import httpx
 import pytest
 
 from reward_server.encoders import model_store
-from reward_server.service.grpc_server import RewardStub, request_from_dict, response_to_dict
+from reward_server.service.grpc_client import RewardStub, request_from_dict, response_to_dict
 from tests.server_process import REPO, ServerProcess, free_port
 from tests.service_fixtures import onnx_model_dir_fixture, step_items  # noqa: F401 (fixture)
 

@@ -13,7 +13,7 @@ from reward_server.encoders.base import PROVIDERS
 from reward_server.encoders.loading import BACKENDS
 from reward_server.encoders.model_store import VARIANTS
 from reward_server.service.config import Settings, add_arguments, load_settings
-from reward_server.service.grpc_server import pb
+from reward_server.service.grpc_messages import pb
 from tests.service_fixtures import Running, http_client, make_service
 
 

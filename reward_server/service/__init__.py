@@ -3,8 +3,12 @@
 * :mod:`~reward_server.service.config` — the settings (flags and ``SDE2_*`` variables);
 * :mod:`~reward_server.service.schemas` — wire models (SPEC §6, OpenRLHF);
 * :mod:`~reward_server.service.batcher` — admission control and the coalescing encoder worker;
-* :mod:`~reward_server.service.pipeline` — parse → queue → encode → reward, shared by both wires;
-* :mod:`~reward_server.service.http_app` / :mod:`~reward_server.service.grpc_server` — the wires;
+* :mod:`~reward_server.service.pipeline` — auth, limits, parse → queue → encode → reward,
+  shared by every wire;
+* :mod:`~reward_server.service.errors` — every failure, with its reason, HTTP status and gRPC
+  code (each wire converts it once);
+* :mod:`~reward_server.service.http_app` (routes in ``*_routes``) /
+  :mod:`~reward_server.service.grpc_server` — the wires, translators over the pipeline;
 * :mod:`~reward_server.service.metrics` — Prometheus metrics;
 * :mod:`~reward_server.service.serve` — ``sde2-reward serve``.
 

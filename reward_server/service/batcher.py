@@ -43,6 +43,12 @@ import numpy as np
 import numpy.typing as npt
 
 from reward_server.encoders.base import EMBEDDING_DIM, MAX_SEQ_LENGTH, Encoder
+from reward_server.service.errors import (  # re-exported: the batcher raises them
+    DeadlineExceeded,
+    EncoderFailed,
+    Overloaded,
+    ShuttingDown,
+)
 
 log = logging.getLogger(__name__)
 
@@ -54,26 +60,6 @@ CHARS_PER_TOKEN = 4
 def estimate_tokens(text: str) -> int:
     """Rough token count of ``text`` ([CLS] and [SEP] included, capped at the model's limit)."""
     return min(MAX_SEQ_LENGTH, 2 + math.ceil(len(text) / CHARS_PER_TOKEN))
-
-
-class Overloaded(Exception):
-    """The server is at capacity; ``retry_after`` is a whole number of seconds to wait."""
-
-    def __init__(self, retry_after: int) -> None:
-        super().__init__(f"server at capacity, retry after {retry_after} s")
-        self.retry_after = retry_after
-
-
-class DeadlineExceeded(Exception):
-    """The request's deadline passed before its embeddings were ready."""
-
-
-class ShuttingDown(Exception):
-    """The batcher is stopping and accepts no new work."""
-
-
-class EncoderFailed(Exception):
-    """The encoder raised; the batch's requests fail with this (a server-side error)."""
 
 
 @dataclass(frozen=True)

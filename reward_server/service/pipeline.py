@@ -12,6 +12,7 @@ the event loop keeps answering ``/healthz`` and rejecting overload quickly while
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import threading
 import time
@@ -36,54 +37,85 @@ from reward_server.core import (
 )
 from reward_server.core.answers import MathJudge, math_available
 from reward_server.core.explain import explain_batch
+from reward_server.core.normalization import Aggregate
 from reward_server.core.text import preprocess
 from reward_server.encoders.base import EMBEDDING_DIM, Encoder, check_encoder
 from reward_server.math_judge import IsolatedMathJudge, MathDeadlineExceeded
-from reward_server.service.batcher import Batcher, DeadlineExceeded, estimate_tokens
+from reward_server.service.batcher import Batcher, estimate_tokens
 from reward_server.service.config import Settings
+from reward_server.service.errors import (
+    MAX_ISSUES,
+    DeadlineExceeded,
+    Loc,
+    NotReady,
+    RequestInvalid,
+    Unauthorized,
+    issue,
+)
 from reward_server.service.metrics import Metrics
 from reward_server.service.schemas import ScoreRequest
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-Loc = tuple[str | int, ...]
-#: Most validation issues reported for one request (a 10k-item batch of wrong types would
-#: otherwise produce a response larger than the request).
-MAX_ISSUES = 20
 #: The most characters Unicode NFKC makes of one (U+FDFA, UAX #15's expansion factor for NFKC);
 #: SPEC §1's typography map is one-to-one.
 NFKC_MAX_EXPANSION = 18
 
+#: Each item's text fields and the setting bounding its length in characters: the limit check
+#: and the OpenAPI document's ``maxLength`` both read this one table.
+ITEM_TEXT_LIMITS: dict[str, str] = {
+    "completion": "max_completion_chars",
+    "prompt": "max_completion_chars",
+    "answer": "max_answer_chars",
+    "group": "max_answer_chars",
+}
+#: The fields scored after NFKC (SPEC §1): their limit also holds after normalization.
+NFKC_FIELDS = frozenset({"completion", "answer"})
 
-class RequestInvalid(Exception):
-    """Bad input: HTTP 422 / gRPC INVALID_ARGUMENT, with every issue's field path."""
-
-    def __init__(self, issues: list[dict[str, Any]]) -> None:
-        super().__init__("; ".join(f"{i['field']}: {i['msg']}" for i in issues))
-        self.issues = issues
+LocMap = Callable[[Loc], Loc]
 
 
-class NotReady(Exception):
-    """The model is still loading (HTTP 503 / gRPC UNAVAILABLE)."""
+def item_text_limits(settings: Settings) -> dict[str, int]:
+    """:data:`ITEM_TEXT_LIMITS` with this server's values."""
+    return {name: int(getattr(settings, setting)) for name, setting in ITEM_TEXT_LIMITS.items()}
 
 
-def issue(loc: Loc, msg: str, kind: str) -> dict[str, Any]:
-    """One validation issue in the wire shape (``loc`` list plus a dotted ``field``)."""
-    field = ".".join(map(str, loc)) or "body"
-    return {"loc": list(loc), "field": field, "msg": msg, "type": kind}
+def _mapped(loc_map: LocMap | None, loc: Loc) -> Loc:
+    return loc_map(loc) if loc_map else loc
 
 
 def issues_from_validation(exc: ValidationError, loc_map: LocMap | None = None) -> list[dict]:
     """pydantic errors -> wire issues (without echoing the offending input back)."""
     out = []
     for err in exc.errors(include_url=False, include_input=False)[:MAX_ISSUES]:
-        loc = tuple(err["loc"])
-        out.append(issue(loc_map(loc) if loc_map else loc, err["msg"], err["type"]))
+        out.append(issue(_mapped(loc_map, tuple(err["loc"])), err["msg"], err["type"]))
     return out
 
 
-LocMap = Callable[[Loc], Loc]
+def text_over_limit(value: str | None, limit: int, nfkc: bool) -> str | None:
+    """Why ``value`` is over ``limit`` characters (raw, or after NFKC when ``nfkc``), or None.
+
+    NFKC can expand a character 18x (U+FDFA): a non-ASCII text is normalized only when it is
+    long enough to pass the limit after the largest expansion, so shorter ones are not
+    normalized twice.
+
+    >>> text_over_limit("abc", 2, nfkc=False)
+    'at most 2 characters, got 3'
+    >>> text_over_limit("\ufdfa", 10, nfkc=True)
+    'at most 10 characters after Unicode NFKC normalization, got 18'
+    >>> text_over_limit("\ufdfa", 18, nfkc=True) is None
+    True
+    """
+    if value is None:
+        return None
+    if len(value) > limit:
+        return f"at most {limit} characters, got {len(value)}"
+    if nfkc and value and len(value) * NFKC_MAX_EXPANSION > limit and not value.isascii():
+        n = len(preprocess(value))
+        if n > limit:
+            return f"at most {limit} characters after Unicode NFKC normalization, got {n}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -105,6 +137,15 @@ def _chunk_tokens(encoder: Encoder) -> int:
     """The default ``chunk_tokens``: 2048 (~0.4 s of fp32 on 2 CPU cores), or the backend's own
     run size when larger (a GPU backend runs big batches in milliseconds)."""
     return max(2048, encoder.describe().max_batch_tokens or 0)
+
+
+_NO_WORK = {"queue": 0.0, "encode": 0.0, "reward": 0.0}
+
+
+def _nothing_scored() -> BatchScore:
+    """The score of a request with no items (only OpenRLHF's protocol allows one)."""
+    empty = Aggregate(rewards=[], normalized={}, mean={}, std={}, advantages=None)
+    return BatchScore("sde2", RewardParams(), {}, empty, [])
 
 
 def _constant(encoder: Encoder | None) -> Callable[[], Encoder]:
@@ -233,49 +274,45 @@ class ScoringService:
         """The ``encoder`` field of responses."""
         return self.encoder.name if self.encoder is not None else "loading"
 
+    def is_authorized(self, authorization: str | None) -> bool:
+        """No key is set, or ``authorization`` (the HTTP header's or gRPC metadata's value) is
+        ``Bearer <key>``; compared in constant time (no timing oracle)."""
+        key = self.settings.api_key
+        if key is None:
+            return True
+        scheme, _, token = (authorization or "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            token.strip().encode("utf-8", "surrogateescape"),
+            key.encode("utf-8", "surrogateescape"),
+        )
+
+    def authorize(self, authorization: str | None) -> None:
+        """:meth:`is_authorized`, or :class:`Unauthorized`: the one key check of every
+        transport (they only hand over the credential)."""
+        if not self.is_authorized(authorization):
+            raise Unauthorized()
+
     def check_limits(self, request: ScoreRequest, loc_map: LocMap | None = None) -> None:
         """The server's size limits (the schema's own constraints are already checked)."""
         s = self.settings
         issues: list[dict[str, Any]] = []
 
-        def add(loc: Loc, msg: str) -> None:
-            issues.append(issue(loc_map(loc) if loc_map else loc, msg, "too_long"))
+        def add(loc: Loc, msg: str, kind: str = "too_long") -> None:
+            issues.append(issue(_mapped(loc_map, loc), msg, kind))
 
         if request.answer_type == "math" and not math_available():
-            issues.append(
-                issue(
-                    loc_map(("answer_type",)) if loc_map else ("answer_type",),
-                    "'math' needs the server's optional extra sde2[math], not installed here",
-                    "unsupported",
-                )
-            )
+            msg = "'math' needs the server's optional extra sde2[math], not installed here"
+            add(("answer_type",), msg, "unsupported")
         if len(request.items) > s.max_items:
             add(("items",), f"at most {s.max_items} items per request, got {len(request.items)}")
+        limits = item_text_limits(s)
         for i, item in enumerate(request.items):
             if len(issues) >= MAX_ISSUES:
                 break
-            for name, value, limit in (
-                ("completion", item.completion, s.max_completion_chars),
-                ("prompt", item.prompt, s.max_completion_chars),
-                ("answer", item.answer, s.max_answer_chars),
-                ("group", item.group, s.max_answer_chars),
-            ):
-                if value is not None and len(value) > limit:
-                    add(("items", i, name), f"at most {limit} characters, got {len(value)}")
-                elif (
-                    name in ("completion", "answer")
-                    and value
-                    and len(value) * NFKC_MAX_EXPANSION > limit
-                    and not value.isascii()
-                ):
-                    # NFKC (SPEC §1) can expand a character 18x (U+FDFA): bound what is scored.
-                    # Shorter texts cannot pass the limit, and are not normalized twice.
-                    n = len(preprocess(value))
-                    if n > limit:
-                        add(
-                            ("items", i, name),
-                            f"at most {limit} characters after Unicode NFKC normalization, got {n}",
-                        )
+            for name, limit in limits.items():
+                problem = text_over_limit(getattr(item, name), limit, name in NFKC_FIELDS)
+                if problem is not None:
+                    add(("items", i, name), problem)
         if issues:
             raise RequestInvalid(issues)
 
@@ -285,118 +322,73 @@ class ScoringService:
         limit = self.settings.max_request_tokens
         needed = sum(map(estimate_tokens, texts))
         if needed > limit:
-            loc: Loc = ("items",)
             msg = (
                 f"needs about {needed} encoder tokens ({len(texts)} distinct strategy texts), "
                 f"more than this server's limit of {limit} per request (max_request_tokens): "
                 "split the batch"
             )
-            raise RequestInvalid([issue(loc_map(loc) if loc_map else loc, msg, "too_many_tokens")])
+            raise RequestInvalid.one(_mapped(loc_map, ("items",)), msg, "too_many_tokens")
 
     async def _in_pool(self, fn: Callable[[], T], pool: ThreadPoolExecutor | None = None) -> T:
         return await asyncio.get_running_loop().run_in_executor(pool or self._cpu, fn)
 
     async def score(
         self,
-        parse: Callable[[], ScoreRequest],
+        parse: Callable[[], ScoreRequest | None],
         *,
+        authorization: str | None = None,
         receive: Callable[[], Awaitable[object]] | None = None,
         loc_map: LocMap | None = None,
         timeout: float | None = None,
         explain: bool = False,
     ) -> Scored:
-        """Admit, parse, encode through the batcher, reward. Raises :class:`RequestInvalid`,
-        :class:`~reward_server.service.batcher.Overloaded`,
-        :class:`~reward_server.service.batcher.DeadlineExceeded`, :class:`NotReady`.
+        """Authorize, admit, parse, encode through the batcher, reward. Raises a
+        :class:`~reward_server.service.errors.ServiceError` (each transport converts it once).
 
-        ``receive`` is awaited once the request is admitted and before ``parse``: HTTP reads
-        its body there, so a full server answers 429 at once without buffering the body, and
-        the bodies held in memory are bounded by the queue's capacity. ``timeout`` (seconds)
-        tightens the server's ``request_timeout`` for this request. ``explain`` embeds ``H`` of
-        every item (as ``diagnostics`` does; the rewards are the same) and adds the explanation.
+        ``parse`` returns None for a valid request with nothing to score (OpenRLHF's empty
+        lists): the answer is then an empty score. ``authorization`` is the caller's credential
+        (see :meth:`authorize`), checked before anything else. ``receive`` is awaited once the
+        request is admitted and before ``parse``: HTTP reads its body there, so a full server
+        answers 429 at once without buffering the body, and the bodies held in memory are
+        bounded by the queue's capacity. ``timeout`` (seconds) tightens the server's
+        ``request_timeout`` for this request. ``explain`` embeds ``H`` of every item (as
+        ``diagnostics`` does; the rewards are the same) and adds the explanation.
         """
         t0 = time.monotonic()
-        if self.batcher is None or self.encoder is None:
-            raise NotReady(self.load_error or "the model is loading")
-        budget = self.settings.request_timeout
-        if timeout is not None:  # the client's own deadline (gRPC), when sooner
-            budget = min(budget, max(0.0, timeout))
-        deadline = t0 + budget
-        with self.batcher.admit():
+        self.authorize(authorization)
+        batcher = self._ready_batcher()
+        deadline = t0 + self._budget(timeout)
+        with batcher.admit():
             if receive is not None:
                 await receive()
-
-            def prepare(request: ScoreRequest) -> PreparedBatch:
-                return prepare_batch(
-                    request.items,
-                    recipe=request.recipe,
-                    answer_type=request.answer_type,
-                    params=request.params,
-                    diagnostics=request.diagnostics or explain,
-                    math_judge=self.math_judge(deadline),
-                )
-
-            def parse_and_prepare() -> tuple[ScoreRequest, PreparedBatch | None]:
-                # One trip to the pool for validation, limits and parsing: each trip is a
-                # thread hand-off and a GIL hand-back, a visible share of a millisecond step.
-                # A math request is prepared in threads of its own instead (its checks wait on
-                # the judge's children, and must not hold the pool every request shares).
-                request = parse()
-                self.check_limits(request, loc_map)
-                return request, None if request.answer_type == "math" else prepare(request)
-
-            try:
-                request, prepared = await self._in_pool(parse_and_prepare)
-                if prepared is None:
-                    prepared = await self._in_pool(partial(prepare, request), self._math_pool)
-            except ValidationError as exc:
-                raise RequestInvalid(issues_from_validation(exc, loc_map)) from None
-            except InvalidBatch as exc:
-                loc = loc_map(exc.loc) if loc_map else exc.loc
-                raise RequestInvalid([issue(loc, exc.message, "invalid_batch")]) from None
-            except MathDeadlineExceeded as exc:
-                raise DeadlineExceeded(str(exc)) from None
+            parsed = await self._parse_and_prepare(parse, loc_map, deadline, explain)
+            if parsed is None:
+                spent = time.monotonic() - t0
+                timings = dict.fromkeys(("parse", "total"), spent) | _NO_WORK
+                return Scored(_nothing_scored(), timings, self.encoder_name)
+            request, prepared = parsed
             self.check_encoder_budget(prepared.texts, loc_map)
-            self.metrics.items.observe(len(request.items))
-            t1 = time.monotonic()
-            queue_s = encode_s = 0.0
-            embeddings = np.zeros((0, EMBEDDING_DIM), np.float32)
-            if prepared.texts:
-                future = self.batcher.submit(prepared.texts, deadline)
-                try:
-                    result = await asyncio.wait_for(
-                        asyncio.wrap_future(future), timeout=max(0.0, deadline - time.monotonic())
-                    )
-                except asyncio.TimeoutError:
-                    raise DeadlineExceeded("request deadline passed while encoding") from None
-                finally:
-                    future.abandon()  # no-op once done; else the worker stops encoding for it
-                embeddings = result.embeddings
-                queue_s, encode_s = result.queue_seconds, result.encode_seconds
-            t2 = time.monotonic()
-            try:
-                score = await self._in_pool(
-                    partial(finish_batch, prepared, embeddings, normalize=request.normalize)
-                )
-            except NonFiniteRewardError as exc:
-                raise RequestInvalid([issue((exc.field,), exc.reason, "non_finite")]) from None
-            explanation = None
-            if explain:
-                try:
-                    explanation = await self._in_pool(
-                        partial(
-                            explain_batch,
-                            request.items,
-                            prepared,
-                            embeddings,
-                            score,
-                            normalize=request.normalize,
-                            math_judge=self.math_judge(deadline),
-                        )
-                    )
-                except MathDeadlineExceeded as exc:
-                    raise DeadlineExceeded(str(exc)) from None
-            t3 = time.monotonic()
+            return await self._score_prepared(batcher, request, prepared, t0, deadline, explain)
+
+    async def _score_prepared(
+        self,
+        batcher: Batcher,
+        request: ScoreRequest,
+        prepared: PreparedBatch,
+        t0: float,
+        deadline: float,
+        explain: bool,
+    ) -> Scored:
+        """Encode, reward (and explain) an admitted, prepared request; time every phase."""
+        self.metrics.items.observe(len(request.items))
+        t1 = time.monotonic()
+        embeddings, queue_s, encode_s = await self._embed(batcher, prepared.texts, deadline)
+        t2 = time.monotonic()
+        score = await self._reward(request, prepared, embeddings)
+        explanation = None
+        if explain:
+            explanation = await self._explain(request, prepared, embeddings, score, deadline)
+        t3 = time.monotonic()
         timings = {
             "parse": t1 - t0,
             "queue": queue_s,
@@ -406,6 +398,117 @@ class ScoringService:
         }
         self.metrics.observe_phases(timings)
         return Scored(score, timings, self.encoder_name, explanation)
+
+    def _ready_batcher(self) -> Batcher:
+        """The batcher, or :class:`NotReady` while the model loads (or after it failed to)."""
+        if self.batcher is None or self.encoder is None:
+            raise NotReady(self.load_error or "the model is loading")
+        return self.batcher
+
+    def _budget(self, timeout: float | None) -> float:
+        """Seconds this request may take: the server's ``request_timeout``, or the client's
+        own deadline (gRPC) when sooner."""
+        budget = self.settings.request_timeout
+        return budget if timeout is None else min(budget, max(0.0, timeout))
+
+    async def _parse_and_prepare(
+        self,
+        parse: Callable[[], ScoreRequest | None],
+        loc_map: LocMap | None,
+        deadline: float,
+        explain: bool,
+    ) -> tuple[ScoreRequest, PreparedBatch] | None:
+        """Validation, limits and parsing in one trip to the CPU pool (each trip is a thread
+        hand-off and a GIL hand-back, a visible share of a millisecond step). A math request is
+        prepared in threads of its own instead: its checks wait on the judge's children and
+        must not hold the pool every request shares."""
+
+        def prepare(request: ScoreRequest) -> PreparedBatch:
+            return prepare_batch(
+                request.items,
+                recipe=request.recipe,
+                answer_type=request.answer_type,
+                params=request.params,
+                diagnostics=request.diagnostics or explain,
+                math_judge=self.math_judge(deadline),
+            )
+
+        def parse_and_prepare() -> tuple[ScoreRequest, PreparedBatch | None] | None:
+            request = parse()
+            if request is None:
+                return None
+            self.check_limits(request, loc_map)
+            return request, None if request.answer_type == "math" else prepare(request)
+
+        try:
+            parsed = await self._in_pool(parse_and_prepare)
+            if parsed is None:
+                return None
+            request, prepared = parsed
+            if prepared is None:
+                prepared = await self._in_pool(partial(prepare, request), self._math_pool)
+        except ValidationError as exc:
+            raise RequestInvalid(issues_from_validation(exc, loc_map)) from None
+        except InvalidBatch as exc:
+            loc = _mapped(loc_map, exc.loc)
+            raise RequestInvalid.one(loc, exc.message, "invalid_batch") from None
+        except MathDeadlineExceeded as exc:
+            raise DeadlineExceeded(str(exc)) from None
+        return request, prepared
+
+    async def _embed(
+        self, batcher: Batcher, texts: list[str], deadline: float
+    ) -> tuple[np.ndarray, float, float]:
+        """The texts' embeddings through the shared batcher, with the seconds they queued and
+        were encoded; :class:`DeadlineExceeded` when ``deadline`` passes first (the worker then
+        stops encoding for this request)."""
+        if not texts:
+            return np.zeros((0, EMBEDDING_DIM), np.float32), 0.0, 0.0
+        future = batcher.submit(texts, deadline)
+        try:
+            result = await asyncio.wait_for(
+                asyncio.wrap_future(future), timeout=max(0.0, deadline - time.monotonic())
+            )
+        except asyncio.TimeoutError:
+            raise DeadlineExceeded("request deadline passed while encoding") from None
+        finally:
+            future.abandon()  # no-op once done
+        return result.embeddings, result.queue_seconds, result.encode_seconds
+
+    async def _reward(
+        self, request: ScoreRequest, prepared: PreparedBatch, embeddings: np.ndarray
+    ) -> BatchScore:
+        """The rewards (a non-finite one is refused naming its parameter, never returned)."""
+        try:
+            return await self._in_pool(
+                partial(finish_batch, prepared, embeddings, normalize=request.normalize)
+            )
+        except NonFiniteRewardError as exc:
+            raise RequestInvalid.one((exc.field,), exc.reason, "non_finite") from None
+
+    async def _explain(
+        self,
+        request: ScoreRequest,
+        prepared: PreparedBatch,
+        embeddings: np.ndarray,
+        score: BatchScore,
+        deadline: float,
+    ) -> dict[str, Any]:
+        """Why each item got its reward (:mod:`reward_server.core.explain`)."""
+        try:
+            return await self._in_pool(
+                partial(
+                    explain_batch,
+                    request.items,
+                    prepared,
+                    embeddings,
+                    score,
+                    normalize=request.normalize,
+                    math_judge=self.math_judge(deadline),
+                )
+            )
+        except MathDeadlineExceeded as exc:
+            raise DeadlineExceeded(str(exc)) from None
 
     # -- info ---------------------------------------------------------------------------------
 

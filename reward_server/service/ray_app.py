@@ -50,6 +50,7 @@ from typing import Any, TypeVar
 
 from reward_server.service.config import Settings, load_settings
 from reward_server.service.config import add_arguments as add_settings_arguments
+from reward_server.service.errors import Overloaded, ReplicaLost, ServiceError
 
 #: Ray Serve writes this logger (and its children) to each replica's own log file.
 log = logging.getLogger("ray.serve.sde2")
@@ -72,11 +73,11 @@ class RayOptions:
     """How the scorer deployment is scaled and placed.
 
     Defaults: autoscale between 1 and 4 replicas, aiming at 2 requests in flight per replica.
-    One request is a whole GRPO step (~0.3 s of encoder time per 8 completions on 2 cores), and
-    a replica already coalesces concurrent requests into shared encoder batches, so beyond ~2
-    in flight a replica only queues: latency grows, throughput does not (bench_load: 28 vs 31
-    completions/s at 1 vs 32 clients). ``max_ongoing_requests`` caps what one replica holds
-    (the rest wait in Ray's router, up to ``max_queued_requests``; beyond that: 429).
+    One request is a whole GRPO step and a replica already coalesces concurrent requests into
+    shared encoder batches, so beyond ~2 in flight a replica only queues: latency grows,
+    throughput does not (``bench_load.py`` in benchmarks/README.md). ``max_ongoing_requests``
+    caps what one replica holds (the rest wait in Ray's router, up to ``max_queued_requests``;
+    beyond that: 429).
     """
 
     num_replicas: int | None = field(
@@ -331,18 +332,11 @@ def _response_dict(response: Forwarded) -> dict[str, Any]:
 # --- retrying when a replica is lost ------------------------------------------------------------
 
 
-class ReplicaLost(Exception):
-    """Every try ended with the scorer replica gone (answered as 503 + Retry-After)."""
-
-
-class Busy(Exception):
-    """Ray's router queue for the scorers is full (answered as 429 + Retry-After)."""
-
-
 async def with_replica_retry(call: Callable[[], Awaitable[T]], attempts: int) -> T:
     """Await ``call()``; when the replica serving it dies, call again (another replica answers:
-    scoring is idempotent). Ray's queue limit becomes :class:`Busy`, lost tries
-    :class:`ReplicaLost`."""
+    scoring is idempotent). Ray's queue limit becomes the service's
+    :class:`~reward_server.service.errors.Overloaded` (429 + Retry-After), lost tries
+    :class:`~reward_server.service.errors.ReplicaLost` (503 + Retry-After)."""
     from ray.exceptions import ActorUnavailableError, RayActorError
     from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
@@ -350,7 +344,7 @@ async def with_replica_retry(call: Callable[[], Awaitable[T]], attempts: int) ->
         try:
             return await call()
         except BackPressureError as exc:
-            raise Busy(str(exc)) from None
+            raise Overloaded(1, f"at capacity, retry after 1 s ({exc})") from None
         except DeploymentUnavailableError as exc:
             raise ReplicaLost(str(exc)) from None
         except (RayActorError, ActorUnavailableError) as exc:
@@ -450,14 +444,20 @@ class _AsgiApp:
         await self.fn(scope, receive, send)
 
 
-def _plain(status: int, detail: str, headers: dict[str, str] | None = None) -> Forwarded:
-    extra = tuple((k.lower().encode(), v.encode()) for k, v in (headers or {}).items())
-    body = json.dumps({"detail": detail}).encode()
+def forwarded_error(exc: ServiceError) -> Forwarded:
+    """The HTTP answer to ``exc``, exactly as the scorer's app gives it (the same conversion)."""
+    from reward_server.service.http_scoring import error_response
+
+    response = error_response(exc)
     return Forwarded(
-        status=status,
-        headers=((b"content-type", b"application/json"), *extra),
-        body=body,
+        status=response.status_code, headers=tuple(response.raw_headers), body=bytes(response.body)
     )
+
+
+def call_error(exc: ServiceError) -> ScoreCallError:
+    """``exc`` as a handle call's :class:`ScoreCallError` (what the route would have answered)."""
+    retry = exc.http_headers.get("Retry-After")
+    return ScoreCallError(exc.http_status, exc.detail, float(retry) if retry else None)
 
 
 class Ingress:
@@ -523,10 +523,8 @@ class Ingress:
                 lambda: self.scorer.http.remote(request), self.attempts
             )
             return result
-        except Busy as exc:
-            return _plain(429, f"at capacity, retry after 1 s ({exc})", {"Retry-After": "1"})
-        except ReplicaLost as exc:
-            return _plain(503, str(exc), {"Retry-After": "1"})
+        except ServiceError as exc:
+            return forwarded_error(exc)
 
 
 def build_app(args: Mapping[str, Any] | None = None) -> Any:
@@ -563,10 +561,8 @@ class RewardHandle:
             result: dict[str, Any] = await with_replica_retry(
                 lambda: bound.remote(*args, **kwargs), self.attempts
             )
-        except Busy as exc:
-            raise ScoreCallError(429, str(exc), 1.0) from None
-        except ReplicaLost as exc:
-            raise ScoreCallError(503, str(exc), 1.0) from None
+        except ServiceError as exc:
+            raise call_error(exc) from None
         return result
 
     async def score_async(self, body: dict[str, Any]) -> dict[str, Any]:

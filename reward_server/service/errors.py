@@ -1,0 +1,252 @@
+"""Every way a request can fail, once: the service raises these, each transport converts them.
+
+Each class says everything a transport needs to answer it (the role of text-embeddings-inference's
+``TextEmbeddingsError`` and its ``From`` conversions): a stable ``reason`` (the
+``sde2_failures_total`` label, the same over every transport), the HTTP status, the gRPC status
+code (by name, so this module needs no grpc), the field at fault when there is one, the message,
+and extra headers such as ``Retry-After``. HTTP answers ``{"detail": ...}`` with
+:attr:`ServiceError.detail`; gRPC aborts with :attr:`ServiceError.grpc_code` and
+:attr:`ServiceError.message`, the headers going out as trailing metadata. Where the two wires
+legitimately differ (a 422's issue list against one gRPC details string), the class says both.
+
+:func:`error_classes` lists every class by reason: the error-mapping test is enumerated from it,
+so a new reason without a row there fails.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+#: Most validation issues reported for one request (a 10k-item batch of wrong types would
+#: otherwise produce a response larger than the request).
+MAX_ISSUES = 20
+
+Loc = tuple[str | int, ...]
+
+
+def issue(loc: Loc, msg: str, kind: str) -> dict[str, Any]:
+    """One validation issue in the wire shape (``loc`` list plus a dotted ``field``).
+
+    >>> issue(("items", 3, "completion"), "too long", "too_long")["field"]
+    'items.3.completion'
+    """
+    field = ".".join(map(str, loc)) or "body"
+    return {"loc": list(loc), "field": field, "msg": msg, "type": kind}
+
+
+class ServiceError(Exception):
+    """A request the service cannot answer with a result (subclasses set the class fields)."""
+
+    #: The ``sde2_failures_total`` label: stable, the same over HTTP and gRPC.
+    reason: ClassVar[str]
+    http_status: ClassVar[int]
+    #: A ``grpc.StatusCode`` member's name.
+    grpc_code: ClassVar[str]
+
+    def __init__(self, message: str, *, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        #: Sent as HTTP headers and as gRPC trailing metadata (lower-cased there).
+        self.headers: dict[str, str] = dict(headers or {})
+
+    @property
+    def field(self) -> str | None:
+        """The dotted path of the field at fault, when one is."""
+        return None
+
+    @property
+    def detail(self) -> Any:
+        """The HTTP body's ``detail``."""
+        return self.message
+
+    @property
+    def http_headers(self) -> dict[str, str]:
+        """Headers of the HTTP answer (transport-only ones included, e.g. ``Connection``)."""
+        return self.headers
+
+    @property
+    def grpc_metadata(self) -> tuple[tuple[str, str], ...]:
+        """Trailing metadata of the gRPC answer."""
+        return tuple((k.lower(), v) for k, v in self.headers.items())
+
+
+class RequestInvalid(ServiceError):
+    """Bad input, with every issue's field path. HTTP's ``detail`` is the issue list; gRPC's
+    details string joins ``field: msg`` of each (gRPC has no structured details here)."""
+
+    reason = "invalid"
+    http_status = 422
+    grpc_code = "INVALID_ARGUMENT"
+
+    def __init__(self, issues: list[dict[str, Any]]) -> None:
+        super().__init__("; ".join(f"{i['field']}: {i['msg']}" for i in issues))
+        self.issues = issues
+
+    @classmethod
+    def one(cls, loc: Loc, msg: str, kind: str) -> RequestInvalid:
+        """A single issue at ``loc``."""
+        return cls([issue(loc, msg, kind)])
+
+    @property
+    def field(self) -> str | None:
+        return str(self.issues[0]["field"]) if self.issues else None
+
+    @property
+    def detail(self) -> Any:
+        return self.issues
+
+
+class Unauthorized(ServiceError):
+    """No or wrong bearer key while one is set."""
+
+    reason = "unauthorized"
+    http_status = 401
+    grpc_code = "UNAUTHENTICATED"
+
+    def __init__(self, message: str = "missing or wrong bearer key") -> None:
+        super().__init__(message)
+
+    @property
+    def http_headers(self) -> dict[str, str]:
+        return {**self.headers, "WWW-Authenticate": "Bearer"}
+
+
+class BodyTooLarge(ServiceError):
+    """The body exceeds ``max_body_bytes`` (refused while reading). gRPC refuses such a message
+    itself (``grpc.max_receive_message_length``) with the code declared here."""
+
+    reason = "body_too_large"
+    http_status = 413
+    grpc_code = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"request body larger than {limit} bytes")
+
+
+class BodyTimeout(ServiceError):
+    """The body did not arrive within ``body_timeout`` seconds after admission (a stalled or too
+    slow upload). HTTP closes the connection; gRPC receives whole messages, so only HTTP raises
+    it, and the class declares gRPC's deadline code for completeness."""
+
+    reason = "body_timeout"
+    http_status = 408
+    grpc_code = "DEADLINE_EXCEEDED"
+
+    def __init__(self, timeout: float) -> None:
+        super().__init__(f"request body not received within {timeout:g} s (--body-timeout)")
+
+    @property
+    def http_headers(self) -> dict[str, str]:
+        return {**self.headers, "Connection": "close"}
+
+
+class ClientGone(ServiceError):
+    """The client disconnected mid-upload: nobody reads the answer, but it is counted (HTTP as
+    nginx's 499 "client closed request", without a body; gRPC as CANCELLED)."""
+
+    reason = "client_disconnect"
+    http_status = 499
+    grpc_code = "CANCELLED"
+
+    def __init__(self, message: str = "client disconnected") -> None:
+        super().__init__(message)
+
+
+class Overloaded(ServiceError):
+    """At capacity; ``retry_after`` is a whole number of seconds to wait."""
+
+    reason = "overloaded"
+    http_status = 429
+    grpc_code = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, retry_after: int, message: str | None = None) -> None:
+        text = message or f"server at capacity, retry after {retry_after} s"
+        super().__init__(text, headers={"Retry-After": str(retry_after)})
+        self.retry_after = retry_after
+
+
+class DeadlineExceeded(ServiceError):
+    """The request's deadline passed before its result was ready."""
+
+    reason = "deadline"
+    http_status = 503
+    grpc_code = "DEADLINE_EXCEEDED"
+
+
+class NotReady(ServiceError):
+    """The model is still loading (or failed to load)."""
+
+    reason = "not_ready"
+    http_status = 503
+    grpc_code = "UNAVAILABLE"
+
+    @property
+    def detail(self) -> Any:
+        return f"not ready: {self.message}"
+
+
+class ShuttingDown(ServiceError):
+    """The server is stopping and accepts no new work."""
+
+    reason = "shutting_down"
+    http_status = 503
+    grpc_code = "UNAVAILABLE"
+
+
+class EncoderFailed(ServiceError):
+    """The encoder raised: the server's fault, never the input's (a 500 that says so)."""
+
+    reason = "encoder"
+    http_status = 500
+    grpc_code = "INTERNAL"
+
+    @property
+    def detail(self) -> Any:
+        return f"encoder failed: {self.message}"
+
+
+class ReplicaLost(ServiceError):
+    """Under Ray Serve: every try ended with the scorer replica gone; worth retrying later."""
+
+    reason = "replica_lost"
+    http_status = 503
+    grpc_code = "UNAVAILABLE"
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message, headers={"Retry-After": str(retry_after)})
+
+
+def error_classes() -> dict[str, type[ServiceError]]:
+    """Every concrete error class (one that sets ``reason``), by reason; two classes sharing a
+    reason is a programming error."""
+    found: list[type[ServiceError]] = []
+    pending: list[type[ServiceError]] = [ServiceError]
+    while pending:
+        cls = pending.pop()
+        if "reason" in cls.__dict__:
+            found.append(cls)
+        pending.extend(cls.__subclasses__())
+    by_reason = {cls.reason: cls for cls in found}
+    if len(by_reason) != len(found):
+        raise RuntimeError(f"two error classes share a reason: {sorted(c.reason for c in found)}")
+    return by_reason
+
+
+__all__ = [
+    "MAX_ISSUES",
+    "BodyTimeout",
+    "BodyTooLarge",
+    "ClientGone",
+    "DeadlineExceeded",
+    "EncoderFailed",
+    "Loc",
+    "NotReady",
+    "Overloaded",
+    "ReplicaLost",
+    "RequestInvalid",
+    "ServiceError",
+    "ShuttingDown",
+    "Unauthorized",
+    "error_classes",
+    "issue",
+]

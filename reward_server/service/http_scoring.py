@@ -1,0 +1,155 @@
+"""What every HTTP scoring route shares: the bounded body read, the call into the service, and
+the one conversion of a :class:`~reward_server.service.errors.ServiceError` into a response.
+
+Bodies are read and validated by hand (bounded read, then ``model_validate_json``) rather than by
+FastAPI's body parameter, for three reasons: the size limit is enforced while reading (413 before
+the whole body is buffered), pydantic's strict JSON parser rejects lone surrogates, and parsing
+counts in the ``parse`` phase timing. The body is read only once the service has admitted the
+request, so a full server answers 429 at once and the bodies held in memory are bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
+
+from reward_server.service.errors import (
+    BodyTimeout,
+    BodyTooLarge,
+    ClientGone,
+    ServiceError,
+)
+from reward_server.service.pipeline import LocMap, Scored, ScoringService
+from reward_server.service.schemas import ErrorResponse, ScoreRequest
+
+TIMING_HEADERS = ("parse", "queue", "encode", "reward", "total")
+#: The error statuses of a scoring route, for the OpenAPI document.
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    401: {"model": ErrorResponse, "description": "missing or wrong bearer key"},
+    408: {"model": ErrorResponse, "description": "body not received within the body timeout"},
+    413: {"model": ErrorResponse, "description": "body larger than the server's limit"},
+    422: {"model": ErrorResponse, "description": "invalid input; each issue names its field"},
+    429: {"model": ErrorResponse, "description": "at capacity; retry after Retry-After seconds"},
+    500: {"model": ErrorResponse, "description": "the encoder failed (never bad input)"},
+    503: {"model": ErrorResponse, "description": "deadline passed, model loading or stopping"},
+}
+
+
+class FastJSONResponse(JSONResponse):
+    """A JSON response serialized by orjson, much faster than the standard library for a step's
+    answer: serializing is a visible share of a step when the encoder costs little (GPU; see
+    benchmarks/README.md). Same compact JSON; scoring responses hold only finite floats (the
+    scorer refuses others). An integer orjson cannot write (past 64 bits: a parameter such as
+    ``length_target`` may be that large) falls back to the standard library instead of failing
+    with a 500."""
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return orjson.dumps(content)
+        except TypeError:
+            return super().render(content)
+
+
+def service_of(request: Request) -> ScoringService:
+    """The service the app was made for (:func:`~reward_server.service.http_app.create_app`)."""
+    service: ScoringService = request.app.state.service
+    return service
+
+
+def error_response(exc: ServiceError) -> Response:
+    """The HTTP answer to ``exc``: its status, ``{"detail": ...}`` and headers (499 has no
+    body: nobody receives it)."""
+    if isinstance(exc, ClientGone):
+        return Response(status_code=exc.http_status)
+    return JSONResponse(
+        {"detail": exc.detail}, status_code=exc.http_status, headers=exc.http_headers
+    )
+
+
+async def answer_service_error(request: Request, exc: Exception) -> Response:
+    """The app's one exception handler for :class:`ServiceError`: count it, answer it."""
+    assert isinstance(exc, ServiceError)
+    metrics = service_of(request).metrics
+    metrics.failures.labels(exc.reason).inc()
+    metrics.requests.labels(request.url.path, str(exc.http_status)).inc()
+    return error_response(exc)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refusing (before buffering it) anything over ``limit`` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(limit)
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLarge(limit)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientGone() from None
+    return b"".join(chunks)
+
+
+async def run_scoring(
+    request: Request,
+    parse_body: Callable[[bytes], ScoreRequest | None],
+    *,
+    loc_map: LocMap | None = None,
+    explain: bool = False,
+) -> Scored:
+    """Score the request's body (read once admitted, bounded in size and time); raises a
+    :class:`ServiceError`, which the app's handler answers."""
+    service = service_of(request)
+    settings = service.settings
+    body = b""
+
+    async def receive() -> None:
+        nonlocal body
+        # Bounded in time too: a stalled upload holds its admission slot at most this long.
+        try:
+            body = await asyncio.wait_for(
+                read_body(request, settings.max_body_bytes), settings.body_timeout
+            )
+        except asyncio.TimeoutError:
+            raise BodyTimeout(settings.body_timeout) from None
+
+    return await service.score(
+        lambda: parse_body(body),
+        authorization=request.headers.get("authorization"),
+        receive=receive,
+        loc_map=loc_map,
+        explain=explain,
+    )
+
+
+def scored_response(
+    request: Request,
+    scored: Scored,
+    content: Any,
+    response_class: type[JSONResponse] = JSONResponse,
+) -> Response:
+    """A 200 answer with the phase timings as ``x-<phase>-time`` headers (ms), counted."""
+    service_of(request).metrics.requests.labels(request.url.path, "200").inc()
+    headers = {f"x-{k}-time": f"{scored.timings[k] * 1000:.3f}" for k in TIMING_HEADERS}
+    return response_class(content, headers=headers)
+
+
+def parse_score(body: bytes) -> ScoreRequest:
+    """A SPEC §6 scoring body."""
+    return ScoreRequest.model_validate_json(body)
+
+
+#: The route description ``/v1/score`` and its siblings share (errors, documented body).
+SCORE_DOC: dict[str, Any] = {
+    "responses": ERROR_RESPONSES,
+    "openapi_extra": {"x-sde2-body": "ScoreRequest"},
+}
