@@ -289,7 +289,12 @@ def test_replica_killed_during_a_stream(cluster: Cluster) -> None:
     with ThreadPoolExecutor(max_workers=4) as pool:
         futures = [pool.submit(one, i) for i in range(len(bodies))]
         assert answered.wait(120), "no answers before the kill"
-        ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+        actor = ray.get_actor(victim, namespace="serve")
+        busy_deadline = time.monotonic() + 60  # kill it while it holds a request, not between two
+        while ray.get(actor.get_num_ongoing_requests.remote(), timeout=30) < 1:
+            assert time.monotonic() < busy_deadline, "the victim never held a request"
+            time.sleep(0.01)
+        ray.kill(actor, no_restart=True)
         killed_at = time.monotonic()
         for f in futures:
             f.result(timeout=300)
