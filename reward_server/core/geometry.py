@@ -70,6 +70,25 @@ def _upper_flat(m: int) -> npt.NDArray[np.intp]:
     return flat
 
 
+def _uniq_counts(gram: npt.NDArray[np.float64], threshold: float) -> list[int]:
+    """``Uniq`` of each ``(m, m)`` cosine matrix of the stack ``gram``: :func:`kept_mask`'s
+    walk, with each row's blocking columns (a cosine not ``<= δ``, NaN included) packed into
+    one integer by numpy, so that the walk is an AND and an OR per strategy."""
+    m = gram.shape[1]
+    if m > 64:  # beyond one 64-bit word: the walk on floats
+        return [sum(_walk(cosines, threshold)) for cosines in gram.tolist()]
+    blocking = ~(gram <= threshold)
+    rows = (blocking * (np.uint64(1) << np.arange(m, dtype=np.uint64))).sum(axis=2, dtype=np.uint64)
+    counts = []
+    for bits in rows.tolist():
+        kept = 0
+        for i, row in enumerate(bits):
+            if not row & kept:
+                kept |= 1 << i
+        counts.append(kept.bit_count())
+    return counts
+
+
 def kept_mask(cosines: npt.NDArray[np.float64], threshold: float) -> list[bool]:
     """The ``Uniq`` walk's decision per strategy: kept iff its cosine to every kept one is ``<= δ``.
 
@@ -149,8 +168,7 @@ def gains_of_selections(
         # C order, so that each item's row is reduced as one contiguous run (pairwise sum).
         upper = np.ascontiguousarray(gram.reshape(len(members), m * m)[:, _upper_flat(m)])
         means = np.mean(upper, axis=1).tolist()
-        for i, cosines, mean in zip(members, gram.tolist(), means, strict=True):
-            uniq = sum(_walk(cosines, threshold))
+        for i, uniq, mean in zip(members, _uniq_counts(gram, threshold), means, strict=True):
             div = float(min(1.0, max(0.0, 1.0 - mean)))
             out[i] = (uniq * div, uniq, div)
     return out

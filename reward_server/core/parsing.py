@@ -362,12 +362,16 @@ def parse_completions(texts: Sequence[str], max_strategies: int) -> list[ParsedC
     [((Strategy(reasoning='a', outcome='1'),), '1'), ((), None)]
     """
     scans = [raw_fields(text) for text in texts]
-    cleaned = iter(field_texts([field for scan in scans for part in scan for field in part]))
+    cleaned = field_texts([field for scan in scans for part in scan for field in part])
     strategy = partial(tuple.__new__, Strategy)  # a Strategy from an (r, o) pair, in C
     parsed = []
-    for scan in scans:
-        flat, final_answers, answers = (list(islice(cleaned, len(part))) for part in scan)
-        pairs = dict.fromkeys(zip(flat[0::2], flat[1::2], strict=True))
+    at = 0
+    for blocks, *lists in scans:
+        end = at + len(blocks)
+        pairs = dict.fromkeys(zip(cleaned[at:end:2], cleaned[at + 1 : end : 2], strict=True))
+        final_answers = cleaned[end : (end := end + len(lists[0]))]
+        answers = cleaned[end : (end := end + len(lists[1]))]
+        at = end
         strategies = tuple(map(strategy, islice(filter(all, pairs), max_strategies)))
         # The last non-empty final_answer, else answer, else the last kept outcome, else None.
         answer = next(filter(None, reversed(final_answers)), None)
