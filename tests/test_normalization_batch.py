@@ -15,7 +15,7 @@ _VALUE = st.one_of(
 _HUGE = st.sampled_from([1e300, -1e300, 1.7e308])
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(
     n=st.integers(1, 70),
     k=st.integers(1, 6),
