@@ -168,6 +168,8 @@ class Overhead:
 
     in_process: list[float] = field(default_factory=list)
     http: list[float] = field(default_factory=list)
+    #: (E) again through a bare keep-alive ``http.client`` connection: what httpx adds.
+    http_minimal: list[float] = field(default_factory=list)
     server_total: list[float] = field(default_factory=list)  # the server's x-total-time
     max_diff: float = 0.0  # HTTP vs in process, rewards
 
@@ -181,9 +183,12 @@ def measure_overhead(
     then ``repeats`` requests (the steps cycled) run (D) ``prepare_batch`` → table →
     ``finish_batch`` in process and (E) ``POST /v1/score`` to the standard app served with that
     table, alternating. The body is serialized before the clock starts and the answer decoded
-    after it stops; the rewards of (D) and (E) must agree.
+    after it stops; the rewards of (D) and (E) must agree. Each (E) request is sent a second
+    time through a bare ``http.client`` connection, to tell the client's share from the
+    server's.
     """
     import tempfile
+    from http.client import HTTPConnection
 
     from benchmarks.table_server import TableEncoder
 
@@ -194,6 +199,7 @@ def measure_overhead(
     with tempfile.TemporaryDirectory() as tmp:
         table.save(Path(tmp) / "table.npz")
         server = start_table_server(Path(tmp) / "table.npz", port)
+    minimal = HTTPConnection("127.0.0.1", port, timeout=60)
     try:
         headers = {"content-type": "application/json"}
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
@@ -209,12 +215,21 @@ def measure_overhead(
                 resp.raise_for_status()
                 e = resp.json()["rewards"]
                 out.max_diff = max(out.max_diff, float(np.max(np.abs(np.subtract(d, e)))))
+                t3 = time.perf_counter()
+                minimal.request("POST", "/v1/score", body=bodies[i], headers=headers)
+                answer = minimal.getresponse()
+                raw = answer.read()
+                t4 = time.perf_counter()
+                if answer.status != 200 or json.loads(raw)["rewards"] != e:
+                    raise RuntimeError(f"the minimal client got {answer.status} or other rewards")
                 if r < len(steps):
                     continue
                 out.in_process.append((t1 - t0) * 1000)
                 out.http.append((t2 - t1) * 1000)
+                out.http_minimal.append((t4 - t3) * 1000)
                 out.server_total.append(float(resp.headers["x-total-time"]))
     finally:
+        minimal.close()
         server.terminate()
         server.wait(30)
     return out
@@ -227,6 +242,7 @@ def print_overhead(o: Overhead) -> bool:
     for name, values, target in (
         ("(D) in process: parse, answers, reward", o.in_process, "<= 1.5"),
         ("(E) through the server (HTTP, JSON, all)", o.http, "<= 3.0"),
+        ("    the same with a bare http.client client", o.http_minimal, ""),
         ("    of which the server's x-total-time", o.server_total, ""),
     ):
         p50, p99 = statistics.median(values), float(np.percentile(values, 99))

@@ -76,3 +76,33 @@ def test_rows_normalized_once_give_each_selection_its_exact_cosines() -> None:
         idx = list(rng.choice(300, size=int(rng.integers(2, 11)), replace=False))
         h = unit[idx]
         assert np.array_equal(h @ h.T, cosine_matrix(batch[idx]))
+
+
+def test_gains_of_selections_equal_item_by_item_bit_for_bit() -> None:
+    """The scorer's grouped, stacked geometry gives each item exactly ``gain_of_cosines`` of
+    its own Gram matrix, ties at the threshold included (a threshold equal to a cosine)."""
+    from reward_server.core.geometry import gain_of_cosines, gains_of_selections, unit_rows
+
+    rng = np.random.default_rng(11)
+    for trial in range(40):
+        base = rng.standard_normal((12, 384)).astype(np.float32)
+        # Near-duplicate rows make cosines close to (or at) any threshold in [0.7, 1].
+        batch = np.concatenate([base, base[rng.integers(0, 12, 30)] + 0.3 * rng.standard_normal(
+            (30, 384)).astype(np.float32), base[:3]])  # fmt: skip
+        batch[int(rng.integers(0, len(batch)))] = 0.0
+        unit = unit_rows(batch)
+        selections = [
+            [
+                int(i)
+                for i in rng.choice(
+                    len(batch), size=int(rng.integers(0, 13 if trial % 4 else 70)), replace=True
+                )
+            ]
+            for _ in range(int(rng.integers(1, 30)))
+        ]
+        some = next((s for s in selections if len(s) >= 2), [0, 1])
+        threshold = float(cosine_matrix(batch[some])[0, 1]) if trial % 2 else 0.8
+        # cosine_matrix of each item alone (one buffer times its transpose, as explanations
+        # compute it; the product of two copies may differ in the last bit).
+        reference = [gain_of_cosines(cosine_matrix(batch[s]), threshold) for s in selections]
+        assert gains_of_selections(unit, selections, threshold) == reference

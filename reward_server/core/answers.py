@@ -172,7 +172,17 @@ def make_matcher(
     """
     if answer_type == "numeric":
         gold_numeric = canonical_numeric(gold)
-        return lambda prediction: _same(canonical_numeric(prediction), gold_numeric)
+        whole = type(gold_numeric) is Fraction and gold_numeric.denominator == 1
+        gold_int = gold_numeric.numerator if whole else None  # type: ignore[union-attr]
+
+        def numeric(prediction: str) -> bool:
+            # A plain integer (most outcomes) canonicalizes to Fraction(int(prediction)), which
+            # equals the gold iff the gold is that whole number: no Fraction is built.
+            if prediction.isdigit() and prediction.isascii() and len(prediction) <= _MAX_DIGITS:
+                return int(prediction) == gold_int
+            return _same(canonical_numeric(prediction), gold_numeric)
+
+        return numeric
     if answer_type == "choice":
         gold_letter = canonical_choice(gold)
         return lambda prediction: (

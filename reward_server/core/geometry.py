@@ -7,6 +7,7 @@ normalized its output.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import cache
 
 import numpy as np
@@ -60,17 +61,50 @@ def _upper_indices(m: int) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.intp]]:
     return rows, cols
 
 
+@cache
+def _upper_flat(m: int) -> npt.NDArray[np.intp]:
+    """The flat offsets of :func:`_upper_indices` in an ``m × m`` matrix, in the same order."""
+    rows, cols = _upper_indices(m)
+    flat = rows * m + cols
+    flat.flags.writeable = False
+    return flat
+
+
+def _uniq_counts(gram: npt.NDArray[np.float64], threshold: float) -> list[int]:
+    """``Uniq`` of each ``(m, m)`` cosine matrix of the stack ``gram``: :func:`kept_mask`'s
+    walk, with each row's blocking columns (a cosine not ``<= δ``, NaN included) packed into
+    one integer by numpy, so that the walk is an AND and an OR per strategy."""
+    m = gram.shape[1]
+    if m > 64:  # beyond one 64-bit word: the walk on floats
+        return [sum(_walk(cosines, threshold)) for cosines in gram.tolist()]
+    blocking = ~(gram <= threshold)
+    rows = (blocking * (np.uint64(1) << np.arange(m, dtype=np.uint64))).sum(axis=2, dtype=np.uint64)
+    counts = []
+    for bits in rows.tolist():
+        kept = 0
+        for i, row in enumerate(bits):
+            if not row & kept:
+                kept |= 1 << i
+        counts.append(kept.bit_count())
+    return counts
+
+
 def kept_mask(cosines: npt.NDArray[np.float64], threshold: float) -> list[bool]:
     """The ``Uniq`` walk's decision per strategy: kept iff its cosine to every kept one is ``<= δ``.
 
     >>> kept_mask(cosine_matrix(np.array([[1.0, 0.0], [0.99, 0.1], [0.0, 1.0]])), 0.8)
     [True, False, True]
     """
+    return _walk(cosines.tolist(), threshold)
+
+
+def _walk(rows: list[list[float]], threshold: float) -> list[bool]:
+    """:func:`kept_mask` on Python floats: m is small (at most ``max_strategies``), where a
+    numpy call per row costs more than the comparisons. A NaN cosine compares false, so it is
+    never kept."""
     kept: list[int] = []
     decisions = []
-    # On Python floats: m is small (at most max_strategies), where a numpy call per row costs
-    # more than the comparisons. A NaN cosine compares false, so it is never kept (as before).
-    for i, row in enumerate(cosines.tolist()):
+    for i, row in enumerate(rows):
         keep = all(row[j] <= threshold for j in kept)
         if keep:
             kept.append(i)
@@ -101,3 +135,40 @@ def gain_of_cosines(cosines: npt.NDArray[np.float64], threshold: float) -> tuple
     """:func:`semantic_gain` from the cosine matrix of ``H``."""
     uniq, div = uniqueness(cosines, threshold), diversity(cosines)
     return uniq * div, uniq, div
+
+
+def gains_of_selections(
+    unit: npt.NDArray[np.float64], selections: Sequence[Sequence[int]], threshold: float
+) -> list[tuple[float, int, float]]:
+    """:func:`gain_of_cosines` of ``unit[s] @ unit[s].T`` for each selection ``s`` of rows.
+
+    A batch's items are grouped by their number of strategies ``m``: each group's Gram
+    matrices come from one stacked product, whose slices are the same BLAS call on the same
+    shapes as the item's own ``h @ h.T`` (bit for bit :func:`cosine_matrix` of the item, as
+    explanations recompute it), and ``Div``'s means from one reduction along the last axis
+    (the same pairwise sum as :func:`diversity`'s ``np.mean`` of one item). Checked against
+    the item-by-item path in ``tests/test_geometry.py``.
+
+    >>> unit = unit_rows(np.array([[1.0, 0.0], [0.99, 0.1], [0.0, 1.0]]))
+    >>> [(round(g, 6), u, round(d, 6)) for g, u, d in gains_of_selections(
+    ...     unit, [[0, 1, 2], [0, 2], [1]], 0.8)]
+    [(1.269709, 2, 0.634855), (2.0, 2, 1.0), (1.0, 1, 1.0)]
+    """
+    out: list[tuple[float, int, float]] = [(0.0, 0, 0.0)] * len(selections)
+    by_size: dict[int, list[int]] = {}
+    for i, selection in enumerate(selections):
+        by_size.setdefault(len(selection), []).append(i)
+    for m, members in by_size.items():
+        if m <= 1:
+            for i in members:
+                out[i] = gain_of_cosines(np.ones((m, m)), threshold)
+            continue
+        h = unit[np.array([selections[i] for i in members], dtype=np.intp)]
+        gram = h @ h.transpose(0, 2, 1)
+        # C order, so that each item's row is reduced as one contiguous run (pairwise sum).
+        upper = np.ascontiguousarray(gram.reshape(len(members), m * m)[:, _upper_flat(m)])
+        means = np.mean(upper, axis=1).tolist()
+        for i, uniq, mean in zip(members, _uniq_counts(gram, threshold), means, strict=True):
+            div = float(min(1.0, max(0.0, 1.0 - mean)))
+            out[i] = (uniq * div, uniq, div)
+    return out

@@ -90,6 +90,36 @@ def zscore(values: Sequence[float], eps: float) -> tuple[list[float], float, flo
     return out.tolist(), mu, sigma
 
 
+def _zscores(
+    components: Mapping[str, Sequence[float]], eps: float
+) -> dict[str, tuple[list[float], float, float]] | None:
+    """:func:`zscore` of every component at once, or ``None`` when some value or statistic is
+    not finite (then :func:`zscore`'s overflow-safe path must run, component by component).
+
+    One ``(K, n)`` array in C order: each component's row is reduced as one contiguous run,
+    the pairwise sums ``np.mean`` and ``np.std`` take of the row alone, so every figure is
+    bit for bit :func:`zscore`'s (checked in ``tests/test_normalization_batch.py``), with a
+    dozen numpy calls a batch instead of a dozen a component.
+    """
+    x = np.array(list(components.values()), dtype=np.float64)
+    if x.ndim != 2 or x.shape[1] == 0:
+        return None
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        mu = np.mean(x, axis=1)
+        sigma = np.std(x, axis=1)
+        centered = x - mu[:, None]
+        if not (np.isfinite(mu).all() and np.isfinite(sigma).all()):
+            return None
+        if not np.isfinite(centered).all():
+            return None
+        spread = sigma > eps
+        z = np.where(spread[:, None], centered / (sigma + eps)[:, None], centered)
+    return {
+        key: (row, m, s)
+        for key, row, m, s in zip(components, z.tolist(), mu.tolist(), sigma.tolist(), strict=True)
+    }
+
+
 def group_advantages(rewards: Sequence[float], groups: Sequence[str], eps: float) -> list[float]:
     """GRPO advantages ``Â = (R − μ_b)/(σ_b + eps)`` within each group (population ``σ``).
 
@@ -125,9 +155,13 @@ def aggregate(
     normalized: dict[str, list[float]] = {}
     mean: dict[str, float] = {}
     std: dict[str, float] = {}
+    together = _zscores(components, params.eps)
     for key, values in components.items():
-        z, mean[key], std[key] = zscore(values, params.eps)
-        normalized[key] = z
+        if together is not None:
+            normalized[key], mean[key], std[key] = together[key]
+        else:
+            normalized[key], mean[key], std[key] = zscore(values, params.eps)
+        z = normalized[key]
         chosen = z if normalize else values
         # Extreme weights may overflow to inf, rejected below with the parameters named;
         # numpy's warning would only be noise in the server log.

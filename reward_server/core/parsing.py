@@ -8,17 +8,21 @@ the next ``<``, so scans from different start positions never overlap.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, partial
+from itertools import islice
 from typing import Literal, NamedTuple
 
-from reward_server.core.text import field_text
+from reward_server.core.text import field_text, field_texts
 
 
-@dataclass(frozen=True)
-class Strategy:
-    """One kept strategy block: its reasoning text ``r`` and outcome text ``o`` (field texts)."""
+class Strategy(NamedTuple):
+    """One kept strategy block: its reasoning text ``r`` and outcome text ``o`` (field texts).
+
+    A named tuple: a step makes hundreds, and the reward's scan builds them from ``(r, o)``
+    pairs it already holds (a tuple is built in C; a frozen dataclass's ``__init__`` is not).
+    """
 
     reasoning: str
     outcome: str
@@ -248,5 +252,132 @@ def final_answer(text: str, strategies: tuple[Strategy, ...]) -> str | None:
 
 def parse_completion(text: str, max_strategies: int) -> ParsedCompletion:
     """Parse an already preprocessed completion (see :func:`reward_server.core.text.preprocess`)."""
-    strategies = strategy_blocks(text, max_strategies)
-    return ParsedCompletion(strategies, final_answer(text, strategies))
+    return parse_completions([text], max_strategies)[0]
+
+
+@cache
+def _event() -> re.Pattern[str]:
+    """Every tag the reward reads, in one left-to-right scan; ``lastindex`` tells them apart:
+
+    1. a strategy closing; ``None``: a strategy opening, alone;
+    3. a strategy opening followed by a whole well-formed block, read at once: its reasoning
+       field (group 2), its outcome field (group 3) and its closing, with no ``<`` elsewhere;
+    4. / 5. a ``final_answer`` opening / closing; 6. / 7. an ``answer`` opening / closing.
+
+    A block read at once is what :func:`scan_strategies` reads there, field by field: its body
+    holds no other tag the scan looks for (``<strategy_outcome`` is not a strategy tag: the name
+    must end with ``>`` or a space), the first reasoning opening is the body's, the first
+    closing after it is the next ``<``, and likewise for the outcome. No tag hides inside
+    another match (none holds a ``<`` but its first character), so every tag is seen. Reading
+    a body fails at the first ``<`` that does not fit, which never lies past the next strategy
+    tag, so attempts from different openings scan disjoint stretches and the scan stays
+    linear; the fields' ``[^<]*+`` never backtrack.
+    """
+    s, r, o, f, a = map(
+        _ascii_caseless, ("strategy", "reasoning", "strategy_outcome", "final_answer", "answer")
+    )
+    attrs = r"(?:\s[^<>]*)?>"
+    body = (
+        rf"[^<]*+<{r}{attrs}([^<]*+)</{r}\s*>"
+        rf"[^<]*+<{o}{attrs}([^<]*+)</{o}\s*>[^<]*+</{s}\s*>"
+    )
+    return re.compile(
+        rf"<(?:(/{s}\s*>)|{s}{attrs}(?:{body})?"
+        rf"|({f}{attrs})|(/{f}\s*>)|({a}{attrs})|(/{a}\s*>))"
+    )
+
+
+def _raw_field(
+    text: str, opening_re: re.Pattern[str], closing_re: re.Pattern[str], start: int, end: int
+) -> str:
+    """The uncleaned content that :func:`_field` reads (``""`` when a tag is missing)."""
+    opening = opening_re.search(text, start, end)
+    if opening is None:
+        return ""
+    closing = closing_re.search(text, opening.end(), end)
+    return "" if closing is None else text[opening.end() : closing.start()]
+
+
+class RawFields(NamedTuple):
+    """A completion's fields as SPEC §1 reads them, before field cleaning."""
+
+    #: ``r, o`` of every completed strategy block in order, flattened.
+    blocks: list[str]
+    #: The recorded ``final_answer`` and ``answer`` fields (SPEC §1's field lists).
+    final_answers: list[str]
+    answers: list[str]
+
+
+def raw_fields(text: str) -> RawFields:
+    """The strategy blocks' fields and the answer field lists of ``text``, in one scan.
+
+    Most blocks are read whole by one match of :func:`_event`; any other block (a ``<``
+    inside a field, tags out of order, a missing field) is read tag by tag between its
+    opening and closing, as :func:`scan_strategies` does. A field list records an opening's
+    content up to the first closing after it, other openings included, and stops at an
+    opening never closed (what :func:`field_spans` does with two searches a field).
+    """
+    blocks: list[str] = []
+    lists: tuple[list[str], list[str]] = ([], [])
+    reasoning = _opening("reasoning"), _closing("reasoning")
+    outcome = _opening("strategy_outcome"), _closing("strategy_outcome")
+    pending = -1  # end of the pending strategy opening, if any
+    open_at = [-1, -1]  # end of the open final_answer / answer opening, if any
+    for tag in _event().finditer(text):
+        kind = tag.lastindex
+        if kind == 3:  # a whole well-formed block (it drops a pending opening)
+            blocks += tag.group(2, 3)
+            pending = -1
+        elif kind is None:
+            pending = tag.end()  # a newer opening drops an unclosed pending one
+        elif kind == 1:
+            if pending >= 0:
+                end = tag.start()
+                blocks.append(_raw_field(text, *reasoning, pending, end))
+                blocks.append(_raw_field(text, *outcome, pending, end))
+                pending = -1
+        else:
+            which = (kind - 4) // 2  # 0: final_answer, 1: answer
+            if kind % 2 == 0:  # an opening: starts a field unless one is open
+                if open_at[which] < 0:
+                    open_at[which] = tag.end()
+            elif open_at[which] >= 0:  # the first closing after the open opening
+                lists[which].append(text[open_at[which] : tag.start()])
+                open_at[which] = -1
+    return RawFields(blocks, *lists)
+
+
+def parse_completions(texts: Sequence[str], max_strategies: int) -> list[ParsedCompletion]:
+    """:func:`parse_completion` of each text, with the fields of all of them cleaned at once.
+
+    The kept blocks are the first occurrences of the distinct ``(r, o)`` pairs with both
+    fields non-empty, in order, cut to ``max_strategies``: what the scan's walk keeps (a
+    duplicate is a valid block equal to an earlier kept one, and every earlier valid block
+    short of the cap was kept). ``dict.fromkeys`` finds them in C.
+
+    >>> block = "<strategy><reasoning>{}</reasoning><strategy_outcome>1</strategy_outcome>"
+    >>> parsed = parse_completions([block.format("a") + "</strategy>" + block.format(" a ")
+    ...                             + "</strategy>", "<strategy>"], 32)
+    >>> [(p.strategies, p.final_answer) for p in parsed]
+    [((Strategy(reasoning='a', outcome='1'),), '1'), ((), None)]
+    """
+    scans = [raw_fields(text) for text in texts]
+    cleaned = field_texts([field for scan in scans for part in scan for field in part])
+    strategy = partial(tuple.__new__, Strategy)  # a Strategy from an (r, o) pair, in C
+    parsed = []
+    at = 0
+    for blocks, *lists in scans:
+        end = at + len(blocks)
+        pairs = dict.fromkeys(zip(cleaned[at:end:2], cleaned[at + 1 : end : 2], strict=True))
+        final_answers = cleaned[end : (end := end + len(lists[0]))]
+        answers = cleaned[end : (end := end + len(lists[1]))]
+        at = end
+        strategies = tuple(map(strategy, islice(filter(all, pairs), max_strategies)))
+        # The last non-empty final_answer, else answer, else the last kept outcome, else None.
+        answer = next(filter(None, reversed(final_answers)), None)
+        if answer is None:
+            answer = next(filter(None, reversed(answers)), None)
+        if answer is None and strategies:
+            answer = strategies[-1].outcome
+        parsed.append(ParsedCompletion(strategies, answer))
+    return parsed

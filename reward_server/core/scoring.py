@@ -14,7 +14,7 @@ work of many concurrent requests into shared batches:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -26,10 +26,10 @@ from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from reward_server.core.answers import MathJudge, make_matcher, math_equivalent
 from reward_server.core.components import COMPONENTS
-from reward_server.core.geometry import gain_of_cosines, unit_rows
+from reward_server.core.geometry import gains_of_selections, unit_rows
 from reward_server.core.normalization import Aggregate, aggregate
 from reward_server.core.params import AnswerType, RewardParams
-from reward_server.core.parsing import ParsedCompletion, parse_completion
+from reward_server.core.parsing import ParsedCompletion, parse_completion, parse_completions
 from reward_server.core.recipes import RECIPES, Recipe, RecipeSpec
 from reward_server.core.text import preprocess
 from reward_server.encoders.base import EMBEDDING_DIM, Encoder
@@ -181,11 +181,20 @@ def analyze_item(
     params: RewardParams,
     diagnostics: bool,
     math_judge: MathJudge = math_equivalent,
+    *,
+    parsed: ParsedCompletion | None = None,
+    matches: Callable[[str], bool] | None = None,
 ) -> ItemAnalysis:
-    """Parse one completion and match its answers; decide whether it needs the encoder."""
-    parsed = parse_completion(preprocess(item.completion), params.max_strategies)
-    matches = make_matcher(answer_type, preprocess(item.answer), math_judge)
-    strategy_correct = any(matches(s.outcome) for s in parsed.strategies)
+    """Parse one completion and match its answers; decide whether it needs the encoder.
+
+    ``parsed`` and ``matches`` are given by :func:`prepare_batch`, which parses a batch's
+    completions together and builds one matcher per distinct gold answer.
+    """
+    if parsed is None:
+        parsed = parse_completion(preprocess(item.completion), params.max_strategies)
+    if matches is None:
+        matches = make_matcher(answer_type, preprocess(item.answer), math_judge)
+    strategy_correct = any(map(matches, [s.outcome for s in parsed.strategies]))
     correct = parsed.final_answer is not None and matches(parsed.final_answer)
     m = parsed.n_strat
     needs = m >= 2 and (diagnostics or (recipe_spec(recipe).needs_encoder and not strategy_correct))
@@ -211,9 +220,17 @@ def prepare_batch(
     if not items:
         raise InvalidBatch(("items",), "the batch is empty: send at least one item")
     groups = _groups(items)
+    parsed = parse_completions([preprocess(it.completion) for it in items], params.max_strategies)
+    matchers: dict[str, Callable[[str], bool]] = {}
+    for gold in dict.fromkeys(it.answer for it in items):
+        matchers[gold] = make_matcher(answer_type, preprocess(gold), math_judge)
     analyses = [
-        analyze_item(it, recipe, answer_type, params, diagnostics, math_judge) for it in items
-    ]
+        analyze_item(
+            it, recipe, answer_type, params, diagnostics, math_judge,
+            parsed=p, matches=matchers[it.answer],
+        )
+        for it, p in zip(items, parsed, strict=True)
+    ]  # fmt: skip
     texts = dict.fromkeys(
         s.reasoning for a in analyses if a.needs_geometry for s in a.parsed.strategies
     )
@@ -239,14 +256,17 @@ def finish_batch(
     values: dict[str, list[float]] = {k: [] for k in keys}
     recipe_components = [(k, COMPONENTS[k].value) for k in keys]
     results: list[ItemResult] = []
+    # g(H) of every item that needs it at once: grouped by m, one stacked product per group.
+    need = [a for a in prepared.analyses if a.needs_geometry]
+    selections = [[row[s.reasoning] for s in a.parsed.strategies] for a in need]
+    geometry = iter(gains_of_selections(unit, selections, p.similarity_threshold))
     for a in prepared.analyses:
         m = a.parsed.n_strat
         gain: float
         uniq: int | None
         div: float | None
         if a.needs_geometry:
-            h = unit[[row[s.reasoning] for s in a.parsed.strategies]]
-            gain, uniq, div = gain_of_cosines(h @ h.T, p.similarity_threshold)
+            gain, uniq, div = next(geometry)
         elif m <= 1:  # g(H) is known without the encoder: 0 for no strategy, 1 for one
             gain, uniq, div = (0.0, None, None) if m == 0 else (1.0, 1, 1.0)
         else:  # not needed (χ = 1 or no `sd` in the recipe): NaN makes any misuse loud

@@ -11,6 +11,8 @@ import unicodedata
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
 
+import numpy as np
+
 #: SPEC §1's typographic map. No replacement is itself a key, so replacing one character at a
 #: time gives what a simultaneous mapping would; ``str.replace`` scans at memchr speed, where
 #: ``str.translate`` with a table looks every character of a non-ASCII string up in a dict.
@@ -60,6 +62,66 @@ def field_text(raw: str) -> str:
         return text
     # str.split() with no argument splits on runs of str.isspace characters and drops the ends.
     return " ".join(text.split())
+
+
+def field_texts(raws: list[str]) -> list[str]:
+    """:func:`field_text` of each of ``raws``, cleaned together in a few passes over one string.
+
+    A step holds hundreds of fields; cleaning them one by one costs a Python call and half a
+    dozen C scans each. Joined with ``<`` instead, each step of the cleaning runs once: no step
+    matches across a ``<`` (a fence marker, ``**``, ``__`` and whitespace never contain one), so
+    each field comes out as :func:`field_text` would make it, and the ``<`` stay where they
+    were. Folding leaves at most one space on each side of a ``<``: a field's leading or
+    trailing whitespace, removed last. Fields that hold a ``<`` themselves (none does when read
+    by the scan's fast path, see :mod:`reward_server.core.parsing`) are cleaned one by one.
+
+    >>> field_texts([" a  b ", "**", "```py x```", "\\n"])
+    ['a b', '', 'x', '']
+    """
+    if not raws:
+        return []
+    joined = "<".join(raws)
+    if joined.count("<") != len(raws) - 1:  # some field holds a "<": clean those alone
+        alone = {i: field_text(raw) for i, raw in enumerate(raws) if "<" in raw}
+        rest = [raw for i, raw in enumerate(raws) if i not in alone]
+        cleaned = iter(field_texts(rest))
+        return [alone[i] if i in alone else next(cleaned) for i in range(len(raws))]
+    if "`" in joined or "~" in joined:
+        joined = _FENCE.sub(" ", joined)
+    if _clean_already(joined):
+        return joined.split("<")
+    joined = joined.replace("**", "").replace("__", "")
+    if not _folded(joined) or " <" in joined or "< " in joined:
+        joined = " ".join(joined.split()).replace(" <", "<").replace("< ", "<")
+    return joined.split("<")
+
+
+#: Latin-1 byte -> flags for :func:`_clean_already`: 1 ``*``, 2 ``_``, 4 a space or ``<``,
+#: 8 any other ``str.isspace`` character.
+_CLEAN_FLAGS = bytes(
+    1 if c == "*" else 2 if c == "_" else 4 if c in " <" else 8 if c.isspace() else 0
+    for c in map(chr, range(256))
+)
+
+
+def _clean_already(joined: str) -> bool:
+    """Whether each ``<``-separated field of ``joined`` (fences already replaced) is its own
+    field text: no ``**`` or ``__``, no whitespace but single spaces inside a field.
+
+    Told in a few C passes over a Latin-1 text (nearly all model output): one byte lookup
+    per character, then the flags of neighbours ANDed by numpy, where ``str.isprintable``
+    and the searches for ``"  "``, ``" <"`` and ``"< "`` cost ten times more. A pair of
+    adjacent separators (an empty field) or one at an end also answers no: the full
+    cleaning then runs, which is always right.
+    """
+    try:
+        flags = joined.encode("latin-1").translate(_CLEAN_FLAGS)
+    except UnicodeEncodeError:
+        return False
+    if not flags or b"\x08" in flags:
+        return not flags
+    codes = np.frombuffer(flags, dtype=np.uint8)
+    return not (codes[0] | codes[-1]) & 4 and not (codes[:-1] & codes[1:]).any()
 
 
 def _folded(text: str) -> bool:

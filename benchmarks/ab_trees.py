@@ -1,0 +1,175 @@
+"""Same-run A/B of (D) and (E) between two checkouts of this project (e.g. before/after a change).
+
+On a shared machine the load moves between two runs of ``bench_score.py`` by more than most
+changes gain, so a before/after must come from one run with the two trees interleaved:
+
+- (D): one worker process per tree (its own ``PYTHONPATH``), driven in lockstep, step by step:
+  ``prepare_batch`` → table → ``finish_batch`` of the same standard step, timed in the worker;
+- (E): the standard app of each tree served with the same zero-cost table
+  (``benchmarks/table_server.py`` of that tree), requests alternating between the two.
+
+Both trees must give the same rewards for every step (compared as text: bit for bit); the
+embeddings are random unit-free rows seeded here, the same for both, since only the cost of
+everything but the encoder is measured.
+
+    python benchmarks/ab_trees.py --base ../other-checkout [--steps 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _steps() -> list[list[dict[str, Any]]]:
+    from benchmarks.workload import grpo_step, load_gsm8k
+
+    rows = load_gsm8k()
+    return [grpo_step(seed=100 + r, rows=rows) for r in range(8)]
+
+
+def _table(steps: list[list[dict[str, Any]]]) -> Any:
+    import numpy as np
+
+    from benchmarks.table_server import TableEncoder
+    from reward_server.core import ScoreItem, prepare_batch
+
+    texts = list(
+        dict.fromkeys(t for st in steps for t in prepare_batch([ScoreItem(**i) for i in st]).texts)
+    )
+    rows = np.random.default_rng(0).standard_normal((len(texts), 384)).astype(np.float32)
+    return TableEncoder(texts, rows)
+
+
+def worker() -> None:
+    """Answer ``i`` on stdin with ``milliseconds rewards-json`` for standard step ``i % 8``."""
+    from reward_server.core import ScoreItem, finish_batch, prepare_batch
+
+    steps = _steps()
+    table = _table(steps)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        step = steps[int(line) % len(steps)]
+        items = [ScoreItem(**i) for i in step]
+        start = time.perf_counter()
+        prepared = prepare_batch(items)
+        rewards = finish_batch(prepared, table.encode(prepared.texts)).rewards
+        ms = (time.perf_counter() - start) * 1000
+        print(ms, json.dumps(rewards), flush=True)
+
+
+def _spawn(tree: Path, *args: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    return subprocess.Popen(
+        [sys.executable, *args], cwd=tree, env=env, text=True,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+def compare_in_process(trees: Sequence[Path], steps: int) -> dict[Path, list[float]]:
+    """(D) per tree, alternating step by step; rewards must be identical."""
+    # This file's worker, importing each tree's code (its PYTHONPATH): the base need not have it.
+    procs = [_spawn(t, str(Path(__file__).resolve()), "--worker") for t in trees]
+    times: dict[Path, list[float]] = {t: [] for t in trees}
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        for r in range(steps + 16):  # two passes over the 8 steps warm up
+            answers = []
+            for tree, p in zip(trees, procs, strict=True):
+                assert p.stdin is not None and p.stdout is not None
+                p.stdin.write(f"{r}\n")
+                p.stdin.flush()
+                ms, rewards = p.stdout.readline().split(" ", 1)
+                answers.append(rewards)
+                if r >= 16:
+                    times[tree].append(float(ms))
+            if len(set(answers)) != 1:
+                raise SystemExit(f"step {r}: the trees' rewards differ")
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    return times
+
+
+def compare_http(trees: Sequence[Path], steps: int, port: int) -> dict[Path, list[float]]:
+    """(E) per tree through its standard app with the same table, alternating requests."""
+    import httpx
+
+    from benchmarks.bench_score import _wait_ready
+
+    bodies = [json.dumps({"items": st}).encode() for st in _steps()]
+    times: dict[Path, list[float]] = {t: [] for t in trees}
+    servers = []
+    with tempfile.TemporaryDirectory() as tmp:
+        table = Path(tmp) / "table.npz"
+        _table(_steps()).save(table)
+        try:
+            for k, tree in enumerate(trees):
+                script = str(tree / "benchmarks" / "table_server.py")
+                server = _spawn(tree, script, "--table", str(table), "--port", str(port + k))
+                servers.append(server)
+                _wait_ready(server, port + k, time.perf_counter())  # type: ignore[arg-type]
+            clients = [
+                httpx.Client(base_url=f"http://127.0.0.1:{port + k}", timeout=60)
+                for k in range(len(trees))
+            ]
+            headers = {"content-type": "application/json"}
+            for r in range(steps + 16):
+                answers = []
+                for tree, client in zip(trees, clients, strict=True):
+                    start = time.perf_counter()
+                    resp = client.post("/v1/score", content=bodies[r % 8], headers=headers)
+                    ms = (time.perf_counter() - start) * 1000
+                    resp.raise_for_status()
+                    answers.append(json.dumps(resp.json()["rewards"]))
+                    if r >= 16:
+                        times[tree].append(ms)
+                if len(set(answers)) != 1:
+                    raise SystemExit(f"request {r}: the trees' rewards differ")
+        finally:
+            for server in servers:
+                server.terminate()
+                server.wait(30)
+    return times
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base", type=Path, help="the other checkout (the 'before')")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--port", type=int, default=18761)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker()
+        return 0
+    if args.base is None:
+        parser.error("--base is required")
+    trees = [args.base.resolve(), ROOT]
+    d = compare_in_process(trees, args.steps)
+    e = compare_http(trees, args.steps, args.port)
+    print(f"{args.steps} standard steps per tree, interleaved; rewards identical: yes")
+    print(f"{'p50 ms / step':<44}{'base':>10}{'this tree':>12}{'speed-up':>10}")
+    for name, times in (("(D) in process", d), ("(E) through the server (httpx)", e)):
+        before, after = (statistics.median(times[t]) for t in trees)
+        print(f"{name:<44}{before:>10.2f}{after:>12.2f}{before / after:>9.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    if "--worker" not in sys.argv:  # a worker imports the tree its PYTHONPATH names
+        sys.path.insert(0, str(ROOT))
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""Encoder settings alternated in one process: tokens/s and % of the same-round fp32 floor.
+
+The matrix-product floor (``bench_score.matmul_floor_gflops``) moves 2× with the machine's load,
+so a setting is only compared with the others inside one round: each round measures the floor,
+then encodes the texts of the standard steps once with every setting, in turn. Embeddings are
+checked against the first setting's first (min cosine, max |diff|).
+
+Settings: ``default`` (what the server runs), ``threads1`` (one intra-op thread), ``spin``
+(spinning intra-op threads), ``tokensN`` (``max_batch_tokens=N``), ``noarena`` (no CPU memory
+arena), ``openvino`` / ``openvino2`` (onnxruntime's OpenVINO execution provider, all threads /
+two: needs the ``onnxruntime-openvino`` package in place of ``onnxruntime``, which it conflicts
+with, so in a virtualenv of its own).
+
+    python benchmarks/encoder_sweep.py --rounds 5 --settings default,threads1,tokens16384
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_score import every_reasoning, ideal_flops, matmul_floor_gflops
+from benchmarks.workload import grpo_step, load_gsm8k
+from reward_server.core import ScoreItem, prepare_batch
+from reward_server.encoders.model_store import resolve_model
+from reward_server.encoders.onnx_runtime import OnnxEncoder
+
+
+def make_encoder(setting: str, model: Path) -> OnnxEncoder:
+    """An :class:`OnnxEncoder` with one setting changed (see the module docstring)."""
+    kwargs: dict[str, Any] = {}
+    if setting == "threads1":
+        kwargs["intra_op_threads"] = 1
+    elif setting == "spin":
+        kwargs["allow_spinning"] = True
+    elif setting == "noarena":
+        kwargs["memory_arena"] = False
+    elif setting.startswith("tokens"):
+        kwargs["max_batch_tokens"] = int(setting.removeprefix("tokens"))
+    elif setting not in ("default", "openvino", "openvino2"):
+        raise SystemExit(f"unknown setting {setting!r}")
+    encoder = OnnxEncoder(model, **kwargs)
+    if setting.startswith("openvino"):
+        import onnxruntime as ort
+
+        options = {"device_type": "CPU", "precision": "FP32"}
+        if setting == "openvino2":
+            options["num_of_threads"] = "2"
+        session = ort.InferenceSession(
+            str(model / "model.onnx"), providers=[("OpenVINOExecutionProvider", options)]
+        )
+        if session.get_providers()[0] != "OpenVINOExecutionProvider":
+            raise SystemExit("the OpenVINO execution provider is not available here")
+        encoder._session = session  # the same tokenization and batching, another engine
+    encoder.warmup()
+    return encoder
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--settings", default="default,threads1")
+    parser.add_argument("--steps", type=int, default=1, help="standard steps whose texts to encode")
+    parser.add_argument("--model", default=None, help="exported ONNX folder (default: embedded)")
+    args = parser.parse_args(argv)
+    names = args.settings.split(",")
+    model = resolve_model(args.model)
+    rows = load_gsm8k()
+    texts = [
+        text
+        for seed in range(args.steps)
+        for text in every_reasoning(
+            prepare_batch(
+                [ScoreItem(**i) for i in grpo_step(seed=100 + seed, rows=rows)], diagnostics=True
+            )
+        )
+    ]
+    encoders = {name: make_encoder(name, model) for name in names}
+    reference = encoders[names[0]].encode(texts)
+    for name, encoder in encoders.items():
+        out = encoder.encode(texts)
+        cosine = np.sum(out * reference, axis=1) / (
+            np.linalg.norm(out, axis=1) * np.linalg.norm(reference, axis=1)
+        )
+        print(
+            f"{name}: min cosine vs {names[0]} {float(np.min(cosine)):.9f}, "
+            f"max |diff| {float(np.max(np.abs(out - reference))):.1e}"
+        )
+    flops = ideal_flops(encoders[names[0]]._tokenizer, texts)
+    results: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
+    for r in range(args.rounds):
+        floor = matmul_floor_gflops(repeats=3)
+        line = []
+        for name, encoder in encoders.items():
+            start = time.perf_counter()
+            _, stats = encoder.encode_with_stats(texts)
+            tokens_per_s = stats.tokens / (time.perf_counter() - start)
+            share = tokens_per_s / (stats.tokens / (flops / (floor * 1e9)))
+            results[name].append((tokens_per_s, share))
+            line.append(f"{name} {tokens_per_s:,.0f} tokens/s ({100 * share:.0f}%)")
+        print(f"round {r} (floor {floor:.0f} GFLOP/s): " + ", ".join(line), flush=True)
+    print(f"{'setting':<14}{'tokens/s':>10}{'% of floor':>12}{'vs ' + names[0]:>16}  (medians)")
+    for name in names:
+        ratio = statistics.median(
+            a[0] / b[0] for a, b in zip(results[name], results[names[0]], strict=True)
+        )
+        tokens = statistics.median(x[0] for x in results[name])
+        share = statistics.median(x[1] for x in results[name])
+        print(f"{name:<14}{tokens:>10,.0f}{100 * share:>11.0f}%{ratio:>15.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""The reward's batch parser against SPEC §1's event-by-event scan (the reference).
+
+:func:`parse_completions` reads well-formed blocks with one regular-expression match each and
+cleans every field of a batch at once; :func:`strategy_blocks` and :func:`final_answer` walk
+the tags one by one as the SPEC words it (and as explanations show it). They must agree on
+any text, hostile or not, and any cap.
+"""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from reward_server.core.parsing import final_answer, parse_completions, strategy_blocks
+from reward_server.core.text import field_text, field_texts, preprocess
+from tests.hostile import PIECES
+
+_FIELD = st.one_of(
+    st.sampled_from(["", " ", "  x  ", "**", "__", "```py a```", "~~~", "a < b", "\n1\t", "ﬁ"]),
+    st.text(alphabet=st.sampled_from(" \t\n\xa0\u2028*_`~<>/ab1"), max_size=8),
+)
+_TAG = st.sampled_from(
+    ["<strategy>", '<strategy id="1">', "<STRATEGY\tx>", "</strategy>", "</Strategy >",
+     "<reasoning>", "<Reasoning a=b>", "</reasoning>", "</REASONING\n>", "<strategy_outcome>",
+     "<strategy_outcome x>", "</strategy_outcome>", "<final_answer>", "</final_answer>",
+     "<answer>", "</answer>", "<", ">", "</", "< strategy>", "<strategyx>"]
+)  # fmt: skip
+
+
+_INNER_TAG = st.sampled_from(
+    ["<strategy>", "</strategy>", "<reasoning>", "</reasoning>", "<strategy_outcome>",
+     "</strategy_outcome>", "<final_answer>", "</answer>", "<", ">"]
+)  # fmt: skip
+
+
+@st.composite
+def _block(draw: st.DrawFn) -> str:
+    """A block, mostly well formed, sometimes with a tag dropped, doubled or swapped."""
+    parts = [
+        draw(st.sampled_from(["<strategy>", '<strategy id="2">', "<Strategy >"])),
+        draw(st.sampled_from(["", "\n ", "x"])),
+        draw(st.sampled_from(["<reasoning>", "<REASONING id=1>"])),
+        draw(_FIELD),
+        draw(st.sampled_from(["</reasoning>", "</reasoning >"])),
+        draw(st.sampled_from(["", "\n"])),
+        draw(st.sampled_from(["<strategy_outcome>", "<Strategy_Outcome a>"])),
+        draw(_FIELD),
+        "</strategy_outcome>",
+        draw(st.sampled_from(["", " ", "junk"])),
+        draw(st.sampled_from(["</strategy>", "</STRATEGY\t>"])),
+    ]
+    for _ in range(draw(st.sampled_from([0, 0, 1, 2]))):  # break it: drop, double or insert
+        i = draw(st.integers(0, len(parts) - 1))
+        action = draw(st.sampled_from(["drop", "double", "insert", "insert"]))
+        if action == "insert":
+            parts[i] = draw(_INNER_TAG) + parts[i]
+        else:
+            parts[i] = "" if action == "drop" else parts[i] * 2
+    return "".join(parts)
+
+
+_COMPLETION = st.lists(
+    st.one_of(_block(), _TAG, _FIELD, st.sampled_from(PIECES), st.text(max_size=6)), max_size=25
+).map("".join)
+
+
+@settings(max_examples=400, deadline=None)
+@given(texts=st.lists(_COMPLETION, min_size=1, max_size=6), cap=st.integers(1, 6))
+def test_batch_parser_matches_the_tag_by_tag_scan(texts: list[str], cap: int) -> None:
+    texts = [preprocess(t) for t in texts]
+    for text, parsed in zip(texts, parse_completions(texts, cap), strict=True):
+        reference = strategy_blocks(text, cap)
+        assert parsed.strategies == reference
+        assert parsed.final_answer == final_answer(text, reference)
+
+
+# Latin-1 fields take the byte-flag check of ``field_texts``; a wider character, the plain one.
+_LATIN1_FIELD = st.text(alphabet=st.sampled_from(" \t\n\x1c\x85\xa0*_`~abé1"), max_size=10)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.one_of(_LATIN1_FIELD, _LATIN1_FIELD, _FIELD), max_size=12))
+def test_fields_cleaned_together_as_one_by_one(raws: list[str]) -> None:
+    assert field_texts(raws) == [field_text(raw) for raw in raws]
