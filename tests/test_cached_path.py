@@ -5,6 +5,7 @@ running encoder call."""
 from __future__ import annotations
 
 import time
+
 import numpy as np
 
 from reward_server.encoders.cache import CachedEncoder

@@ -98,14 +98,16 @@ class CachedEncoder:
         :func:`~reward_server.encoders.base.embeddings_without_model`)."""
         if self.max_entries == 0:
             return None
-        keys = [text_key(t) for t in texts]
+        keys: list[bytes] = []
         rows: list[npt.NDArray[np.float32]] = []
-        with self._lock:
+        with self._lock:  # hashing as it goes: a request with a miss costs one digest or so
             entries = self._entries
-            for key in keys:
+            for text in texts:
+                key = text_key(text)
                 row = entries.get(key)
                 if row is None:
                     return None
+                keys.append(key)
                 rows.append(row)
             for key in keys:
                 entries.move_to_end(key)
