@@ -2,8 +2,10 @@
 
 One request goes: admission (or an immediate :class:`Overloaded`) -> parse + validate + server
 limits + :func:`prepare_batch` -> the shared :class:`Batcher` (queue, coalesced encoder call) ->
-:func:`finish_batch`. Both front ends call :meth:`ScoringService.score` with the same request
-model, so they return identical numbers and reject the same inputs with the same field paths.
+:func:`finish_batch` (a request whose embeddings are all cached is rewarded in the trip that
+prepared it, without the batcher's queue). Both front ends call :meth:`ScoringService.score`
+with the same request model, so they return identical numbers and reject the same inputs with
+the same field paths.
 
 CPU-bound phases (validation of a large body, parsing, the reward) run in a small thread pool so
 the event loop keeps answering ``/healthz`` and rejecting overload quickly while they run.
