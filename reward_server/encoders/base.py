@@ -134,3 +134,13 @@ def check_encoder(candidate: object) -> Encoder:
             "(see reward_server.encoders.base.Encoder; wrappers forward every member)"
         )
     return candidate
+
+
+def embeddings_without_model(
+    encoder: Encoder, texts: Sequence[str]
+) -> npt.NDArray[np.float32] | None:
+    """The embeddings of ``texts`` when ``encoder`` has every one at hand without model work (an
+    embedding cache's hits: its optional ``peek`` member), else None. Optional because most
+    encoders have nothing at hand: the service then queues the texts for the encoder worker."""
+    peek = getattr(encoder, "peek", None)
+    return None if peek is None else peek(texts)

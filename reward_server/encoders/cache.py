@@ -91,6 +91,31 @@ class CachedEncoder:
         with self._lock:
             self._entries.clear()
 
+    def peek(self, texts: Sequence[str]) -> npt.NDArray[np.float32] | None:
+        """Embeddings of ``texts`` in input order when every one is cached, else None (and
+        nothing counted: the :meth:`encode` that follows counts them). Never runs the model,
+        so the service answers a fully cached request without the encoder worker's queue (see
+        :func:`~reward_server.encoders.base.embeddings_without_model`)."""
+        if self.max_entries == 0:
+            return None
+        keys: list[bytes] = []
+        rows: list[npt.NDArray[np.float32]] = []
+        with self._lock:  # hashing as it goes: a request with a miss costs one digest or so
+            entries = self._entries
+            for text in texts:
+                key = text_key(text)
+                row = entries.get(key)
+                if row is None:
+                    return None
+                keys.append(key)
+                rows.append(row)
+            for key in keys:
+                entries.move_to_end(key)
+            self.hits += len(keys)
+        if not rows:
+            return np.empty((0, self.inner.dimension), dtype=np.float32)
+        return np.stack(rows)
+
     def encode(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
         """Embeddings of ``texts`` in input order; only texts not cached reach ``inner``."""
         if self.max_entries == 0:

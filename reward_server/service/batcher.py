@@ -42,7 +42,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from reward_server.encoders.base import EMBEDDING_DIM, MAX_SEQ_LENGTH, Encoder
+from reward_server.encoders.base import (
+    EMBEDDING_DIM,
+    MAX_SEQ_LENGTH,
+    Encoder,
+    embeddings_without_model,
+)
 from reward_server.service.errors import (  # re-exported: the batcher raises them
     DeadlineExceeded,
     EncoderFailed,
@@ -242,6 +247,29 @@ class Batcher:
             self._notify_depth_locked()
             self._cond.notify_all()
         return job.future
+
+    def lookup(self, texts: Sequence[str]) -> EncodeResult | None:
+        """The embeddings of ``texts`` when the encoder has them all without model work (every
+        one cached), answered on the caller's thread; None when any needs the encoder (then
+        :meth:`submit` them). Such a request takes nothing from the encoder, so it neither
+        waits in the queue nor joins a batch; its ``encode_seconds`` is the lookup's time."""
+        with self._cond:
+            if self._stopping and not self._thread.is_alive():
+                return None  # submit() says why
+        start = time.monotonic()
+        found = embeddings_without_model(self.encoder, texts)
+        if found is None:
+            return None
+        embeddings = np.asarray(found, dtype=np.float32)
+        if embeddings.shape != (len(texts), EMBEDDING_DIM):
+            return None  # as the worker would fail it: let the worker say so
+        return EncodeResult(
+            embeddings,
+            queue_seconds=0.0,
+            encode_seconds=time.monotonic() - start,
+            batch_requests=1,
+            batch_texts=len(texts),
+        )
 
     def _take_locked(self) -> list[_Job]:
         """The oldest job plus every following one that fits the token budget."""

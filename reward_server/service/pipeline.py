@@ -2,8 +2,10 @@
 
 One request goes: admission (or an immediate :class:`Overloaded`) -> parse + validate + server
 limits + :func:`prepare_batch` -> the shared :class:`Batcher` (queue, coalesced encoder call) ->
-:func:`finish_batch`. Both front ends call :meth:`ScoringService.score` with the same request
-model, so they return identical numbers and reject the same inputs with the same field paths.
+:func:`finish_batch` (a request whose embeddings are all cached is rewarded in the trip that
+prepared it, without the batcher's queue). Both front ends call :meth:`ScoringService.score`
+with the same request model, so they return identical numbers and reject the same inputs with
+the same field paths.
 
 CPU-bound phases (validation of a large body, parsing, the reward) run in a small thread pool so
 the event loop keeps answering ``/healthz`` and rejecting overload quickly while they run.
@@ -41,7 +43,7 @@ from reward_server.core.normalization import Aggregate
 from reward_server.core.text import preprocess
 from reward_server.encoders.base import EMBEDDING_DIM, Encoder, check_encoder
 from reward_server.math_judge import IsolatedMathJudge, MathDeadlineExceeded
-from reward_server.service.batcher import Batcher, estimate_tokens
+from reward_server.service.batcher import Batcher, EncodeResult, estimate_tokens
 from reward_server.service.config import Settings
 from reward_server.service.errors import (
     MAX_ISSUES,
@@ -155,6 +157,18 @@ def _constant(encoder: Encoder | None) -> Callable[[], Encoder]:
         return encoder
 
     return load
+
+
+@dataclass(frozen=True)
+class _CachedReward:
+    """A request rewarded in the pool trip that prepared it (every embedding cached), with the
+    :func:`time.monotonic` instants its phases ended."""
+
+    prepared: float
+    found: EncodeResult
+    embedded: float
+    score: BatchScore
+    rewarded: float
 
 
 class ScoringService:
@@ -361,14 +375,44 @@ class ScoringService:
         with batcher.admit():
             if receive is not None:
                 await receive()
-            parsed = await self._parse_and_prepare(parse, loc_map, deadline, explain)
+            parsed = await self._parse_and_prepare(parse, loc_map, deadline, explain, batcher)
             if parsed is None:
                 spent = time.monotonic() - t0
                 timings = dict.fromkeys(("parse", "total"), spent) | _NO_WORK
                 return Scored(_nothing_scored(), timings, self.encoder_name)
-            request, prepared = parsed
-            self.check_encoder_budget(prepared.texts, loc_map)
+            request, prepared, cached = parsed
+            if cached is not None:
+                return await self._score_cached(request, prepared, cached, t0, deadline, explain)
+            if request.answer_type == "math":  # the others' was checked in their preparing trip
+                self.check_encoder_budget(prepared.texts, loc_map)
             return await self._score_prepared(batcher, request, prepared, t0, deadline, explain)
+
+    async def _score_cached(
+        self,
+        request: ScoreRequest,
+        prepared: PreparedBatch,
+        cached: _CachedReward,
+        t0: float,
+        deadline: float,
+        explain: bool,
+    ) -> Scored:
+        """:meth:`_score_prepared` for a request rewarded in its preparing trip (every
+        embedding was cached): the same answer and phases, without the encoder's queue."""
+        self.metrics.items.observe(len(request.items))
+        explanation = None
+        embeddings = cached.found.embeddings
+        if explain:
+            explanation = await self._explain(request, prepared, embeddings, cached.score, deadline)
+        t3 = time.monotonic() if explain else cached.rewarded
+        timings = {
+            "parse": cached.prepared - t0,
+            "queue": 0.0,
+            "encode": cached.found.encode_seconds,
+            "reward": t3 - cached.embedded,
+            "total": t3 - t0,
+        }
+        self.metrics.observe_phases(timings)
+        return Scored(cached.score, timings, self.encoder_name, explanation)
 
     async def _score_prepared(
         self,
@@ -417,9 +461,12 @@ class ScoringService:
         loc_map: LocMap | None,
         deadline: float,
         explain: bool,
-    ) -> tuple[ScoreRequest, PreparedBatch] | None:
+        batcher: Batcher,
+    ) -> tuple[ScoreRequest, PreparedBatch, _CachedReward | None] | None:
         """Validation, limits and parsing in one trip to the CPU pool (each trip is a thread
-        hand-off and a GIL hand-back, a visible share of a millisecond step). A math request is
+        hand-off and a GIL hand-back, a visible share of a millisecond step, and more on a
+        loaded machine). When every embedding the request needs is cached, the same trip also
+        looks them up and computes the reward (:meth:`_reward_if_cached`). A math request is
         prepared in threads of its own instead: its checks wait on the judge's children and
         must not hold the pool every request shares."""
 
@@ -433,18 +480,24 @@ class ScoringService:
                 math_judge=self.math_judge(deadline),
             )
 
-        def parse_and_prepare() -> tuple[ScoreRequest, PreparedBatch | None] | None:
+        def parse_and_prepare() -> (
+            tuple[ScoreRequest, PreparedBatch | None, _CachedReward | None] | None
+        ):
             request = parse()
             if request is None:
                 return None
             self.check_limits(request, loc_map)
-            return request, None if request.answer_type == "math" else prepare(request)
+            if request.answer_type == "math":
+                return request, None, None
+            prepared = prepare(request)
+            self.check_encoder_budget(prepared.texts, loc_map)
+            return request, prepared, self._reward_if_cached(batcher, request, prepared, deadline)
 
         try:
             parsed = await self._in_pool(parse_and_prepare)
             if parsed is None:
                 return None
-            request, prepared = parsed
+            request, prepared, cached = parsed
             if prepared is None:
                 prepared = await self._in_pool(partial(prepare, request), self._math_pool)
         except ValidationError as exc:
@@ -454,7 +507,27 @@ class ScoringService:
             raise RequestInvalid.one(loc, exc.message, "invalid_batch") from None
         except MathDeadlineExceeded as exc:
             raise DeadlineExceeded(str(exc)) from None
-        return request, prepared
+        except NonFiniteRewardError as exc:
+            raise RequestInvalid.one((exc.field,), exc.reason, "non_finite") from None
+        return request, prepared, cached
+
+    def _reward_if_cached(
+        self, batcher: Batcher, request: ScoreRequest, prepared: PreparedBatch, deadline: float
+    ) -> _CachedReward | None:
+        """The reward, computed on this (pool) thread, when the encoder has every embedding
+        ``prepared`` needs without model work (:meth:`Batcher.lookup`); else None, and the
+        texts go through the batcher. Runs only where the reward would run anyway (a pool
+        thread, never the event loop), and only before ``deadline`` (past it the batcher's
+        path answers 503 as before)."""
+        looked_up = time.monotonic()
+        if looked_up > deadline or not prepared.texts:
+            return None
+        found = batcher.lookup(prepared.texts)
+        if found is None:
+            return None
+        embedded = time.monotonic()
+        score = finish_batch(prepared, found.embeddings, normalize=request.normalize)
+        return _CachedReward(looked_up, found, embedded, score, time.monotonic())
 
     async def _embed(
         self, batcher: Batcher, texts: list[str], deadline: float
