@@ -89,7 +89,11 @@ def cluster() -> Iterator[Cluster]:
         from reward_server.service.ray_app import build_app
 
         t0 = time.monotonic()
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        # The node's address is pinned to loopback: on a machine with a routed interface Ray
+        # would otherwise pick that interface's address and listen on it.
+        ray.init(
+            num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1"
+        )
         try:
             assert ray.util.get_node_ip_address() == "127.0.0.1"
             port = free_port()
