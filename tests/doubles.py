@@ -22,8 +22,8 @@ def _unit(v: npt.NDArray[np.float64]) -> npt.NDArray[np.float32]:
 
 class DoubleEncoder:
     """What every leaf double says of itself beyond ``name`` and ``encode``: the model's
-    dimension, a one-text warm-up, a ``test`` backend and no counters. Wrappers do not inherit
-    it: they forward each member of the protocol to what they wrap."""
+    dimension, a one-text warm-up, a ``test`` backend, no counters and nothing at hand without
+    model work. Wrappers do not inherit it: they derive from ``EncoderWrapper``."""
 
     dimension = EMBEDDING_DIM
 
@@ -38,6 +38,9 @@ class DoubleEncoder:
 
     def stats(self) -> EncoderStats:
         return EncoderStats()
+
+    def peek(self, texts: Sequence[str]) -> None:
+        return None
 
 
 class TableEncoder(DoubleEncoder):

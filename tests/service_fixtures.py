@@ -27,7 +27,7 @@ import numpy.typing as npt
 import pytest
 
 from reward_server.core import RewardParams, ScoreItem, score_batch
-from reward_server.encoders.base import Encoder, EncoderDescription, EncoderStats
+from reward_server.encoders.base import Encoder, EncoderWrapper
 from reward_server.service.config import Settings
 from reward_server.service.grpc_client import RewardStub
 from reward_server.service.grpc_server import create_server
@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 REAL_MODEL_ATOL = 1e-4
 
 
-class SlowEncoder:
+class SlowEncoder(EncoderWrapper):
     """:class:`HashEncoder` that takes ``delay`` seconds per call (to fill the queue on demand)
     and records the batches it saw (to check coalescing).
 
@@ -51,9 +51,8 @@ class SlowEncoder:
     inner double directly."""
 
     def __init__(self, delay: float = 0.2) -> None:
-        self.inner = HashEncoder()
+        super().__init__(HashEncoder())
         self.delay = delay
-        self.name = "slow-hash"
         self.calls: list[list[str]] = []
         self.held: list[str] = []
         self.entered = threading.Event()
@@ -61,8 +60,8 @@ class SlowEncoder:
         self.gate.set()
 
     @property
-    def dimension(self) -> int:
-        return self.inner.dimension
+    def name(self) -> str:
+        return "slow-hash"
 
     def encode(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
         self.held = list(texts)
@@ -71,15 +70,6 @@ class SlowEncoder:
         self.calls.append(list(texts))
         time.sleep(self.delay)
         return self.inner.encode(texts)
-
-    def warmup(self) -> None:
-        self.inner.warmup()
-
-    def describe(self) -> EncoderDescription:
-        return self.inner.describe()
-
-    def stats(self) -> EncoderStats:
-        return self.inner.stats()
 
 
 def make_settings(**overrides: Any) -> Settings:

@@ -4,7 +4,6 @@ keeps its warm-up, its ``/v1/info`` fields and its metrics."""
 
 from __future__ import annotations
 
-import dataclasses
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,6 +19,7 @@ from reward_server.encoders.base import (
     Encoder,
     EncoderDescription,
     EncoderStats,
+    EncoderWrapper,
     EncodeStats,
     check_encoder,
 )
@@ -78,7 +78,20 @@ class Described(HashEncoder):
 
 
 def test_the_protocol_lists_what_the_service_uses() -> None:
-    assert ENCODER_MEMBERS == ("name", "dimension", "encode", "warmup", "describe", "stats")
+    assert ENCODER_MEMBERS == ("name", "dimension", "encode", "warmup", "describe", "stats", "peek")
+
+
+def test_the_wrapper_base_forwards_every_member() -> None:
+    """A member added to the protocol must be forwarded by :class:`EncoderWrapper` too."""
+    assert [m for m in ENCODER_MEMBERS if m not in vars(EncoderWrapper)] == []
+    leaf = Described(Path("/models/x"))
+    wrapped = Passthrough(Passthrough(leaf))
+    assert (wrapped.name, wrapped.dimension) == (leaf.name, leaf.dimension)
+    assert wrapped.describe() == leaf.describe() and wrapped.stats() == leaf.stats()
+    wrapped.warmup()
+    assert leaf.warmups == 1
+    assert wrapped.peek(["a"]) is None
+    np.testing.assert_array_equal(wrapped.encode(["a", "b"]), leaf.encode(["a", "b"]))
 
 
 @pytest.mark.parametrize(
@@ -214,28 +227,5 @@ def test_a_wrapped_encoder_keeps_its_warmup_info_and_metrics(tmp_path: Path) -> 
     assert hits == misses > 0
 
 
-class Passthrough:
-    """A second wrapper between the cache and the leaf, forwarding as every wrapper must."""
-
-    def __init__(self, inner: Encoder) -> None:
-        self.inner = inner
-
-    @property
-    def name(self) -> str:
-        return self.inner.name
-
-    @property
-    def dimension(self) -> int:
-        return self.inner.dimension
-
-    def encode(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
-        return self.inner.encode(texts)
-
-    def warmup(self) -> None:
-        self.inner.warmup()
-
-    def describe(self) -> EncoderDescription:
-        return self.inner.describe()
-
-    def stats(self) -> EncoderStats:
-        return dataclasses.replace(self.inner.stats())
+class Passthrough(EncoderWrapper):
+    """A second wrapper between the cache and the leaf, changing nothing."""

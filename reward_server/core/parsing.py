@@ -82,17 +82,22 @@ def first_field(text: str, name: str, start: int = 0, end: int | None = None) ->
     return _field(text, _opening(name), _closing(name), start, len(text) if end is None else end)
 
 
-def _field(
+def _raw_field(
     text: str, opening_re: re.Pattern[str], closing_re: re.Pattern[str], start: int, end: int
 ) -> str:
-    """:func:`first_field` with its patterns given (the scan below looks them up once)."""
+    """The uncleaned content that :func:`_field` reads (``""`` when a tag is missing)."""
     opening = opening_re.search(text, start, end)
     if opening is None:
         return ""
     closing = closing_re.search(text, opening.end(), end)
-    if closing is None:
-        return ""
-    return field_text(text[opening.end() : closing.start()])
+    return "" if closing is None else text[opening.end() : closing.start()]
+
+
+def _field(
+    text: str, opening_re: re.Pattern[str], closing_re: re.Pattern[str], start: int, end: int
+) -> str:
+    """:func:`first_field` with its patterns given (the scan below looks them up once)."""
+    return field_text(_raw_field(text, opening_re, closing_re, start, end))
 
 
 @dataclass(frozen=True)
@@ -285,17 +290,6 @@ def _event() -> re.Pattern[str]:
         rf"<(?:(/{s}\s*>)|{s}{attrs}(?:{body})?"
         rf"|({f}{attrs})|(/{f}\s*>)|({a}{attrs})|(/{a}\s*>))"
     )
-
-
-def _raw_field(
-    text: str, opening_re: re.Pattern[str], closing_re: re.Pattern[str], start: int, end: int
-) -> str:
-    """The uncleaned content that :func:`_field` reads (``""`` when a tag is missing)."""
-    opening = opening_re.search(text, start, end)
-    if opening is None:
-        return ""
-    closing = closing_re.search(text, opening.end(), end)
-    return "" if closing is None else text[opening.end() : closing.start()]
 
 
 class RawFields(NamedTuple):

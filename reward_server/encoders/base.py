@@ -7,8 +7,9 @@ provider, where the model lies, how many tokens one model run takes) and counter
 the whole contract, and :func:`check_encoder` refuses at load time an object that lacks a member,
 instead of the server silently losing its warm-up, its ``/v1/info`` fields or its metrics.
 
-A wrapper (the LRU cache, a test double that adds a delay) forwards every member explicitly: the
-service never looks through wrappers for attributes.
+A wrapper (the LRU cache, a test double that adds a delay) derives from :class:`EncoderWrapper`,
+which forwards every member to what it wraps, and overrides only what it changes: the service
+never looks through wrappers for attributes, and a wrapper cannot forget a member.
 """
 
 from __future__ import annotations
@@ -119,6 +120,13 @@ class Encoder(Protocol):
         """A snapshot of this encoder's counters (see :class:`EncoderStats`)."""
         ...
 
+    def peek(self, texts: Sequence[str]) -> npt.NDArray[np.float32] | None:
+        """The embeddings of ``texts`` when every one is at hand without model work (an
+        embedding cache's hits), else None, counting nothing. The service then answers the
+        request without the encoder worker's queue; a model backend has nothing at hand and
+        answers None."""
+        ...
+
 
 #: Every member of :class:`Encoder`, in declaration order.
 ENCODER_MEMBERS: tuple[str, ...] = tuple(n for n in vars(Encoder) if not n.startswith("_"))
@@ -136,11 +144,39 @@ def check_encoder(candidate: object) -> Encoder:
     return candidate
 
 
-def embeddings_without_model(
-    encoder: Encoder, texts: Sequence[str]
-) -> npt.NDArray[np.float32] | None:
-    """The embeddings of ``texts`` when ``encoder`` has every one at hand without model work (an
-    embedding cache's hits: its optional ``peek`` member), else None. Optional because most
-    encoders have nothing at hand: the service then queues the texts for the encoder worker."""
-    peek = getattr(encoder, "peek", None)
-    return None if peek is None else peek(texts)
+class EncoderWrapper:
+    """Base of an encoder that wraps another (``inner``, checked to be an :class:`Encoder`):
+    every member is forwarded, so a subclass overrides only what it changes."""
+
+    def __init__(self, inner: Encoder) -> None:
+        self.inner = check_encoder(inner)  # forwarding to a member it lacks would fail later
+
+    @property
+    def name(self) -> str:
+        """The inner encoder's: wrapping does not change what is computed."""
+        return self.inner.name
+
+    @property
+    def dimension(self) -> int:
+        """The inner encoder's."""
+        return self.inner.dimension
+
+    def encode(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
+        """The inner encoder's embeddings."""
+        return self.inner.encode(texts)
+
+    def warmup(self) -> None:
+        """The inner encoder's warm-up: a wrapper's own answer would warm nothing."""
+        self.inner.warmup()
+
+    def describe(self) -> EncoderDescription:
+        """The inner encoder's description."""
+        return self.inner.describe()
+
+    def stats(self) -> EncoderStats:
+        """The inner encoder's counters."""
+        return self.inner.stats()
+
+    def peek(self, texts: Sequence[str]) -> npt.NDArray[np.float32] | None:
+        """What the inner encoder has at hand."""
+        return self.inner.peek(texts)

@@ -20,13 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from reward_server.encoders.base import (
-    CacheCounts,
-    Encoder,
-    EncoderDescription,
-    EncoderStats,
-    check_encoder,
-)
+from reward_server.encoders.base import CacheCounts, Encoder, EncoderStats, EncoderWrapper
 
 
 def text_key(text: str) -> bytes:
@@ -34,7 +28,7 @@ def text_key(text: str) -> bytes:
     return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
-class CachedEncoder:
+class CachedEncoder(EncoderWrapper):
     """Wraps ``inner`` with a thread-safe LRU of at most ``max_entries`` embeddings (0 disables).
 
     Each :meth:`encode` call looks every text up, then sends the distinct misses to ``inner`` in
@@ -46,30 +40,12 @@ class CachedEncoder:
     def __init__(self, inner: Encoder, max_entries: int) -> None:
         if max_entries < 0:
             raise ValueError("max_entries must be >= 0")
-        self.inner = check_encoder(inner)  # forwarding to a member it lacks would fail later
+        super().__init__(inner)
         self.max_entries = max_entries
         self._entries: OrderedDict[bytes, npt.NDArray[np.float32]] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
-
-    @property
-    def name(self) -> str:
-        """The inner encoder's name: caching does not change what is computed."""
-        return self.inner.name
-
-    @property
-    def dimension(self) -> int:
-        """The inner encoder's."""
-        return self.inner.dimension
-
-    def warmup(self) -> None:
-        """The inner encoder's warm-up: a cached answer would warm nothing."""
-        self.inner.warmup()
-
-    def describe(self) -> EncoderDescription:
-        """The inner encoder's description: the cache computes nothing itself."""
-        return self.inner.describe()
 
     def stats(self) -> EncoderStats:
         """The inner encoder's counters, with this cache's lookups."""
@@ -94,8 +70,7 @@ class CachedEncoder:
     def peek(self, texts: Sequence[str]) -> npt.NDArray[np.float32] | None:
         """Embeddings of ``texts`` in input order when every one is cached, else None (and
         nothing counted: the :meth:`encode` that follows counts them). Never runs the model,
-        so the service answers a fully cached request without the encoder worker's queue (see
-        :func:`~reward_server.encoders.base.embeddings_without_model`)."""
+        so the service answers a fully cached request without the encoder worker's queue."""
         if self.max_entries == 0:
             return None
         keys: list[bytes] = []

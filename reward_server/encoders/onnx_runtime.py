@@ -288,6 +288,10 @@ class OnnxEncoder:
         with self._stats_lock:
             return EncoderStats(work=replace(self.totals))
 
+    def peek(self, texts: Sequence[str]) -> None:
+        """Nothing at hand: every embedding is the model's work."""
+        return None
+
     def encode(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
         """Embeddings of ``texts`` in input order, shape ``(len(texts), 384)``, unit rows."""
         return self.encode_with_stats(texts)[0]

@@ -109,3 +109,7 @@ class SentenceTransformerEncoder:
     def stats(self) -> EncoderStats:
         """No counters: sentence-transformers does not report its work."""
         return EncoderStats()
+
+    def peek(self, texts: Sequence[str]) -> None:
+        """Nothing at hand: every embedding is the model's work."""
+        return None

@@ -42,12 +42,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from reward_server.encoders.base import (
-    EMBEDDING_DIM,
-    MAX_SEQ_LENGTH,
-    Encoder,
-    embeddings_without_model,
-)
+from reward_server.encoders.base import EMBEDDING_DIM, MAX_SEQ_LENGTH, Encoder
 from reward_server.service.errors import (  # re-exported: the batcher raises them
     DeadlineExceeded,
     EncoderFailed,
@@ -257,7 +252,7 @@ class Batcher:
             if self._stopping and not self._thread.is_alive():
                 return None  # submit() says why
         start = time.monotonic()
-        found = embeddings_without_model(self.encoder, texts)
+        found = self.encoder.peek(texts)
         if found is None:
             return None
         embeddings = np.asarray(found, dtype=np.float32)
