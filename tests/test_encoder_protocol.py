@@ -4,6 +4,7 @@ keeps its warm-up, its ``/v1/info`` fields and its metrics."""
 
 from __future__ import annotations
 
+import inspect
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
@@ -151,39 +152,28 @@ def test_mypy_refuses_a_wrapper_that_forgets_a_member(tmp_path: Path) -> None:
     from mypy import api
 
     source = tmp_path / "forgetful.py"
-    source.write_text(
-        textwrap.dedent(
-            """
-            from collections.abc import Sequence
+    header = textwrap.dedent(
+        """
+        from collections.abc import Sequence
 
-            import numpy as np
-            import numpy.typing as npt
+        import numpy as np
+        import numpy.typing as npt
 
-            from reward_server.encoders.base import Encoder
-            from reward_server.encoders.cache import CachedEncoder
-
-
-            class Forgetful:
-                def __init__(self, inner: Encoder) -> None:
-                    self.inner = inner
-
-                @property
-                def name(self) -> str:
-                    return self.inner.name
-
-                def encode(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
-                    return self.inner.encode(texts)
+        from reward_server.encoders.base import Encoder
+        from reward_server.encoders.cache import CachedEncoder
 
 
-            def cached(inner: Encoder) -> CachedEncoder:
-                return CachedEncoder(inner, 10)
+        def cached(inner: Encoder) -> CachedEncoder:
+            return CachedEncoder(inner, 10)
 
 
-            def wrapped(inner: Encoder) -> CachedEncoder:
-                return CachedEncoder(Forgetful(inner), 10)
-            """
-        )
+        def wrapped(inner: Encoder) -> CachedEncoder:
+            return CachedEncoder(Forgetful(inner), 10)
+
+
+        """
     )
+    source.write_text(header + inspect.getsource(Forgetful))  # the class the test above runs
     out, _, status = api.run(
         [
             "--no-incremental",
