@@ -85,15 +85,17 @@ def cluster() -> Iterator[Cluster]:
     with _env({**RAY_ENV, "SDE2_API_KEY": API_KEY}):
         import ray
         from ray import serve
+        from ray._private import ray_constants
 
         from reward_server.service.ray_app import build_app
 
         t0 = time.monotonic()
-        # The node's address is pinned to loopback: on a machine with a routed interface Ray
-        # would otherwise pick that interface's address and listen on it.
-        ray.init(
-            num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1"
-        )
+        # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 keeps the node on loopback (else Ray takes the
+        # address of the interface that routes outside, where there is one), but Ray reads it
+        # once, when first imported, which another module's test may have done already.
+        cluster_mode = ray_constants.ENABLE_RAY_CLUSTER
+        ray_constants.ENABLE_RAY_CLUSTER = False
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
         try:
             assert ray.util.get_node_ip_address() == "127.0.0.1"
             port = free_port()
@@ -107,6 +109,7 @@ def cluster() -> Iterator[Cluster]:
             with contextlib.suppress(Exception):
                 serve.shutdown()
             ray.shutdown()
+            ray_constants.ENABLE_RAY_CLUSTER = cluster_mode
 
 
 def _post(url: str, path: str, body: Any, headers: dict[str, str] | None = None) -> httpx.Response:

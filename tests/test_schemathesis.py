@@ -26,9 +26,9 @@ APP = create_app(make_service(max_items=16, max_completion_chars=2000, max_answe
 schema = schemathesis.openapi.from_asgi("/openapi.json", APP)
 
 #: Cross-field rules JSON Schema cannot state (422 on schema-valid data is right for these):
-#: groups on all items or none (SPEC §5), parameters whose reward overflows, and OpenRLHF's
-#: query / prompts / labels of equal length.
-CROSS_FIELD_RULES = {"invalid_batch", "non_finite", "length"}
+#: groups on all items or none (SPEC §5), parameters whose reward overflows, OpenRLHF's
+#: query / prompts / labels of equal length, and each of its prompts the start of its query.
+CROSS_FIELD_RULES = {"invalid_batch", "non_finite", "length", "prompt_not_in_query"}
 
 
 def valid_data_is_accepted(ctx: Any, response: Any, case: Any) -> None:
