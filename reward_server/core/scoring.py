@@ -29,7 +29,7 @@ from reward_server.core.components import COMPONENTS
 from reward_server.core.geometry import gains_of_selections, unit_rows
 from reward_server.core.normalization import Aggregate, aggregate
 from reward_server.core.params import AnswerType, RewardParams
-from reward_server.core.parsing import ParsedCompletion, parse_completion, parse_completions
+from reward_server.core.parsing import ParsedCompletion, parse_completions
 from reward_server.core.recipes import RECIPES, Recipe, RecipeSpec
 from reward_server.core.text import preprocess
 from reward_server.encoders.base import EMBEDDING_DIM, Encoder
@@ -176,28 +176,17 @@ def recipe_spec(recipe: str) -> RecipeSpec:
 
 def analyze_item(
     item: ScoreItem,
-    recipe: Recipe,
-    answer_type: AnswerType,
-    params: RewardParams,
+    parsed: ParsedCompletion,
+    matches: Callable[[str], bool],
+    needs_encoder: bool,
     diagnostics: bool,
-    math_judge: MathJudge = math_equivalent,
-    *,
-    parsed: ParsedCompletion | None = None,
-    matches: Callable[[str], bool] | None = None,
 ) -> ItemAnalysis:
-    """Parse one completion and match its answers; decide whether it needs the encoder.
-
-    ``parsed`` and ``matches`` are given by :func:`prepare_batch`, which parses a batch's
-    completions together and builds one matcher per distinct gold answer.
-    """
-    if parsed is None:
-        parsed = parse_completion(preprocess(item.completion), params.max_strategies)
-    if matches is None:
-        matches = make_matcher(answer_type, preprocess(item.answer), math_judge)
+    """Match one parsed completion's answers (``matches``: its gold answer's matcher) and decide
+    whether it needs the encoder (``needs_encoder``: its recipe's)."""
     strategy_correct = any(map(matches, [s.outcome for s in parsed.strategies]))
     correct = parsed.final_answer is not None and matches(parsed.final_answer)
     m = parsed.n_strat
-    needs = m >= 2 and (diagnostics or (recipe_spec(recipe).needs_encoder and not strategy_correct))
+    needs = m >= 2 and (diagnostics or (needs_encoder and not strategy_correct))
     return ItemAnalysis(parsed, correct, strategy_correct, needs, item.num_tokens, item.completion)
 
 
@@ -216,7 +205,7 @@ def prepare_batch(
     isolated one, see :mod:`reward_server.math_judge`).
     """
     params = params or RewardParams()
-    recipe_spec(recipe)
+    needs_encoder = recipe_spec(recipe).needs_encoder
     if not items:
         raise InvalidBatch(("items",), "the batch is empty: send at least one item")
     groups = _groups(items)
@@ -225,12 +214,9 @@ def prepare_batch(
     for gold in dict.fromkeys(it.answer for it in items):
         matchers[gold] = make_matcher(answer_type, preprocess(gold), math_judge)
     analyses = [
-        analyze_item(
-            it, recipe, answer_type, params, diagnostics, math_judge,
-            parsed=p, matches=matchers[it.answer],
-        )
+        analyze_item(it, p, matchers[it.answer], needs_encoder, diagnostics)
         for it, p in zip(items, parsed, strict=True)
-    ]  # fmt: skip
+    ]
     texts = dict.fromkeys(
         s.reasoning for a in analyses if a.needs_geometry for s in a.parsed.strategies
     )

@@ -144,6 +144,11 @@ def _chunk_tokens(encoder: Encoder) -> int:
 _NO_WORK = {"queue": 0.0, "encode": 0.0, "reward": 0.0}
 
 
+def _refused(exc: NonFiniteRewardError) -> RequestInvalid:
+    """A non-finite reward, refused naming the parameter that made it (never returned)."""
+    return RequestInvalid.one((exc.field,), exc.reason, "non_finite")
+
+
 def _nothing_scored() -> BatchScore:
     """The score of a request with no items (only OpenRLHF's protocol allows one)."""
     empty = Aggregate(rewards=[], normalized={}, mean={}, std={}, advantages=None)
@@ -381,58 +386,40 @@ class ScoringService:
                 timings = dict.fromkeys(("parse", "total"), spent) | _NO_WORK
                 return Scored(_nothing_scored(), timings, self.encoder_name)
             request, prepared, cached = parsed
-            if cached is not None:
-                return await self._score_cached(request, prepared, cached, t0, deadline, explain)
             if request.answer_type == "math":  # the others' was checked in their preparing trip
                 self.check_encoder_budget(prepared.texts, loc_map)
-            return await self._score_prepared(batcher, request, prepared, t0, deadline, explain)
-
-    async def _score_cached(
-        self,
-        request: ScoreRequest,
-        prepared: PreparedBatch,
-        cached: _CachedReward,
-        t0: float,
-        deadline: float,
-        explain: bool,
-    ) -> Scored:
-        """:meth:`_score_prepared` for a request rewarded in its preparing trip (every
-        embedding was cached): the same answer and phases, without the encoder's queue."""
-        self.metrics.items.observe(len(request.items))
-        explanation = None
-        embeddings = cached.found.embeddings
-        if explain:
-            explanation = await self._explain(request, prepared, embeddings, cached.score, deadline)
-        t3 = time.monotonic() if explain else cached.rewarded
-        timings = {
-            "parse": cached.prepared - t0,
-            "queue": 0.0,
-            "encode": cached.found.encode_seconds,
-            "reward": t3 - cached.embedded,
-            "total": t3 - t0,
-        }
-        self.metrics.observe_phases(timings)
-        return Scored(cached.score, timings, self.encoder_name, explanation)
+            return await self._score_prepared(
+                batcher, request, prepared, cached, t0, deadline, explain
+            )
 
     async def _score_prepared(
         self,
         batcher: Batcher,
         request: ScoreRequest,
         prepared: PreparedBatch,
+        cached: _CachedReward | None,
         t0: float,
         deadline: float,
         explain: bool,
     ) -> Scored:
-        """Encode, reward (and explain) an admitted, prepared request; time every phase."""
+        """Encode, reward (and explain) an admitted, prepared request; time every phase. A
+        request rewarded in its preparing trip (``cached``: every embedding was cached) has
+        the same answer and phases, without the encoder's queue."""
         self.metrics.items.observe(len(request.items))
-        t1 = time.monotonic()
-        embeddings, queue_s, encode_s = await self._embed(batcher, prepared.texts, deadline)
-        t2 = time.monotonic()
-        score = await self._reward(request, prepared, embeddings)
+        if cached is None:
+            t1 = time.monotonic()
+            embeddings, queue_s, encode_s = await self._embed(batcher, prepared.texts, deadline)
+            t2 = time.monotonic()
+            score = await self._reward(request, prepared, embeddings)
+            t3 = time.monotonic()
+        else:
+            t1, t2, t3 = cached.prepared, cached.embedded, cached.rewarded
+            embeddings, score = cached.found.embeddings, cached.score
+            queue_s, encode_s = 0.0, cached.found.encode_seconds
         explanation = None
         if explain:
             explanation = await self._explain(request, prepared, embeddings, score, deadline)
-        t3 = time.monotonic()
+            t3 = time.monotonic()
         timings = {
             "parse": t1 - t0,
             "queue": queue_s,
@@ -508,7 +495,7 @@ class ScoringService:
         except MathDeadlineExceeded as exc:
             raise DeadlineExceeded(str(exc)) from None
         except NonFiniteRewardError as exc:
-            raise RequestInvalid.one((exc.field,), exc.reason, "non_finite") from None
+            raise _refused(exc) from None
         return request, prepared, cached
 
     def _reward_if_cached(
@@ -557,7 +544,7 @@ class ScoringService:
                 partial(finish_batch, prepared, embeddings, normalize=request.normalize)
             )
         except NonFiniteRewardError as exc:
-            raise RequestInvalid.one((exc.field,), exc.reason, "non_finite") from None
+            raise _refused(exc) from None
 
     async def _explain(
         self,
