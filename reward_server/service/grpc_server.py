@@ -23,7 +23,7 @@ from typing import Any, NoReturn, TypeAlias
 
 import grpc
 
-from reward_server.service.errors import NotReady, RequestInvalid, ServiceError
+from reward_server.service.errors import RequestInvalid, ServiceError
 from reward_server.service.grpc_messages import (
     METHODS,
     SERVICE,
@@ -86,10 +86,7 @@ class RewardServicer:
     async def Info(self, request: pb.InfoRequest, context: Context) -> pb.InfoResponse:
         """Encoder, variant, provider, version, defaults and limits (``GET /v1/info``); the
         model's path only to holders of the key when one is set."""
-        if not self.service.ready:
-            raise NotReady("loading")
-        info = self.service.info(reveal_paths=self.service.is_authorized(_authorization(context)))
-        return info_to_proto(info)
+        return info_to_proto(self.service.info_for(_authorization(context)))
 
     async def Health(self, request: pb.HealthRequest, context: Context) -> pb.HealthResponse:
         """SERVING once the model is loaded and warm (``GET /readyz``)."""

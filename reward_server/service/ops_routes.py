@@ -12,7 +12,6 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 
-from reward_server.service.errors import NotReady
 from reward_server.service.http_scoring import service_of
 from reward_server.service.openrlhf_routes import ITEM_SOURCES
 from reward_server.service.pipeline import item_text_limits
@@ -56,11 +55,8 @@ async def readyz(request: Request) -> Response:
 )
 async def info(request: Request) -> Response:
     """Open to all; the model's path only with the key, when one is set."""
-    service = service_of(request)
-    if not service.ready:
-        raise NotReady("loading")
-    reveal = service.is_authorized(request.headers.get("authorization"))
-    return JSONResponse(jsonable_encoder(service.info(reveal_paths=reveal)))
+    info = service_of(request).info_for(request.headers.get("authorization"))
+    return JSONResponse(jsonable_encoder(info))
 
 
 @router.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)

@@ -572,6 +572,14 @@ class ScoringService:
 
     # -- info ---------------------------------------------------------------------------------
 
+    def info_for(self, authorization: str | None) -> dict[str, Any]:
+        """``/v1/info`` and gRPC ``Info`` for a caller holding ``authorization``: open to all
+        once ready (:class:`NotReady` before), the model's path only with the key when one is
+        set."""
+        if not self.ready:
+            raise NotReady("loading")
+        return self.info(reveal_paths=self.is_authorized(authorization))
+
     def info(self, reveal_paths: bool = True) -> dict[str, Any]:
         """``/v1/info`` and gRPC ``Info``; ``reveal_paths=False`` (a caller without the key,
         when one is set) leaves out where the model lies on the server's disk."""
