@@ -90,7 +90,7 @@ def output_records(score: BatchScore) -> Iterator[dict[str, Any]]:
     """One JSON-able record per item: diagnostics, components, normalized values, reward."""
     for i, item in enumerate(score.items):
         yield {
-            **item.__dict__,
+            **item._asdict(),
             "reward": score.rewards[i],
             "components": {k: v[i] for k, v in score.components.items()},
             "normalized": {k: v[i] for k, v in score.normalized.items()},

@@ -1,11 +1,14 @@
-"""All components z-scored at once give, bit for bit, :func:`zscore` of each component."""
+"""Batch forms of SPEC §5 give, bit for bit, the one-at-a-time figures: all components z-scored
+at once against :func:`zscore` of each, and group advantages of groups stacked by size against
+each group's own mean and std."""
 
 from __future__ import annotations
 
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reward_server.core.normalization import _zscores, zscore
+from reward_server.core.normalization import _zscores, group_advantages, zscore
 
 _VALUE = st.one_of(
     st.floats(-10, 10, allow_nan=False),
@@ -27,10 +30,40 @@ def test_components_together_equal_one_by_one(
 ) -> None:
     value = _VALUE if data.draw(st.booleans()) else st.one_of(_VALUE, _HUGE)
     components = {f"c{i}": data.draw(st.lists(value, min_size=n, max_size=n)) for i in range(k)}
-    together = _zscores(components, eps)
+    together = _zscores(np.array(list(components.values()), np.float64), eps)
     if together is None:  # overflow: the one-by-one, rescaling path runs instead
         return
-    for key, values in components.items():
+    rows, mus, sigmas = together
+    for i, values in enumerate(components.values()):
         z, mu, sigma = zscore(values, eps)
-        got = together[key]
+        got = (rows[i].tolist(), float(mus[i]), float(sigmas[i]))
         assert (repr(got[0]), repr(got[1]), repr(got[2])) == (repr(z), repr(mu), repr(sigma))
+
+
+def _advantages_group_by_group(rewards: list[float], groups: list[str], eps: float) -> list[float]:
+    """The plain reading of App. A.2: each group's own 1-d mean and std."""
+    r = np.asarray(rewards, dtype=np.float64)
+    out = np.zeros_like(r)
+    for g in dict.fromkeys(groups):
+        members = [i for i, x in enumerate(groups) if x == g]
+        values = r[members]
+        out[members] = (values - values.mean()) / (values.std() + eps)
+    return out.tolist()
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    data=st.data(),
+    n=st.integers(1, 80),
+    n_groups=st.integers(1, 12),
+    eps=st.sampled_from([1e-6, 0.5]),
+)
+def test_group_advantages_equal_group_by_group(
+    data: st.DataObject, n: int, n_groups: int, eps: float
+) -> None:
+    rewards = data.draw(st.lists(_VALUE, min_size=n, max_size=n))
+    groups = data.draw(
+        st.lists(st.sampled_from([str(g) for g in range(n_groups)]), min_size=n, max_size=n)
+    )
+    got = group_advantages(rewards, groups, eps)
+    assert repr(got) == repr(_advantages_group_by_group(rewards, groups, eps))

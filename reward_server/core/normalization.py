@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from itertools import chain
 
 import numpy as np
 import numpy.typing as npt
@@ -91,37 +90,40 @@ def zscore(values: Sequence[float], eps: float) -> tuple[list[float], float, flo
 
 
 def _zscores(
-    components: Mapping[str, Sequence[float]], eps: float
-) -> dict[str, tuple[list[float], float, float]] | None:
-    """:func:`zscore` of every component at once, or ``None`` when some value or statistic is
-    not finite (then :func:`zscore`'s overflow-safe path must run, component by component).
+    x: npt.NDArray[np.float64], eps: float
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64], npt.NDArray[np.float64]] | None:
+    """:func:`zscore` of every row of ``x`` (one component per row) at once, as ``(z, μ, σ)``
+    arrays, or ``None`` when some value or statistic is not finite (then :func:`zscore`'s
+    overflow-safe path must run, row by row).
 
-    One ``(K, n)`` array in C order: each component's row is reduced as one contiguous run,
-    the pairwise sums ``np.mean`` and ``np.std`` take of the row alone, so every figure is
-    bit for bit :func:`zscore`'s (checked in ``tests/test_normalization_batch.py``), with a
-    dozen numpy calls a batch instead of a dozen a component.
+    ``x`` in C order: each component's row is reduced as one contiguous run, the pairwise sums
+    ``np.mean`` and ``np.std`` take of the row alone, so every figure is bit for bit
+    :func:`zscore`'s (checked in ``tests/test_normalization_batch.py``), with a dozen numpy
+    calls a batch instead of a dozen a component.
     """
-    x = np.array(list(components.values()), dtype=np.float64)
     if x.ndim != 2 or x.shape[1] == 0:
         return None
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        mu = np.mean(x, axis=1)
-        sigma = np.std(x, axis=1)
+        mu = x.mean(axis=1)
+        sigma = x.std(axis=1)
         centered = x - mu[:, None]
         if not (np.isfinite(mu).all() and np.isfinite(sigma).all()):
             return None
         if not np.isfinite(centered).all():
             return None
         spread = sigma > eps
-        z = np.where(spread[:, None], centered / (sigma + eps)[:, None], centered)
-    return {
-        key: (row, m, s)
-        for key, row, m, s in zip(components, z.tolist(), mu.tolist(), sigma.tolist(), strict=True)
-    }
+        z: npt.NDArray[np.float64] = np.where(
+            spread[:, None], centered / (sigma + eps)[:, None], centered
+        )
+    return z, mu, sigma
 
 
 def group_advantages(rewards: Sequence[float], groups: Sequence[str], eps: float) -> list[float]:
     """GRPO advantages ``Â = (R − μ_b)/(σ_b + eps)`` within each group (population ``σ``).
+
+    Groups of one size are stacked and reduced row by row (one ``mean`` and one ``std`` per
+    size, not per group): each row's pairwise sum is the one ``np.mean`` takes of the group
+    alone, so the figures are bit for bit the group-by-group ones.
 
     >>> group_advantages([1.0, 0.0, 5.0], ["a", "a", "b"], 1e-6)
     [0.999998000004, -0.999998000004, 0.0]
@@ -131,14 +133,20 @@ def group_advantages(rewards: Sequence[float], groups: Sequence[str], eps: float
     index: dict[str, list[int]] = {}
     for i, g in enumerate(groups):
         index.setdefault(g, []).append(i)
+    by_size: dict[int, list[list[int]]] = {}
     for members in index.values():
-        values = r[members]
-        out[members] = (values - values.mean()) / (values.std() + eps)
+        by_size.setdefault(len(members), []).append(members)
+    for stacked in by_size.values():
+        rows = np.array(stacked, dtype=np.intp)
+        values = r[rows]
+        mean = values.mean(axis=1, keepdims=True)
+        std = values.std(axis=1, keepdims=True)
+        out[rows] = (values - mean) / (std + eps)
     return out.tolist()
 
 
 def aggregate(
-    components: Mapping[str, Sequence[float]],
+    components: Mapping[str, Sequence[float] | npt.NDArray[np.float64]],
     params: RewardParams,
     *,
     normalize: bool,
@@ -146,34 +154,38 @@ def aggregate(
 ) -> Aggregate:
     """``R_final = Σ_k w_k · R̃_k`` (or ``Σ_k w_k · R_k`` without normalization), per item.
 
-    ``components`` maps each component of the recipe to its values in item order; ``groups``
-    (one id per item, or ``None``) adds group-relative advantages. Raises
+    ``components`` maps each component of the recipe to its values in item order (lists or
+    arrays); ``groups`` (one id per item, or ``None``) adds group-relative advantages. Raises
     :class:`NonFiniteRewardError` rather than return a value that is not finite.
     """
-    n = len(next(iter(components.values()), []))
+    keys = list(components)
+    x = np.array([np.asarray(v, dtype=np.float64) for v in components.values()], np.float64)
+    n = x.shape[1] if x.ndim == 2 else 0
+    z: npt.NDArray[np.float64]
+    together = _zscores(x, params.eps)
+    if together is None:  # some value or statistic is not finite: component by component
+        rows = [zscore(values, params.eps) for values in x]
+        z = np.array([r[0] for r in rows], np.float64).reshape(x.shape)
+        mu = np.array([r[1] for r in rows], np.float64)
+        sigma = np.array([r[2] for r in rows], np.float64)
+    else:
+        z, mu, sigma = together
+    chosen = z if normalize else x
     total = np.zeros(n, dtype=np.float64)
-    normalized: dict[str, list[float]] = {}
-    mean: dict[str, float] = {}
-    std: dict[str, float] = {}
-    together = _zscores(components, params.eps)
-    for key, values in components.items():
-        if together is not None:
-            normalized[key], mean[key], std[key] = together[key]
-        else:
-            normalized[key], mean[key], std[key] = zscore(values, params.eps)
-        z = normalized[key]
-        chosen = z if normalize else values
-        # Extreme weights may overflow to inf, rejected below with the parameters named;
-        # numpy's warning would only be noise in the server log.
-        with np.errstate(over="ignore", invalid="ignore"):
-            total += params.weights.of(key) * np.asarray(chosen, dtype=np.float64)  # type: ignore[arg-type]
+    # Extreme weights may overflow to inf, rejected below with the parameters named; numpy's
+    # warning would only be noise in the server log.
+    with np.errstate(over="ignore", invalid="ignore"):
+        for k, key in enumerate(keys):
+            total += params.weights.of(key) * chosen[k]  # type: ignore[arg-type]
     rewards = total.tolist()
     advantages = group_advantages(rewards, groups, params.eps) if groups is not None else None
-    arrays: list[Sequence[float]] = [rewards, *components.values(), *normalized.values()]
-    arrays += [list(mean.values()), list(std.values()), advantages or []]
-    # One C-level pass over every value (a generator of math.isfinite calls cost more than the
-    # rest of the aggregation).
-    flat = np.fromiter(chain.from_iterable(arrays), np.float64, sum(map(len, arrays)))
-    if not np.isfinite(flat).all():
+    finite = all(np.isfinite(a).all() for a in (total, x, z, mu, sigma))
+    if not finite or (advantages is not None and not np.isfinite(advantages).all()):
         raise NonFiniteRewardError()
-    return Aggregate(rewards, normalized, mean, std, advantages)
+    return Aggregate(
+        rewards,
+        dict(zip(keys, z.tolist(), strict=True)),
+        dict(zip(keys, mu.tolist(), strict=True)),
+        dict(zip(keys, sigma.tolist(), strict=True)),
+        advantages,
+    )

@@ -28,9 +28,9 @@ class Strategy(NamedTuple):
     outcome: str
 
 
-@dataclass(frozen=True)
-class ParsedCompletion:
-    """What the reward needs from one (preprocessed) completion."""
+class ParsedCompletion(NamedTuple):
+    """What the reward needs from one (preprocessed) completion (a named tuple: one per item
+    of every step)."""
 
     strategies: tuple[Strategy, ...]
     final_answer: str | None
@@ -42,9 +42,9 @@ class ParsedCompletion:
 
 
 def _ascii_caseless(name: str) -> str:
-    # Explicit [xX] classes rather than re.IGNORECASE, whose Unicode folding would let look-alikes
-    # such as the Kelvin sign match "k".
-    return "".join(f"[{c.lower()}{c.upper()}]" if c.isalpha() else re.escape(c) for c in name)
+    # Case-insensitive for ASCII only (the inline `a` flag): plain IGNORECASE folds Unicode, which
+    # would let look-alikes such as the Kelvin sign match "k". Cheaper for `re` than [xX] classes.
+    return f"(?ai:{re.escape(name)})"
 
 
 @cache
@@ -295,15 +295,50 @@ def _event() -> re.Pattern[str]:
 class RawFields(NamedTuple):
     """A completion's fields as SPEC §1 reads them, before field cleaning."""
 
-    #: ``r, o`` of every completed strategy block in order, flattened.
-    blocks: list[str]
+    #: ``r`` and ``o`` of every completed strategy block, in order (one entry per block each).
+    reasonings: list[str]
+    outcomes: list[str]
     #: The recorded ``final_answer`` and ``answer`` fields (SPEC §1's field lists).
     final_answers: list[str]
     answers: list[str]
 
 
+#: In ``_event().split(text)``: each tag's 7 groups then the text after it, per tag.
+_STRIDE = 8
+
+
 def raw_fields(text: str) -> RawFields:
     """The strategy blocks' fields and the answer field lists of ``text``, in one scan.
+
+    ``_event().split`` hands back every tag's groups in one C call. In the usual completion
+    every strategy block is well formed and read whole, and whatever follows the last one is
+    answer fields, each opening followed by its closing: then the fields are slices of that
+    list, with no Python work per tag. Any other completion is read tag by tag
+    (:func:`_scan_fields`), which gives the same fields for the usual ones.
+    """
+    parts = _event().split(text)
+    reasonings = parts[2::_STRIDE]
+    try:
+        whole = reasonings.index(None)  # the first tag that is not a whole block
+    except ValueError:
+        whole = len(reasonings)
+    fields = RawFields(reasonings[:whole], parts[3 : _STRIDE * whole : _STRIDE], [], [])
+    tags = len(reasonings)
+    tag = whole
+    while tag < tags:  # the rest must be answer fields, opening then closing
+        at = _STRIDE * tag
+        if tag + 1 < tags and parts[at + 4] is not None and parts[at + 13] is not None:
+            fields.final_answers.append(parts[at + _STRIDE])
+        elif tag + 1 < tags and parts[at + 6] is not None and parts[at + 15] is not None:
+            fields.answers.append(parts[at + _STRIDE])
+        else:
+            return _scan_fields(text)
+        tag += 2
+    return fields
+
+
+def _scan_fields(text: str) -> RawFields:
+    """:func:`raw_fields` tag by tag, for any completion.
 
     Most blocks are read whole by one match of :func:`_event`; any other block (a ``<``
     inside a field, tags out of order, a missing field) is read tag by tag between its
@@ -311,8 +346,8 @@ def raw_fields(text: str) -> RawFields:
     content up to the first closing after it, other openings included, and stops at an
     opening never closed (what :func:`field_spans` does with two searches a field).
     """
-    blocks: list[str] = []
-    lists: tuple[list[str], list[str]] = ([], [])
+    fields = RawFields([], [], [], [])
+    lists = fields.final_answers, fields.answers
     reasoning = _opening("reasoning"), _closing("reasoning")
     outcome = _opening("strategy_outcome"), _closing("strategy_outcome")
     pending = -1  # end of the pending strategy opening, if any
@@ -320,15 +355,16 @@ def raw_fields(text: str) -> RawFields:
     for tag in _event().finditer(text):
         kind = tag.lastindex
         if kind == 3:  # a whole well-formed block (it drops a pending opening)
-            blocks += tag.group(2, 3)
+            fields.reasonings.append(tag.group(2))
+            fields.outcomes.append(tag.group(3))
             pending = -1
         elif kind is None:
             pending = tag.end()  # a newer opening drops an unclosed pending one
         elif kind == 1:
             if pending >= 0:
                 end = tag.start()
-                blocks.append(_raw_field(text, *reasoning, pending, end))
-                blocks.append(_raw_field(text, *outcome, pending, end))
+                fields.reasonings.append(_raw_field(text, *reasoning, pending, end))
+                fields.outcomes.append(_raw_field(text, *outcome, pending, end))
                 pending = -1
         else:
             which = (kind - 4) // 2  # 0: final_answer, 1: answer
@@ -338,7 +374,7 @@ def raw_fields(text: str) -> RawFields:
             elif open_at[which] >= 0:  # the first closing after the open opening
                 lists[which].append(text[open_at[which] : tag.start()])
                 open_at[which] = -1
-    return RawFields(blocks, *lists)
+    return fields
 
 
 def parse_completions(texts: Sequence[str], max_strategies: int) -> list[ParsedCompletion]:
@@ -360,17 +396,19 @@ def parse_completions(texts: Sequence[str], max_strategies: int) -> list[ParsedC
     strategy = partial(tuple.__new__, Strategy)  # a Strategy from an (r, o) pair, in C
     parsed = []
     at = 0
-    for blocks, *lists in scans:
-        end = at + len(blocks)
-        pairs = dict.fromkeys(zip(cleaned[at:end:2], cleaned[at + 1 : end : 2], strict=True))
-        final_answers = cleaned[end : (end := end + len(lists[0]))]
-        answers = cleaned[end : (end := end + len(lists[1]))]
+    for reasonings, _, final_answers, answers in scans:
+        blocks = len(reasonings)
+        mid = at + blocks
+        end = mid + blocks
+        pairs = dict.fromkeys(zip(cleaned[at:mid], cleaned[mid:end], strict=True))
+        finals = cleaned[end : (end := end + len(final_answers))]
+        plain = cleaned[end : (end := end + len(answers))]
         at = end
         strategies = tuple(map(strategy, islice(filter(all, pairs), max_strategies)))
         # The last non-empty final_answer, else answer, else the last kept outcome, else None.
-        answer = next(filter(None, reversed(final_answers)), None)
+        answer = next(filter(None, reversed(finals)), None)
         if answer is None:
-            answer = next(filter(None, reversed(answers)), None)
+            answer = next(filter(None, reversed(plain)), None)
         if answer is None and strategies:
             answer = strategies[-1].outcome
         parsed.append(ParsedCompletion(strategies, answer))

@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -65,9 +65,13 @@ class ScoreItem:
     )
 
 
-@dataclass(frozen=True)
-class ItemAnalysis:
-    """Everything about one item that does not need the encoder."""
+class ItemAnalysis(NamedTuple):
+    """Everything about one item that does not need the encoder.
+
+    A named tuple, as are :class:`ItemResult` and the parser's records: a step makes one per
+    item, and a tuple is built in C where a frozen dataclass's ``__init__`` costs four times
+    more (benchmarks/README.md).
+    """
 
     parsed: ParsedCompletion
     correct: bool
@@ -76,19 +80,18 @@ class ItemAnalysis:
     #: ``m ≥ 2`` (``m = 1`` gives ``g = 1`` without it), or diagnostics on with ``m ≥ 2``.
     needs_geometry: bool
     #: The item's ``num_tokens`` and completion, for :attr:`length`.
-    num_tokens: int | None = field(default=None, repr=False)
-    completion: str = field(default="", repr=False)
+    num_tokens: int | None = None
+    completion: str = ""
 
-    @cached_property
+    @property
     def length(self) -> int:
-        """``ℓ``: ``num_tokens``, else the completion's words. Counted on first use: only the
+        """``ℓ``: ``num_tokens``, else the completion's words (counted when asked: only the
         ``len`` component needs it, and splitting a whole completion is a large share of
-        parsing one."""
+        parsing one)."""
         return self.num_tokens if self.num_tokens is not None else len(self.completion.split())
 
 
-@dataclass(frozen=True)
-class ItemResult:
+class ItemResult(NamedTuple):
     """Per-item diagnostics of the response (SPEC §6 ``items[]``)."""
 
     n_strat: int
@@ -144,7 +147,7 @@ class BatchScore:
             "components": self.components,
             "normalized": self.aggregate.normalized,
             "advantages": self.aggregate.advantages,
-            "items": [item.__dict__ for item in self.items],
+            "items": [item._asdict() for item in self.items],
             "batch": {"mean": self.aggregate.mean, "std": self.aggregate.std},
             "recipe": self.recipe,
             "params": self.params.model_dump(),
@@ -223,47 +226,73 @@ def prepare_batch(
     return PreparedBatch(recipe, answer_type, params, analyses, groups, list(texts))
 
 
+@dataclass(frozen=True)
+class BatchColumns:
+    """A prepared batch's per-item facts as columns, one array entry per item: what the
+    components read (a :class:`~reward_server.core.components.BatchFacts`)."""
+
+    n_strat: npt.NDArray[np.int64]
+    final: npt.NDArray[np.bool_]
+    correct: npt.NDArray[np.bool_]
+    strategy_correct: npt.NDArray[np.bool_]
+    gain: npt.NDArray[np.float64]
+    analyses: Sequence[ItemAnalysis] = field(repr=False)
+
+    @cached_property
+    def lengths(self) -> list[int]:
+        """``ℓ`` per item."""
+        return [a.length for a in self.analyses]
+
+
 def finish_batch(
     prepared: PreparedBatch,
     embeddings: npt.NDArray[np.floating],
     *,
     normalize: bool = True,
 ) -> BatchScore:
-    """Phase 2: components, normalization and advantages from the embeddings of ``texts``."""
+    """Phase 2: components, normalization and advantages from the embeddings of ``texts``.
+
+    ``g(H)`` of every item that needs it comes from one stacked product per strategy count,
+    and each component is one expression over the batch's columns (:class:`BatchColumns`).
+    """
     if embeddings.shape[0] != len(prepared.texts):
         raise ValueError(f"got {embeddings.shape[0]} embeddings for {len(prepared.texts)} texts")
     if not np.all(np.isfinite(embeddings)):
         # NaN cosines would silently drop strategies (NaN <= δ is false): fail loudly instead.
         raise ValueError("the encoder returned non-finite embeddings")
-    row = {text: i for i, text in enumerate(prepared.texts)}
-    unit = unit_rows(embeddings)  # once for the batch: each item's H selects rows of it
+    analyses = prepared.analyses
     p = prepared.params
+    # The columns, transposed in C from the named tuples.
+    parsed, correct, chi, needs = list(zip(*analyses, strict=True))[:4]
+    strategies, final = zip(*parsed, strict=True)
+    n_strat = list(map(len, strategies))
+    # g(H) is known without the encoder for m <= 1 (0 for no strategy, 1 for one); where it is
+    # not needed (χ = 1 or no `sd` in the recipe) NaN makes any misuse loud.
+    gain = [0.0 if m == 0 else 1.0 if m == 1 else math.nan for m in n_strat]
+    uniq: list[int | None] = [1 if m == 1 else None for m in n_strat]
+    div: list[float | None] = [1.0 if m == 1 else None for m in n_strat]
+    need = [i for i, needed in enumerate(needs) if needed]
+    if need:
+        row = {text: i for i, text in enumerate(prepared.texts)}
+        unit = unit_rows(embeddings)  # once for the batch: each item's H selects rows of it
+        selections = [[row[s.reasoning] for s in strategies[i]] for i in need]
+        geometry = gains_of_selections(unit, selections, p.similarity_threshold)
+        for i, (g, u, d) in zip(need, geometry, strict=True):
+            gain[i], uniq[i], div[i] = g, u, d
+    columns = BatchColumns(
+        np.array(n_strat, np.int64),
+        np.array([f is not None for f in final], np.bool_),
+        np.array(correct, np.bool_),
+        np.array(chi, np.bool_),
+        np.array(gain, np.float64),
+        analyses,
+    )
     keys = recipe_spec(prepared.recipe).components
-    values: dict[str, list[float]] = {k: [] for k in keys}
-    recipe_components = [(k, COMPONENTS[k].value) for k in keys]
-    results: list[ItemResult] = []
-    # g(H) of every item that needs it at once: grouped by m, one stacked product per group.
-    need = [a for a in prepared.analyses if a.needs_geometry]
-    selections = [[row[s.reasoning] for s in a.parsed.strategies] for a in need]
-    geometry = iter(gains_of_selections(unit, selections, p.similarity_threshold))
-    for a in prepared.analyses:
-        m = a.parsed.n_strat
-        gain: float
-        uniq: int | None
-        div: float | None
-        if a.needs_geometry:
-            gain, uniq, div = next(geometry)
-        elif m <= 1:  # g(H) is known without the encoder: 0 for no strategy, 1 for one
-            gain, uniq, div = (0.0, None, None) if m == 0 else (1.0, 1, 1.0)
-        else:  # not needed (χ = 1 or no `sd` in the recipe): NaN makes any misuse loud
-            gain, uniq, div = math.nan, None, None
-        for k, component in recipe_components:
-            values[k].append(component(a, gain, p))
-        results.append(
-            ItemResult(m, a.parsed.final_answer, a.correct, a.strategy_correct, uniq, div)
-        )
+    values: dict[str, npt.NDArray[np.float64]] = {k: COMPONENTS[k].value(columns, p) for k in keys}
     agg = aggregate(values, p, normalize=normalize, groups=prepared.groups)
-    return BatchScore(prepared.recipe, p, values, agg, results)
+    results = list(map(ItemResult, n_strat, final, correct, chi, uniq, div))
+    components: dict[str, list[float]] = {k: v.tolist() for k, v in values.items()}
+    return BatchScore(prepared.recipe, p, components, agg, results)
 
 
 def embed(encoder: Encoder, texts: Sequence[str]) -> npt.NDArray[np.float32]:

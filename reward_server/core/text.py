@@ -89,7 +89,7 @@ def field_texts(raws: list[str]) -> list[str]:
     if "`" in joined or "~" in joined:
         joined = _FENCE.sub(" ", joined)
     if _clean_already(joined):
-        return joined.split("<")
+        return list(raws)  # each is its own field text (and splitting would copy them all)
     joined = joined.replace("**", "").replace("__", "")
     if not _folded(joined) or " <" in joined or "< " in joined:
         joined = " ".join(joined.split()).replace(" <", "<").replace("< ", "<")
