@@ -11,7 +11,7 @@ import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache, partial
-from itertools import islice
+from itertools import accumulate, chain, islice, pairwise
 from typing import Literal, NamedTuple
 
 from reward_server.core.text import field_text, field_texts
@@ -383,7 +383,10 @@ def parse_completions(texts: Sequence[str], max_strategies: int) -> list[ParsedC
     The kept blocks are the first occurrences of the distinct ``(r, o)`` pairs with both
     fields non-empty, in order, cut to ``max_strategies``: what the scan's walk keeps (a
     duplicate is a valid block equal to an earlier kept one, and every earlier valid block
-    short of the cap was kept). ``dict.fromkeys`` finds them in C.
+    short of the cap was kept). In the usual batch no field is empty and no two blocks of the
+    whole batch are equal, so each completion keeps all its blocks (cut to the cap): told and
+    built by C-level list operations over the batch. Otherwise ``dict.fromkeys`` finds each
+    completion's kept blocks.
 
     >>> block = "<strategy><reasoning>{}</reasoning><strategy_outcome>1</strategy_outcome>"
     >>> parsed = parse_completions([block.format("a") + "</strategy>" + block.format(" a ")
@@ -391,25 +394,39 @@ def parse_completions(texts: Sequence[str], max_strategies: int) -> list[ParsedC
     >>> [(p.strategies, p.final_answer) for p in parsed]
     [((Strategy(reasoning='a', outcome='1'),), '1'), ((), None)]
     """
-    scans = [raw_fields(text) for text in texts]
-    cleaned = field_texts([field for scan in scans for part in scan for field in part])
-    strategy = partial(tuple.__new__, Strategy)  # a Strategy from an (r, o) pair, in C
+    if not texts:
+        return []
+    # Per kind of field (reasonings, outcomes, final answers, answers), every text's list.
+    kinds = list(zip(*map(raw_fields, texts), strict=True))
+    cleaned = field_texts(list(chain.from_iterable(chain.from_iterable(kinds))))
+    regions = list(accumulate((sum(map(len, lists)) for lists in kinds), initial=0))
+    reasonings, outcomes, finals, answers = (cleaned[regions[k] : regions[k + 1]] for k in range(4))
+    blocks = list(map(_STRATEGY, zip(reasonings, outcomes, strict=True)))
+    bounds = list(accumulate(map(len, kinds[0]), initial=0))
+    if "" in reasonings or "" in outcomes or len(set(blocks)) < len(blocks):
+        per_text = [
+            tuple(islice(filter(all, dict.fromkeys(blocks[a:b])), max_strategies))
+            for a, b in pairwise(bounds)
+        ]
+    else:  # every block is kept, up to the cap
+        per_text = [tuple(blocks[a : min(b, a + max_strategies)]) for a, b in pairwise(bounds)]
+    final_bounds = list(accumulate(map(len, kinds[2]), initial=0))
+    answer_bounds = list(accumulate(map(len, kinds[3]), initial=0))
     parsed = []
-    at = 0
-    for reasonings, _, final_answers, answers in scans:
-        blocks = len(reasonings)
-        mid = at + blocks
-        end = mid + blocks
-        pairs = dict.fromkeys(zip(cleaned[at:mid], cleaned[mid:end], strict=True))
-        finals = cleaned[end : (end := end + len(final_answers))]
-        plain = cleaned[end : (end := end + len(answers))]
-        at = end
-        strategies = tuple(map(strategy, islice(filter(all, pairs), max_strategies)))
+    for i, strategies in enumerate(per_text):
         # The last non-empty final_answer, else answer, else the last kept outcome, else None.
-        answer = next(filter(None, reversed(finals)), None)
+        answer = next(filter(None, reversed(finals[final_bounds[i] : final_bounds[i + 1]])), None)
         if answer is None:
-            answer = next(filter(None, reversed(plain)), None)
+            answer = next(
+                filter(None, reversed(answers[answer_bounds[i] : answer_bounds[i + 1]])), None
+            )
         if answer is None and strategies:
             answer = strategies[-1].outcome
-        parsed.append(ParsedCompletion(strategies, answer))
+        parsed.append(_PARSED((strategies, answer)))
     return parsed
+
+
+#: A Strategy / ParsedCompletion from a tuple of its fields, built in C (a named tuple's own
+#: ``__new__`` is a Python function).
+_STRATEGY = partial(tuple.__new__, Strategy)
+_PARSED = partial(tuple.__new__, ParsedCompletion)
