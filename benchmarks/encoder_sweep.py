@@ -5,13 +5,14 @@ so a setting is only compared with the others inside one round: each round measu
 then encodes the texts of the standard steps once with every setting, in turn. Embeddings are
 checked against the first setting's first (min cosine, max |diff|).
 
-Settings: ``default`` (what the server runs), ``threads1`` (one intra-op thread), ``spin``
-(spinning intra-op threads), ``tokensN`` (``max_batch_tokens=N``), ``noarena`` (no CPU memory
+Settings: ``default`` (what the server runs), ``threads1`` (one intra-op thread), ``streamsN``
+(N batches at once, sharing the threads: ``streams1`` is one batch at a time with every
+thread), ``spin`` (spinning intra-op threads), ``tokensN`` (``max_batch_tokens=N``), ``noarena`` (no CPU memory
 arena), ``openvino`` / ``openvino2`` (onnxruntime's OpenVINO execution provider, all threads /
 two: needs the ``onnxruntime-openvino`` package in place of ``onnxruntime``, which it conflicts
 with, so in a virtualenv of its own).
 
-    python benchmarks/encoder_sweep.py --rounds 5 --settings default,threads1,tokens16384
+    python benchmarks/encoder_sweep.py --rounds 5 --settings default,streams1,threads1
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def make_encoder(setting: str, model: Path) -> OnnxEncoder:
         kwargs["memory_arena"] = False
     elif setting.startswith("tokens"):
         kwargs["max_batch_tokens"] = int(setting.removeprefix("tokens"))
+    elif setting.startswith("streams"):
+        kwargs["streams"] = int(setting.removeprefix("streams"))
     elif setting not in ("default", "openvino", "openvino2"):
         raise SystemExit(f"unknown setting {setting!r}")
     encoder = OnnxEncoder(model, **kwargs)

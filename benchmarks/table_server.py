@@ -48,9 +48,11 @@ class TableEncoder:
         """The stored rows of ``texts`` without model work (as an embedding cache's hits), or
         None when one is not in the table: the service then answers from the table as it does
         from a cache that holds every text."""
-        if any(t not in self._index for t in texts):
+        try:
+            rows = [self._index[t] for t in texts]  # one pass: the table should cost nothing
+        except KeyError:
             return None
-        return self.encode(texts)
+        return self._rows[rows]
 
     @property
     def dimension(self) -> int:

@@ -122,6 +122,65 @@ def test_threads_option(fp32_export: Path) -> None:  # noqa: F811
 
 
 @pytest.mark.slow
+def test_streams_give_the_embeddings_and_stats_of_one_stream(
+    fp32_export: Path,  # noqa: F811
+    fidelity_texts: list[str],  # noqa: F811
+) -> None:
+    """Two batches at once, each with its share of the threads: bit for bit the embeddings of
+    one batch at a time, in input order, with the same accounting (many small batches, so that
+    both streams really run)."""
+    texts = [*fidelity_texts[:60], "short", "a much longer text " * 40]
+    one = OnnxEncoder(fp32_export, intra_op_threads=2, streams=1, max_batch_tokens=256)
+    two = OnnxEncoder(fp32_export, intra_op_threads=2, streams=2, max_batch_tokens=256)
+    a, stats_a = one.encode_with_stats(texts)
+    b, stats_b = two.encode_with_stats(texts)
+    assert stats_a.batches > 4
+    np.testing.assert_array_equal(a, b)
+    assert (stats_b.batches, stats_b.padded_tokens, stats_b.tokens) == (
+        stats_a.batches,
+        stats_a.padded_tokens,
+        stats_a.tokens,
+    )
+    assert {t.name.split("_")[0] for t in threading.enumerate()} >= {"sde2-onnx"}
+
+
+@pytest.mark.slow
+def test_streams_default_and_thread_share(fp32_export: Path) -> None:  # noqa: F811
+    assert OnnxEncoder(fp32_export, intra_op_threads=2).streams == 2
+    assert OnnxEncoder(fp32_export, intra_op_threads=1).streams == 1
+    four = OnnxEncoder(fp32_export, intra_op_threads=4, streams=2)
+    assert (
+        four._session_options(
+            sequential=True, graph_optimization="all", allow_spinning=False, memory_arena=True
+        ).intra_op_num_threads
+        == 2
+    )
+    with pytest.raises(ValueError, match="streams"):
+        OnnxEncoder(fp32_export, streams=0)
+
+
+@pytest.mark.slow
+def test_a_failed_run_in_a_stream_fails_the_call(
+    fp32_export: Path,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A run that fails on a stream's thread is the caller's exception, not a missing row."""
+    encoder = OnnxEncoder(fp32_export, intra_op_threads=2, streams=2, max_batch_tokens=64)
+    real = encoder._run
+    calls: list[int] = []
+
+    def flaky(ids: npt.NDArray[np.int64], mask: npt.NDArray[np.int64]) -> Any:
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("run failed")
+        return real(ids, mask)
+
+    monkeypatch.setattr(encoder, "_run", flaky)
+    with pytest.raises(RuntimeError, match="run failed"):
+        encoder.encode([f"text number {i} " * (i % 7 + 1) for i in range(40)])
+
+
+@pytest.mark.slow
 def test_fp16_export_is_refused_on_cpu(fp32_export: Path, tmp_path: Path) -> None:  # noqa: F811
     fake = tmp_path / "fp16"
     shutil.copytree(fp32_export, fake)

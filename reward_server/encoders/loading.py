@@ -24,6 +24,7 @@ def load_encoder(
     variant: str = "fp32",
     provider: Provider = "cpu",
     intra_op_threads: int | None = None,
+    streams: int | None = None,
     max_batch_tokens: int | None = None,
     cache_size: int = 0,
 ) -> Encoder:
@@ -31,7 +32,8 @@ def load_encoder(
 
     ``variant`` is the ONNX export to make when ``model`` is not an export yet;
     ``max_batch_tokens`` is onnxruntime's padded tokens per run; ``intra_op_threads`` the
-    backend's CPU threads; ``cache_size`` > 0 puts the LRU embedding cache in front.
+    backend's CPU threads, shared out between ``streams`` runs at once (ONNX; default: two on
+    CPU); ``cache_size`` > 0 puts the LRU embedding cache in front.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
@@ -50,6 +52,7 @@ def load_encoder(
             resolve_model(model, variant),
             provider=provider,
             intra_op_threads=intra_op_threads,
+            streams=streams,
             max_batch_tokens=max_batch_tokens,
         )
     if cache_size > 0:

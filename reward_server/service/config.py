@@ -67,6 +67,13 @@ class Settings:
     intra_op_threads: int | None = field(
         default=None, metadata={"help": "onnxruntime threads per process (default: usable CPUs)"}
     )
+    encoder_streams: int | None = field(
+        default=None,
+        metadata={
+            "help": "batches the ONNX encoder runs at once, sharing its threads (default: 2 on "
+            "CPU with at least 2 threads, else 1)"
+        },
+    )
     api_key: str | None = field(
         default=None,
         metadata={
@@ -209,7 +216,7 @@ class Settings:
             if choices is not None:
                 ok = getattr(self, f.name) in choices
                 rules.append((f.name, ok, "one of " + ", ".join(choices)))
-        for name in ("intra_op_threads", "encoder_batch_tokens", "chunk_tokens"):
+        for name in ("intra_op_threads", "encoder_streams", "encoder_batch_tokens", "chunk_tokens"):
             value = getattr(self, name)
             rules.append((name, value is None or value >= 1, "an integer >= 1 (or unset)"))
         for name, ok, rule in rules:

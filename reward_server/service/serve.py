@@ -71,6 +71,7 @@ def build_encoder(settings: Settings) -> Encoder:
         variant=settings.variant,
         provider=settings.provider,
         intra_op_threads=settings.intra_op_threads,
+        streams=settings.encoder_streams,
         max_batch_tokens=settings.encoder_batch_tokens,
         cache_size=settings.cache_size,
     )
