@@ -82,3 +82,41 @@ _LATIN1_FIELD = st.text(alphabet=st.sampled_from(" \t\n\x1c\x85\xa0*_`~abé1"), 
 @given(st.lists(st.one_of(_LATIN1_FIELD, _LATIN1_FIELD, _FIELD), max_size=12))
 def test_fields_cleaned_together_as_one_by_one(raws: list[str]) -> None:
     assert field_texts(raws) == [field_text(raw) for raw in raws]
+
+
+_WORD = st.sampled_from(["a", "b c", "x**y", " 42 ", "0", "twelve", "3/4", "é"])
+
+
+@st.composite
+def _usual_completion(draw: st.DrawFn) -> str:
+    """What models mostly emit: well-formed blocks, then one final answer (the parser's fast
+    paths), with the cases that must leave them: an empty field, a repeated block, no or two
+    final answers, an empty one, an ``answer`` field, text after the answer."""
+    blocks = [
+        f'<strategy id="{j}"><reasoning>{draw(_WORD)}</reasoning>'
+        f"<strategy_outcome>{draw(_WORD)}</strategy_outcome></strategy>\n"
+        for j in range(draw(st.integers(0, 5)))
+    ]
+    if blocks and draw(st.booleans()):
+        blocks.append(draw(st.sampled_from(blocks)))  # a duplicate block
+    finals = [
+        f"<final_answer>{draw(st.one_of(_WORD, st.sampled_from(['', ' '])))}</final_answer>"
+        for _ in range(draw(st.sampled_from([1, 1, 1, 0, 2])))
+    ]
+    extra = draw(st.sampled_from(["", "", "<answer>7</answer>", "trailing text", "<answer>"]))
+    return "".join(blocks + finals) + extra
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    texts=st.lists(_usual_completion(), min_size=1, max_size=8),
+    cap=st.sampled_from([1, 3, 32]),
+)
+def test_batch_parser_fast_paths_match_the_tag_by_tag_scan(texts: list[str], cap: int) -> None:
+    """Batches where every text is usual take the fast paths (no Python per tag, every block
+    kept, one final answer per text); one unusual text sends the batch the general way."""
+    texts = [preprocess(t) for t in texts]
+    for text, parsed in zip(texts, parse_completions(texts, cap), strict=True):
+        reference = strategy_blocks(text, cap)
+        assert parsed.strategies == reference
+        assert parsed.final_answer == final_answer(text, reference)

@@ -410,6 +410,9 @@ def parse_completions(texts: Sequence[str], max_strategies: int) -> list[ParsedC
         ]
     else:  # every block is kept, up to the cap
         per_text = [tuple(blocks[a : min(b, a + max_strategies)]) for a, b in pairwise(bounds)]
+    if "" not in finals and len(finals) == len(texts) and max(map(len, kinds[2])) == 1:
+        # One non-empty final_answer field per text (the usual case): each is f_ans.
+        return list(map(_PARSED, zip(per_text, finals, strict=True)))
     final_bounds = list(accumulate(map(len, kinds[2]), initial=0))
     answer_bounds = list(accumulate(map(len, kinds[3]), initial=0))
     parsed = []
