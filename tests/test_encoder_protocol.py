@@ -123,6 +123,7 @@ def test_the_real_onnx_encoder_implements_it(onnx_encoder: Any, onnx_model_dir: 
         provider="cpu",
         model_dir=onnx_encoder.model_dir,
         max_batch_tokens=onnx_encoder.max_batch_tokens,
+        streams=onnx_encoder.streams,
     )
     before = onnx_encoder.stats().work
     onnx_encoder.encode(["one text", "two texts"])

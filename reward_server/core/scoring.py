@@ -69,8 +69,8 @@ class ItemAnalysis(NamedTuple):
     """Everything about one item that does not need the encoder.
 
     A named tuple, as are :class:`ItemResult` and the parser's records: a step makes one per
-    item, and a tuple is built in C where a frozen dataclass's ``__init__`` costs four times
-    more (benchmarks/README.md).
+    item, and building one costs a third of a frozen dataclass's ``__init__``
+    (benchmarks/README.md).
     """
 
     parsed: ParsedCompletion

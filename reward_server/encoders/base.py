@@ -47,6 +47,9 @@ class EncoderDescription:
     #: Padded tokens per model run, for a backend that cuts its input by tokens (``None``: it
     #: does not): the service's deadline checks need not be finer than one run.
     max_batch_tokens: int | None = None
+    #: Model runs the backend makes at once (the ONNX encoder's streams): the service's chunks
+    #: of work between deadline checks grow with it, so that every stream has runs to make.
+    streams: int = 1
 
 
 @dataclass

@@ -309,6 +309,7 @@ class OnnxEncoder:
             provider=self.provider,
             model_dir=self.model_dir,
             max_batch_tokens=self.max_batch_tokens,
+            streams=self.streams,
         )
 
     def stats(self) -> EncoderStats:

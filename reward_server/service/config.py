@@ -165,8 +165,8 @@ class Settings:
         metadata={
             "help": "estimated tokens the encoder runs between checks for requests past their "
             "deadline (bounds how long the encoder keeps working for a request after its 503; "
-            "default: 2048, ~0.4 s of fp32 on 2 CPU cores, or the encoder's padded tokens per "
-            "run when larger, as on a GPU)"
+            "default: 2048 per encoder stream, ~0.35 s of fp32 on 2 CPU cores, or the encoder's "
+            "padded tokens per run when larger, as on a GPU)"
         },
     )
     encoder_batch_tokens: int | None = field(

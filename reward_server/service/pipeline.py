@@ -135,10 +135,19 @@ class Scored:
         return {**self.score.as_dict(), "encoder": self.encoder}
 
 
+#: Estimated tokens per stream between deadline checks on CPU: with two streams, ~0.35 s of fp32
+#: on 2 cores. Smaller chunks leave a stream idle at each chunk's end: one stream of 2048-token
+#: chunks (before streams) 1.77 s a standard step through the server, two streams of 2048 1.93 s,
+#: of 4096 (per stream 2048) 1.65 s, of 8192 1.60 s (benchmarks/README.md).
+CHUNK_TOKENS_PER_STREAM = 2048
+
+
 def _chunk_tokens(encoder: Encoder) -> int:
-    """The default ``chunk_tokens``: 2048 (~0.4 s of fp32 on 2 CPU cores), or the backend's own
-    run size when larger (a GPU backend runs big batches in milliseconds)."""
-    return max(2048, encoder.describe().max_batch_tokens or 0)
+    """The default ``chunk_tokens``: :data:`CHUNK_TOKENS_PER_STREAM` for each of the backend's
+    streams, or its own runs when larger (a GPU backend runs big batches in milliseconds)."""
+    described = encoder.describe()
+    per_stream = max(CHUNK_TOKENS_PER_STREAM, described.max_batch_tokens or 0)
+    return per_stream * described.streams
 
 
 _NO_WORK = {"queue": 0.0, "encode": 0.0, "reward": 0.0}
