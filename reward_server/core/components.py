@@ -5,9 +5,8 @@ them against the equations, and take a batch's columns (numpy arrays, one entry 
 same way, so that scoring a batch is one expression per component rather than a Python call per
 item. :data:`COMPONENTS` is that table as data: per component, how it is computed from a batch's
 columns, whether it needs the encoder, its formula and its inputs (for explanations). Scoring,
-explanations and the recipe registry read only the table, so adding a
-component is a function, a row, and its parameters (a weight in :class:`Weights`, any constant in
-:class:`RewardParams`).
+explanations and the recipe registry read only the table, so adding a component is a function,
+a row, and its parameters (a weight in :class:`Weights`, any constant in :class:`RewardParams`).
 """
 
 from __future__ import annotations
