@@ -7,10 +7,10 @@ checked against the first setting's first (min cosine, max |diff|).
 
 Settings: ``default`` (what the server runs), ``threads1`` (one intra-op thread), ``streamsN``
 (N batches at once, sharing the threads: ``streams1`` is one batch at a time with every
-thread), ``spin`` (spinning intra-op threads), ``tokensN`` (``max_batch_tokens=N``), ``noarena`` (no CPU memory
-arena), ``openvino`` / ``openvino2`` (onnxruntime's OpenVINO execution provider, all threads /
-two: needs the ``onnxruntime-openvino`` package in place of ``onnxruntime``, which it conflicts
-with, so in a virtualenv of its own).
+thread), ``spin`` (spinning intra-op threads), ``tokensN`` (``max_batch_tokens=N``),
+``noarena`` (no CPU memory arena), ``openvino`` / ``openvino2`` (onnxruntime's OpenVINO
+execution provider, all threads / two: needs the ``onnxruntime-openvino`` package in place of
+``onnxruntime``, which it conflicts with, so in a virtualenv of its own).
 
     python benchmarks/encoder_sweep.py --rounds 5 --settings default,streams1,threads1
 """
