@@ -120,3 +120,22 @@ def test_batch_parser_fast_paths_match_the_tag_by_tag_scan(texts: list[str], cap
         reference = strategy_blocks(text, cap)
         assert parsed.strategies == reference
         assert parsed.final_answer == final_answer(text, reference)
+
+
+def test_long_texts_are_scanned_tag_by_tag_with_the_same_fields() -> None:
+    """Past ``SPLIT_MAX_CHARS`` the scan streams its matches (a tag flood must not be held as a
+    list of every tag's groups); its fields are the split's, on usual and on flooded text."""
+    from reward_server.core import parsing
+
+    block = "<strategy><reasoning>r{}</reasoning><strategy_outcome>{}</strategy_outcome></strategy>"
+    usual = "".join(block.format(i, i % 7) for i in range(2000)) + "<final_answer>3</final_answer>"
+    flood = "<answer>1</answer>" * 5000 + "<final_answer>" * 3000 + usual[:20_000]
+    for text in (usual, flood, usual + flood):
+        assert len(text) > parsing.SPLIT_MAX_CHARS
+        assert parsing.raw_fields(text) == parsing._scan_fields(text)
+        short = text[: parsing.SPLIT_MAX_CHARS // 2]
+        assert parsing.raw_fields(short) == parsing._scan_fields(short)
+        (parsed,) = parse_completions([text], 256)
+        reference = strategy_blocks(text, 256)
+        assert parsed.strategies == reference
+        assert parsed.final_answer == final_answer(text, reference)

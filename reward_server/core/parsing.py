@@ -305,6 +305,10 @@ class RawFields(NamedTuple):
 
 #: In ``_event().split(text)``: each tag's 7 groups then the text after it, per tag.
 _STRIDE = 8
+#: Longer texts are scanned tag by tag (:func:`_scan_fields` streams its matches): ``split``
+#: holds eight list entries per tag at once, and a body of tag floods may hold millions of tags.
+#: Completions are a few KB; the shortcut is for them.
+SPLIT_MAX_CHARS = 65536
 
 
 def raw_fields(text: str) -> RawFields:
@@ -313,9 +317,12 @@ def raw_fields(text: str) -> RawFields:
     ``_event().split`` hands back every tag's groups in one C call. In the usual completion
     every strategy block is well formed and read whole, and whatever follows the last one is
     answer fields, each opening followed by its closing: then the fields are slices of that
-    list, with no Python work per tag. Any other completion is read tag by tag
-    (:func:`_scan_fields`), which gives the same fields for the usual ones.
+    list, with no Python work per tag. Any other completion, or one over
+    :data:`SPLIT_MAX_CHARS`, is read tag by tag (:func:`_scan_fields`), which gives the same
+    fields for the usual ones.
     """
+    if len(text) > SPLIT_MAX_CHARS:
+        return _scan_fields(text)
     parts = _event().split(text)
     reasonings = parts[2::_STRIDE]
     try:
