@@ -9,6 +9,7 @@ from reward_server.core.parsing import (
     field_list,
     final_answer,
     parse_completion,
+    parse_completions,
     strategy_blocks,
 )
 
@@ -156,3 +157,25 @@ def test_final_answer_anywhere_even_inside_a_strategy() -> None:
     parsed = parse_completion(text, 32)
     assert parsed.final_answer == "7"
     assert parsed.n_strat == 1
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<strategy><reasonıng>r</reasoning><strategy_outcome>o</strategy_outcome></strategy>",
+        "<strategy><reasoning>r</reasoning><strategy_outcome>o</ſtrategy_outcome></strategy>",
+        "<strategy><reasoning>r</reasoning><strategy_outcome>o</strategy_outcome></ſtrategy>",
+    ],
+)
+def test_unicode_look_alikes_of_inner_tags_do_not_count(text: str) -> None:
+    """Dotless ı and long ſ fold to i and s under Unicode case-insensitive matching; tag names
+    are compared ASCII-case-insensitively only, in the batch parser as in the reference."""
+    assert strategy_blocks(text, 32) == ()
+    assert parse_completions([text], 32)[0].strategies == ()
+
+
+@pytest.mark.parametrize("name", ["fınal_answer", "final_anſwer", "anſwer"])
+def test_unicode_look_alikes_of_answer_tags_do_not_count(name: str) -> None:
+    text = f"<{name}>7</{name}>"
+    assert final_answer(text, ()) is None
+    assert parse_completions([text], 32)[0].final_answer is None
