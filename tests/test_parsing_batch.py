@@ -78,10 +78,25 @@ def test_batch_parser_matches_the_tag_by_tag_scan(texts: list[str], cap: int) ->
 _LATIN1_FIELD = st.text(alphabet=st.sampled_from(" \t\n\x1c\x85\xa0*_`~abé1"), max_size=10)
 
 
+#: A fence between words: the field is clean once the fence is a space (a batch of such fields
+#: must still lose its fences).
+_FENCED_FIELD = st.builds(
+    "{}{}{}".format,
+    st.sampled_from(["a", "fi", "x y"]),
+    st.sampled_from(["```", "~~~", "```python", "~~~c++"]),
+    st.sampled_from(["b", "####", "1 2"]),
+)
+
+
 @settings(max_examples=500, deadline=None)
-@given(st.lists(st.one_of(_LATIN1_FIELD, _LATIN1_FIELD, _FIELD), max_size=12))
+@given(st.lists(st.one_of(_LATIN1_FIELD, _LATIN1_FIELD, _FIELD, _FENCED_FIELD), max_size=12))
 def test_fields_cleaned_together_as_one_by_one(raws: list[str]) -> None:
     assert field_texts(raws) == [field_text(raw) for raw in raws]
+
+
+def test_a_batch_of_fields_clean_but_for_a_fence_loses_the_fence() -> None:
+    raws = ["fi```python####", "a b", "x~~~1"]
+    assert field_texts(raws) == ["fi ####", "a b", "x 1"] == [field_text(r) for r in raws]
 
 
 _WORD = st.sampled_from(["a", "b c", "x**y", " 42 ", "0", "twelve", "3/4", "é"])

@@ -77,6 +77,8 @@ def field_texts(raws: list[str]) -> list[str]:
 
     >>> field_texts([" a  b ", "**", "```py x```", "\\n"])
     ['a b', '', 'x', '']
+    >>> field_texts(["a```python####"])  # clean once the fence is a space
+    ['a ####']
     """
     if not raws:
         return []
@@ -86,10 +88,13 @@ def field_texts(raws: list[str]) -> list[str]:
         rest = [raw for i, raw in enumerate(raws) if i not in alone]
         cleaned = iter(field_texts(rest))
         return [alone[i] if i in alone else next(cleaned) for i in range(len(raws))]
-    if "`" in joined or "~" in joined:
+    fenced = "`" in joined or "~" in joined
+    if fenced:
         joined = _FENCE.sub(" ", joined)
     if _clean_already(joined):
-        return list(raws)  # each is its own field text (and splitting would copy them all)
+        # Each field is its own field text: the fields as they came, unless a fence was
+        # replaced (splitting the joined text again would copy them all).
+        return joined.split("<") if fenced else list(raws)
     joined = joined.replace("**", "").replace("__", "")
     if not _folded(joined) or " <" in joined or "< " in joined:
         joined = " ".join(joined.split()).replace(" <", "<").replace("< ", "<")
