@@ -49,10 +49,9 @@ class TableEncoder:
         None when one is not in the table: the service then answers from the table as it does
         from a cache that holds every text."""
         try:
-            rows = [self._index[t] for t in texts]  # one pass: the table should cost nothing
+            return self.encode(texts)  # one pass over the texts: the table should cost nothing
         except KeyError:
             return None
-        return self._rows[rows]
 
     @property
     def dimension(self) -> int:

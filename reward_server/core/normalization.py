@@ -159,7 +159,7 @@ def aggregate(
     :class:`NonFiniteRewardError` rather than return a value that is not finite.
     """
     keys = list(components)
-    x = np.array([np.asarray(v, dtype=np.float64) for v in components.values()], np.float64)
+    x = np.array(list(components.values()), dtype=np.float64)
     n = x.shape[1] if x.ndim == 2 else 0
     z: npt.NDArray[np.float64]
     together = _zscores(x, params.eps)

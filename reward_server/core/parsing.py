@@ -332,12 +332,15 @@ def raw_fields(text: str) -> RawFields:
     fields = RawFields(reasonings[:whole], parts[3 : _STRIDE * whole : _STRIDE], [], [])
     tags = len(reasonings)
     tag = whole
-    while tag < tags:  # the rest must be answer fields, opening then closing
+    # The rest must be answer fields, opening then closing. A tag's groups are parts[at + 1]
+    # to parts[at + 7]; parts[following] is the text up to the next tag, whose groups follow.
+    while tag < tags:
         at = _STRIDE * tag
-        if tag + 1 < tags and parts[at + 4] is not None and parts[at + 13] is not None:
-            fields.final_answers.append(parts[at + _STRIDE])
-        elif tag + 1 < tags and parts[at + 6] is not None and parts[at + 15] is not None:
-            fields.answers.append(parts[at + _STRIDE])
+        following = at + _STRIDE
+        if tag + 1 < tags and parts[at + 4] is not None and parts[following + 5] is not None:
+            fields.final_answers.append(parts[following])
+        elif tag + 1 < tags and parts[at + 6] is not None and parts[following + 7] is not None:
+            fields.answers.append(parts[following])
         else:
             return _scan_fields(text)
         tag += 2

@@ -19,8 +19,7 @@ Where its speed comes from (the figures are in ``benchmarks/README.md``):
   are much slower than 2;
 * on CPU, two batches at once (*streams*), each run with half the threads: a small batch's ops
   are too short to split well across cores (every op ends in a barrier), while two independent
-  runs keep both cores busy. On 2 cores two single-threaded streams are 1.05-1.09x one
-  two-threaded run, with bit-identical embeddings.
+  runs keep both cores busy. A text's embedding does not depend on the stream that ran it.
 
 On CUDA the fp16 graph runs through IO binding. onnxruntime silently falls back to the CPU
 provider when CUDA cannot be initialised; :class:`OnnxEncoder` checks the provider actually in use

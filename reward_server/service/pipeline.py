@@ -135,10 +135,9 @@ class Scored:
         return {**self.score.as_dict(), "encoder": self.encoder}
 
 
-#: Estimated tokens per stream between deadline checks on CPU: with two streams, ~0.35 s of fp32
-#: on 2 cores. Smaller chunks leave a stream idle at each chunk's end: one stream of 2048-token
-#: chunks (before streams) 1.77 s a standard step through the server, two streams of 2048 1.93 s,
-#: of 4096 (per stream 2048) 1.65 s, of 8192 1.60 s (benchmarks/README.md).
+#: Estimated tokens per stream between deadline checks on CPU (with two streams, ~0.35 s of fp32
+#: on 2 cores). Per stream, because each chunk is one encoder call and a chunk of too few runs
+#: leaves a stream idle at its end (measured in benchmarks/README.md, fourth pass).
 CHUNK_TOKENS_PER_STREAM = 2048
 
 
