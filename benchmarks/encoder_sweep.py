@@ -8,11 +8,12 @@ checked against the first setting's first (min cosine, max |diff|).
 Settings: ``default`` (what the server runs), ``threads1`` (one intra-op thread), ``streamsN``
 (N batches at once, sharing the threads: ``streams1`` is one batch at a time with every
 thread), ``spin`` (spinning intra-op threads), ``tokensN`` (``max_batch_tokens=N``),
-``noarena`` (no CPU memory arena), ``openvino`` / ``openvino2`` (onnxruntime's OpenVINO
-execution provider, all threads / two: needs the ``onnxruntime-openvino`` package in place of
-``onnxruntime``, which it conflicts with, so in a virtualenv of its own).
+``noarena`` (no CPU memory arena): onnxruntime's encoder with one setting changed.
+``openvino`` is the OpenVINO backend (``--backend openvino``, the ``openvino`` extra) with its
+defaults, and ``openvino-<change>`` it with one of the changes above (``openvino-tokens2048``).
 
     python benchmarks/encoder_sweep.py --rounds 5 --settings default,streams1,threads1
+    python benchmarks/encoder_sweep.py --rounds 6 --steps 2 --settings default,openvino
 """
 
 from __future__ import annotations
@@ -32,38 +33,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_score import every_reasoning, ideal_flops, matmul_floor_gflops
 from benchmarks.workload import grpo_step, load_gsm8k
 from reward_server.core import ScoreItem, prepare_batch
+from reward_server.encoders.batched import BatchedEncoder
 from reward_server.encoders.model_store import resolve_model
 from reward_server.encoders.onnx_runtime import OnnxEncoder
+from reward_server.encoders.openvino_runtime import OpenVinoEncoder
 
 
-def make_encoder(setting: str, model: Path) -> OnnxEncoder:
-    """An :class:`OnnxEncoder` with one setting changed (see the module docstring)."""
-    kwargs: dict[str, Any] = {}
-    if setting == "threads1":
-        kwargs["intra_op_threads"] = 1
-    elif setting == "spin":
-        kwargs["allow_spinning"] = True
-    elif setting == "noarena":
-        kwargs["memory_arena"] = False
-    elif setting.startswith("tokens"):
-        kwargs["max_batch_tokens"] = int(setting.removeprefix("tokens"))
-    elif setting.startswith("streams"):
-        kwargs["streams"] = int(setting.removeprefix("streams"))
-    elif setting not in ("default", "openvino", "openvino2"):
-        raise SystemExit(f"unknown setting {setting!r}")
-    encoder = OnnxEncoder(model, **kwargs)
+def make_encoder(setting: str, model: Path) -> BatchedEncoder:
+    """The encoder of one setting (see the module docstring), warmed up."""
+    engine, change = "", setting
     if setting.startswith("openvino"):
-        import onnxruntime as ort
-
-        options = {"device_type": "CPU", "precision": "FP32"}
-        if setting == "openvino2":
-            options["num_of_threads"] = "2"
-        session = ort.InferenceSession(
-            str(model / "model.onnx"), providers=[("OpenVINOExecutionProvider", options)]
-        )
-        if session.get_providers()[0] != "OpenVINOExecutionProvider":
-            raise SystemExit("the OpenVINO execution provider is not available here")
-        encoder._session = session  # the same tokenization and batching, another engine
+        engine, _, change = setting.partition("-")
+    kwargs: dict[str, Any] = {}
+    if change == "threads1":
+        kwargs["intra_op_threads"] = 1
+    elif change == "spin" and not engine:
+        kwargs["allow_spinning"] = True
+    elif change == "noarena" and not engine:
+        kwargs["memory_arena"] = False
+    elif change.startswith("tokens"):
+        kwargs["max_batch_tokens"] = int(change.removeprefix("tokens"))
+    elif change.startswith("streams"):
+        kwargs["streams"] = int(change.removeprefix("streams"))
+    elif change not in ("default", ""):
+        raise SystemExit(f"unknown setting {setting!r}")
+    encoder: BatchedEncoder = (
+        OpenVinoEncoder(model, **kwargs) if engine else OnnxEncoder(model, **kwargs)
+    )
     encoder.warmup()
     return encoder
 

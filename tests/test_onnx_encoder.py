@@ -14,13 +14,12 @@ import pytest
 
 from reward_server.encoders import fidelity
 from reward_server.encoders.base import EMBEDDING_DIM, MAX_SEQ_LENGTH, Encoder
+from reward_server.encoders.batched import available_cpus, plan_batches
 from reward_server.encoders.onnx_runtime import (
     OnnxEncoder,
     ProviderUnavailableError,
-    available_cpus,
     check_provider_available,
     check_session_provider,
-    plan_batches,
 )
 from tests.encoder_fixtures import (  # noqa: F401  (fixtures)
     fidelity_texts,

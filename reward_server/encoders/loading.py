@@ -1,18 +1,23 @@
 """Build the encoder a command asked for: one place that maps (backend, model) to an Encoder.
 
 ``onnx`` (the default) resolves ``model`` through the model store (an export folder, a Hugging
-Face folder or hub id, or the embedded default) and runs it on onnxruntime; ``torch`` is the
-sentence-transformers reference. Either may run behind the LRU embedding cache. Imports are lazy
-so that choosing ONNX never imports torch.
+Face folder or hub id, or the embedded default) and runs it on onnxruntime; ``openvino`` runs the
+same export on OpenVINO's CPU runtime (the ``openvino`` extra); ``torch`` is the
+sentence-transformers reference. Any may run behind the LRU embedding cache. Imports are lazy so
+that choosing an export never imports torch.
 """
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
 from reward_server.encoders.base import Encoder, Provider
 
-Backend = Literal["onnx", "torch"]
+if TYPE_CHECKING:
+    from reward_server.encoders.onnx_runtime import OnnxEncoder
+    from reward_server.encoders.openvino_runtime import OpenVinoEncoder
+
+Backend = Literal["onnx", "openvino", "torch"]
 #: The backends :func:`load_encoder` offers (the server's ``--backend`` choices).
 BACKENDS: tuple[Backend, ...] = get_args(Backend)
 
@@ -31,9 +36,9 @@ def load_encoder(
     """The encoder for ``backend`` and ``model`` (``None``: the embedded default).
 
     ``variant`` is the ONNX export to make when ``model`` is not an export yet;
-    ``max_batch_tokens`` is onnxruntime's padded tokens per run; ``intra_op_threads`` the
-    backend's CPU threads, shared out between ``streams`` runs at once (ONNX; default: two on
-    CPU); ``cache_size`` > 0 puts the LRU embedding cache in front.
+    ``max_batch_tokens`` is the export's padded tokens per run; ``intra_op_threads`` the
+    backend's CPU threads, shared out between ``streams`` runs at once (export backends;
+    default: two on CPU); ``cache_size`` > 0 puts the LRU embedding cache in front.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
@@ -46,9 +51,9 @@ def load_encoder(
         )
     else:
         from reward_server.encoders.model_store import resolve_model
-        from reward_server.encoders.onnx_runtime import OnnxEncoder
 
-        encoder = OnnxEncoder(
+        engine = export_engine(backend)
+        encoder = engine(
             resolve_model(model, variant),
             provider=provider,
             intra_op_threads=intra_op_threads,
@@ -60,3 +65,24 @@ def load_encoder(
 
         encoder = CachedEncoder(encoder, cache_size)
     return encoder
+
+
+def export_engine(backend: Backend) -> type[OnnxEncoder] | type[OpenVinoEncoder]:
+    """The class that runs the export for ``backend`` (imported only when chosen)."""
+    if backend == "openvino":
+        from reward_server.encoders.openvino_runtime import OpenVinoEncoder
+
+        return OpenVinoEncoder
+    from reward_server.encoders.onnx_runtime import OnnxEncoder
+
+    return OnnxEncoder
+
+
+def runs_export(backend: Backend) -> bool:
+    """Whether ``backend`` runs the ONNX export (resolved through the model store), rather
+    than loading a sentence-transformers model itself.
+
+    >>> runs_export("openvino"), runs_export("torch")
+    (True, False)
+    """
+    return backend != "torch"

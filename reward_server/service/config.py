@@ -49,7 +49,8 @@ class Settings:
     backend: Backend = field(
         default="onnx",
         metadata={
-            "help": "encoder backend: onnxruntime, or the sentence-transformers reference "
+            "help": "encoder backend: onnxruntime; OpenVINO on the same export (CPU, fp32, "
+            "faster; needs the openvino extra); or the sentence-transformers reference "
             "(torch: exact, slower; needs the export extra)"
         },
     )
@@ -65,12 +66,12 @@ class Settings:
         },
     )
     intra_op_threads: int | None = field(
-        default=None, metadata={"help": "onnxruntime threads per process (default: usable CPUs)"}
+        default=None, metadata={"help": "encoder threads per process (default: usable CPUs)"}
     )
     encoder_streams: int | None = field(
         default=None,
         metadata={
-            "help": "batches the ONNX encoder runs at once, sharing its threads (default: 2 on "
+            "help": "batches the export encoder runs at once, sharing its threads (default: 2 on "
             "CPU with at least 2 threads, else 1)"
         },
     )
@@ -170,7 +171,7 @@ class Settings:
         },
     )
     encoder_batch_tokens: int | None = field(
-        default=None, metadata={"help": "padded tokens per onnxruntime run (default: encoder's)"}
+        default=None, metadata={"help": "padded tokens per encoder run (default: the backend's)"}
     )
     # ~1.7 kB per entry: 20k entries bound the cache near 35 MB, inside the memory budget, and
     # still hold a few GRPO steps for retried or re-scored batches.

@@ -137,15 +137,20 @@ class Scored:
 
 #: Estimated tokens per stream between deadline checks on CPU (with two streams, ~0.35 s of fp32
 #: on 2 cores). Per stream, because each chunk is one encoder call and a chunk of too few runs
-#: leaves a stream idle at its end (measured in benchmarks/README.md, fourth pass).
+#: leaves a stream idle at its end (measured in benchmarks/README.md, fourth and fifth passes).
 CHUNK_TOKENS_PER_STREAM = 2048
+#: Runs each stream makes in a chunk at least, when there are several streams (for the same
+#: reason: with 4096-token chunks of 1024-token runs, OpenVINO's streams idled 10 % of a step).
+RUNS_PER_STREAM = 4
 
 
 def _chunk_tokens(encoder: Encoder) -> int:
     """The default ``chunk_tokens``: :data:`CHUNK_TOKENS_PER_STREAM` for each of the backend's
-    streams, or its own runs when larger (a GPU backend runs big batches in milliseconds)."""
+    streams, or :data:`RUNS_PER_STREAM` of its runs per stream when larger; one stream (a GPU,
+    which runs big batches in milliseconds) needs one of its runs."""
     described = encoder.describe()
-    per_stream = max(CHUNK_TOKENS_PER_STREAM, described.max_batch_tokens or 0)
+    runs = RUNS_PER_STREAM if described.streams > 1 else 1
+    per_stream = max(CHUNK_TOKENS_PER_STREAM, runs * (described.max_batch_tokens or 0))
     return per_stream * described.streams
 
 

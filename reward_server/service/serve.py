@@ -239,10 +239,11 @@ def _worker_main(settings: Settings, index: int) -> None:
 
 def _run_workers(settings: Settings) -> int:
     """Supervise ``settings.workers`` processes; forward SIGTERM/SIGINT; exit when all have."""
-    from reward_server.encoders.onnx_runtime import available_cpus
+    from reward_server.encoders.batched import available_cpus
+    from reward_server.encoders.loading import runs_export
 
     # Resolve (and, for the default model, export) once here, not concurrently in each worker.
-    model = str(resolve_model_dir(settings)) if settings.backend == "onnx" else settings.model
+    model = str(resolve_model_dir(settings)) if runs_export(settings.backend) else settings.model
     threads = settings.intra_op_threads or max(1, available_cpus() // settings.workers)
     child = dataclasses.replace(settings, model=model, intra_op_threads=threads)
     ctx = multiprocessing.get_context("spawn")
