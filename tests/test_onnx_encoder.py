@@ -14,13 +14,14 @@ import pytest
 
 from reward_server.encoders import fidelity
 from reward_server.encoders.base import EMBEDDING_DIM, MAX_SEQ_LENGTH, Encoder
-from reward_server.encoders.batched import available_cpus, plan_batches
+from reward_server.encoders.batched import BatchedEncoder, available_cpus, plan_batches
 from reward_server.encoders.onnx_runtime import (
     OnnxEncoder,
     ProviderUnavailableError,
     check_provider_available,
     check_session_provider,
 )
+from reward_server.encoders.openvino_runtime import OpenVinoEncoder
 from tests.encoder_fixtures import (  # noqa: F401  (fixtures)
     fidelity_texts,
     fp32_export,
@@ -41,14 +42,17 @@ def encoder(fp32_export: Path) -> OnnxEncoder:  # noqa: F811
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("budget", [1, 4096, 1_000_000])
+@pytest.mark.parametrize("engine", [OnnxEncoder, OpenVinoEncoder])
+@pytest.mark.parametrize("budget", [1, None, 1_000_000])
 def test_fp32_matches_sentence_transformers_on_every_text(
     encoder: OnnxEncoder,
     fidelity_texts: list[str],  # noqa: F811
     reference_embeddings: npt.NDArray[np.float32],  # noqa: F811
-    budget: int,
+    engine: type[BatchedEncoder],
+    budget: int | None,
 ) -> None:
-    """budget 1: one text per batch; 4096: the default; 1e6: everything padded to 256."""
+    """Each engine that runs the export (onnxruntime, OpenVINO). budget 1: one text per batch;
+    None: the engine's default runs; 1e6: everything padded to 256."""
     texts, ref = fidelity_texts, reference_embeddings
     if budget == 1:  # one run per text: a 100-text slice is enough to check batch-size 1
         texts, ref = texts[:100], ref[:100]
@@ -60,7 +64,7 @@ def test_fp32_matches_sentence_transformers_on_every_text(
         texts, ref = [texts[i] for i in idx], ref[idx]
         assert lengths[longest] == MAX_SEQ_LENGTH
     # min_row_fill=0 lets short texts join the long one's batch (the budget-1e6 case).
-    enc = OnnxEncoder(encoder.model_dir, max_batch_tokens=budget, min_row_fill=0.0)
+    enc = engine(encoder.model_dir, max_batch_tokens=budget, min_row_fill=0.0)
     out, stats = enc.encode_with_stats(texts)
     cos = fidelity.row_cosines(ref, out)
     assert cos.min() >= MIN_COSINE, f"worst text: {texts[int(np.argmin(cos))][:200]!r}"

@@ -144,10 +144,10 @@ class BatchedEncoder(ABC):
         self,
         model_dir: str | Path,
         *,
-        provider: Provider,
-        intra_op_threads: int | None,
-        streams: int | None,
-        max_batch_tokens: int,
+        provider: Provider = "cpu",
+        intra_op_threads: int | None = None,
+        streams: int | None = None,
+        max_batch_tokens: int | None = None,
         min_row_fill: float = MIN_ROW_FILL,
     ) -> None:
         self.model_dir = Path(model_dir)
@@ -155,7 +155,7 @@ class BatchedEncoder(ABC):
         self.variant: str = str(self.manifest.get("variant", "fp32"))
         self.provider: Provider = provider
         self.max_seq_length = int(self.manifest.get("max_seq_length", MAX_SEQ_LENGTH))
-        self.max_batch_tokens = max_batch_tokens
+        self.max_batch_tokens = max_batch_tokens or self._default_batch_tokens()
         if self.max_batch_tokens < 1:
             raise ValueError("max_batch_tokens must be >= 1")
         self.min_row_fill = min_row_fill
@@ -173,6 +173,15 @@ class BatchedEncoder(ABC):
         model_name = str(self.manifest.get("model_name", "all-MiniLM-L6-v2"))
         suffix = " cuda" if provider == "cuda" else ""
         self._name = f"{model_name} {self.backend} {self.variant}{suffix}"
+        self._open()
+
+    @abstractmethod
+    def _default_batch_tokens(self) -> int:
+        """Padded tokens per run when none is asked for (the engine's and provider's best)."""
+
+    @abstractmethod
+    def _open(self) -> None:
+        """Check that the engine can run this export here (raising why not) and load it."""
 
     @property
     def name(self) -> str:

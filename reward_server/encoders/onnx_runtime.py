@@ -19,6 +19,7 @@ and raises :class:`ProviderUnavailableError` instead of quietly serving at a fra
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -97,24 +98,34 @@ class OnnxEncoder(BatchedEncoder):
         memory_arena: bool = True,
         device_id: int = 0,
     ) -> None:
-        super().__init__(
-            model_dir,
-            provider=provider,
-            intra_op_threads=intra_op_threads,
-            streams=streams,
-            max_batch_tokens=max_batch_tokens
-            or (DEFAULT_MAX_BATCH_TOKENS_CUDA if provider == "cuda" else DEFAULT_MAX_BATCH_TOKENS),
-            min_row_fill=min_row_fill,
-        )
-        ort_provider = self._check_provider()
-        options = self._session_options(
+        """``model_dir``, ``provider``, threads, streams and runs as every export encoder's
+        (:class:`BatchedEncoder`); the rest are onnxruntime's session settings."""
+        # Made once the threads and streams are known (they size the session's thread pool).
+        self._options = partial(
+            self._session_options,
             sequential=sequential,
             graph_optimization=graph_optimization,
             allow_spinning=allow_spinning,
             memory_arena=memory_arena,
         )
-        self._session = self._open_session(options, ort_provider, device_id)
         self._device_id = device_id
+        super().__init__(
+            model_dir,
+            provider=provider,
+            intra_op_threads=intra_op_threads,
+            streams=streams,
+            max_batch_tokens=max_batch_tokens,
+            min_row_fill=min_row_fill,
+        )
+
+    def _default_batch_tokens(self) -> int:
+        return (
+            DEFAULT_MAX_BATCH_TOKENS_CUDA if self.provider == "cuda" else DEFAULT_MAX_BATCH_TOKENS
+        )
+
+    def _open(self) -> None:
+        ort_provider = self._check_provider()
+        self._session = self._open_session(self._options(), ort_provider, self._device_id)
         self._input_names = {i.name for i in self._session.get_inputs()}
         self._output_name = self._session.get_outputs()[0].name
 

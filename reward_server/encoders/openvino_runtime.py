@@ -20,14 +20,12 @@ What matters in its configuration:
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from reward_server.encoders.base import Provider
-from reward_server.encoders.batched import MIN_ROW_FILL, BatchedEncoder
+from reward_server.encoders.batched import BatchedEncoder
 from reward_server.encoders.model_store import MODEL_FILE
 
 #: Padded tokens per run: the fastest on the standard step (512, 1024 and 2048 measured; see
@@ -50,29 +48,15 @@ class OpenVinoEncoder(BatchedEncoder):
 
     backend = "openvino"
 
-    def __init__(
-        self,
-        model_dir: str | Path,
-        *,
-        provider: Provider = "cpu",
-        intra_op_threads: int | None = None,
-        streams: int | None = None,
-        max_batch_tokens: int | None = None,
-        min_row_fill: float = MIN_ROW_FILL,
-    ) -> None:
-        if provider != "cpu":
+    def _default_batch_tokens(self) -> int:
+        return DEFAULT_MAX_BATCH_TOKENS
+
+    def _open(self) -> None:
+        if self.provider != "cpu":
             raise OpenVinoUnavailableError(
-                f"the openvino backend runs on the CPU only, not {provider!r}: "
+                f"the openvino backend runs on the CPU only, not {self.provider!r}: "
                 "use --backend onnx for CUDA"
             )
-        super().__init__(
-            model_dir,
-            provider=provider,
-            intra_op_threads=intra_op_threads,
-            streams=streams,
-            max_batch_tokens=max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS,
-            min_row_fill=min_row_fill,
-        )
         if self.variant != "fp32":
             raise OpenVinoUnavailableError(
                 f"{self.model_dir} holds the {self.variant} export; the openvino backend runs "
