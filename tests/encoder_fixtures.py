@@ -7,6 +7,8 @@ modules import these fixtures (pytest would otherwise build one per importing mo
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,23 @@ def _once(key: str, make: Any) -> Any:
     if key not in _SESSION:
         _SESSION[key] = make()
     return _SESSION[key]
+
+
+def encode_concurrently(
+    encoder: Any, texts: Sequence[str], callers: int = 4
+) -> list[npt.NDArray[np.float32]]:
+    """``encoder.encode(texts)`` from ``callers`` threads at once, each caller's result."""
+    results: list[Any] = [None] * callers
+
+    def run(k: int) -> None:
+        results[k] = encoder.encode(texts)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(callers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
 
 
 @pytest.fixture(scope="session")

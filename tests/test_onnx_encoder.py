@@ -23,6 +23,7 @@ from reward_server.encoders.onnx_runtime import (
 )
 from reward_server.encoders.openvino_runtime import OpenVinoEncoder
 from tests.encoder_fixtures import (  # noqa: F401  (fixtures)
+    encode_concurrently,
     fidelity_texts,
     fp32_export,
     problems,
@@ -104,17 +105,7 @@ def test_protocol_name_empty_and_stats(encoder: OnnxEncoder) -> None:
 def test_concurrent_calls_agree(encoder: OnnxEncoder, fidelity_texts: list[str]) -> None:  # noqa: F811
     texts = fidelity_texts[:12]
     expected = encoder.encode(texts)
-    results: list[Any] = [None] * 4
-
-    def run(k: int) -> None:
-        results[k] = encoder.encode(texts)
-
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for r in results:
+    for r in encode_concurrently(encoder, texts):
         np.testing.assert_allclose(r, expected, atol=1e-5)
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import builtins
 import json
 import shutil
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,7 @@ from reward_server.encoders.openvino_runtime import (
 )
 from reward_server.service.config import Settings
 from tests.encoder_fixtures import (  # noqa: F401  (fixtures)
+    encode_concurrently,
     fidelity_texts,
     fp32_export,
     problems,
@@ -118,17 +118,7 @@ def test_threads_and_streams_give_the_same_embeddings(
     two = OpenVinoEncoder(fp32_export, streams=2, intra_op_threads=2, max_batch_tokens=256)
     assert two.streams == 2
     np.testing.assert_allclose(two.encode(texts), expected, atol=1e-6)
-    results: list[Any] = [None] * 4
-
-    def run(k: int) -> None:
-        results[k] = two.encode(texts)
-
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for r in results:
+    for r in encode_concurrently(two, texts):
         np.testing.assert_allclose(r, expected, atol=1e-6)
 
 
@@ -185,3 +175,12 @@ def test_the_server_serves_the_openvino_backend(fp32_export: Path) -> None:  # n
     assert scored.status_code == 200, scored.text
     assert scored.json()["encoder"] == "all-MiniLM-L6-v2 openvino fp32"
     np.testing.assert_allclose(scored.json()["rewards"], want.rewards, atol=1e-5)
+
+
+def test_export_engines_by_backend() -> None:
+    from reward_server.encoders.loading import export_engine, runs_export
+
+    assert export_engine("openvino") is OpenVinoEncoder and export_engine("onnx") is OnnxEncoder
+    assert not runs_export("torch")
+    with pytest.raises(ValueError, match="does not run the ONNX export"):
+        export_engine("torch")

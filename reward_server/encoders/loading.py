@@ -43,22 +43,21 @@ def load_encoder(
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
     encoder: Encoder
-    if backend == "torch":
-        from reward_server.encoders.reference import SentenceTransformerEncoder
-
-        encoder = SentenceTransformerEncoder(
-            model, device="cuda" if provider == "cuda" else "cpu", num_threads=intra_op_threads
-        )
-    else:
+    if runs_export(backend):
         from reward_server.encoders.model_store import resolve_model
 
-        engine = export_engine(backend)
-        encoder = engine(
+        encoder = export_engine(backend)(
             resolve_model(model, variant),
             provider=provider,
             intra_op_threads=intra_op_threads,
             streams=streams,
             max_batch_tokens=max_batch_tokens,
+        )
+    else:
+        from reward_server.encoders.reference import SentenceTransformerEncoder
+
+        encoder = SentenceTransformerEncoder(
+            model, device="cuda" if provider == "cuda" else "cpu", num_threads=intra_op_threads
         )
     if cache_size > 0:
         from reward_server.encoders.cache import CachedEncoder
@@ -68,14 +67,17 @@ def load_encoder(
 
 
 def export_engine(backend: Backend) -> type[OnnxEncoder] | type[OpenVinoEncoder]:
-    """The class that runs the export for ``backend`` (imported only when chosen)."""
+    """The class that runs the export for ``backend`` (imported only when chosen); a
+    :class:`ValueError` for a backend that does not run the export (see :func:`runs_export`)."""
     if backend == "openvino":
         from reward_server.encoders.openvino_runtime import OpenVinoEncoder
 
         return OpenVinoEncoder
-    from reward_server.encoders.onnx_runtime import OnnxEncoder
+    if backend == "onnx":
+        from reward_server.encoders.onnx_runtime import OnnxEncoder
 
-    return OnnxEncoder
+        return OnnxEncoder
+    raise ValueError(f"backend {backend!r} does not run the ONNX export")
 
 
 def runs_export(backend: Backend) -> bool:

@@ -1,16 +1,15 @@
 """The fp32 export on OpenVINO's CPU runtime (``--backend openvino``; the ``openvino`` extra).
 
-Why a second CPU engine: on the standard GRPO step it runs the same graph 1.1-1.2× faster than
-onnxruntime (82-85 % of the matrix-product floor against 71-75 %, same runs; figures in
-``benchmarks/README.md``), with embeddings equal to onnxruntime's within 2.2e-7 (cosine
-0.99999988). OpenVINO reads the export's ``model.onnx`` itself, onnxruntime's fused operators
-included, so there is one export for both engines. It is opt-in because the wheel is large
-(about 180 MB installed, against 80 for onnxruntime) and CPU only.
+Why a second CPU engine: it runs the same graph faster than onnxruntime, nearer the
+matrix-product floor, with the same embeddings to SPEC §3's fidelity (benchmarks/README.md,
+fifth pass). OpenVINO reads the export's ``model.onnx`` itself, onnxruntime's fused operators
+included, so there is one export for both engines. It is opt-in because it holds the model
+about twice over (the server's memory grows past its budget) and its wheel is large.
 
 What matters in its configuration:
 
 * ``INFERENCE_PRECISION_HINT = f32``: on CPUs with AMX or AVX-512 BF16, OpenVINO would
-  otherwise run in bfloat16, which moves cosines by about 1e-3, far outside SPEC §3's fidelity;
+  otherwise run in bfloat16, not the fp32 whose fidelity the export measured;
 * its streams are this encoder's streams: ``NUM_STREAMS`` runs at once, the threads
   (``INFERENCE_NUM_THREADS``) shared out between them, each stream thread with an infer request
   of its own (a request is not shared between threads);

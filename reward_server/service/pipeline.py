@@ -139,8 +139,8 @@ class Scored:
 #: on 2 cores). Per stream, because each chunk is one encoder call and a chunk of too few runs
 #: leaves a stream idle at its end (measured in benchmarks/README.md, fourth and fifth passes).
 CHUNK_TOKENS_PER_STREAM = 2048
-#: Runs each stream makes in a chunk at least, when there are several streams (for the same
-#: reason: with 4096-token chunks of 1024-token runs, OpenVINO's streams idled 10 % of a step).
+#: Runs each stream makes in a chunk at least, when there are several streams, for the same
+#: reason (OpenVINO's 1024-token runs left a stream idle in 4096-token chunks).
 RUNS_PER_STREAM = 4
 
 
