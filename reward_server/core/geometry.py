@@ -27,22 +27,34 @@ def cosine_matrix(embeddings: FloatArray) -> npt.NDArray[np.float64]:
 
 
 def unit_rows(embeddings: FloatArray) -> npt.NDArray[np.float64]:
-    """The rows in float64, each divided by its L2 norm (a zero row stays zero).
+    """The rows in float64, each scaled to unit L2 norm (a zero row stays zero).
 
     Row by row, so a row comes out the same whatever rows surround it: a scorer normalizes a
     batch's embeddings once, and the Gram matrix of any selection of those rows is, bit for
     bit, :func:`cosine_matrix` of the selected embeddings. The squared norms are one
-    ``einsum`` (each row's own dot product) and the division is in place in the float64 copy:
-    a quarter of ``np.linalg.norm`` and a new array's cost for a step's rows.
+    ``einsum`` (each row's own dot product) and each row is multiplied in place by its norm's
+    reciprocal (a division per element costs four times as much).
 
-    >>> unit_rows(np.array([[3.0, 4.0], [0.0, 0.0]])).tolist()
+    A row holding a NaN or an infinity has no direction: :class:`ValueError`, since a NaN
+    cosine would silently drop strategies (NaN ``<= δ`` is false). The squared norms tell it
+    (float32 values squared and summed in float64 cannot overflow; any non-finite value makes
+    its row's norm non-finite) without a pass over every element.
+
+    >>> unit_rows(np.array([[3.0, 4.0], [0.0, 0.0]])).round(15).tolist()
     [[0.6, 0.8], [0.0, 0.0]]
+    >>> unit_rows(np.array([[1.0, np.nan]]))
+    Traceback (most recent call last):
+    ...
+    ValueError: embedding row 0 is not finite
     """
-    h = np.array(embeddings, dtype=np.float64)  # a copy, always: divided in place below
+    h = np.array(embeddings, dtype=np.float64)  # a copy, always: scaled in place below
     norms = np.einsum("ij,ij->i", h, h)
+    if not np.isfinite(norms).all():
+        bad = int(np.flatnonzero(~np.isfinite(norms))[0])
+        raise ValueError(f"embedding row {bad} is not finite")
     np.sqrt(norms, out=norms)
     norms[norms == 0.0] = 1.0
-    h /= norms[:, None]
+    h *= np.reciprocal(norms)[:, None]
     return h
 
 
@@ -58,7 +70,13 @@ def diversity(cosines: npt.NDArray[np.float64]) -> float:
     if m == 1:
         return 1.0
     upper = cosines[_upper_indices(m)]
-    return float(min(1.0, max(0.0, 1.0 - float(np.mean(upper)))))
+    return _clamped_div(float(np.add.reduce(upper)) / upper.size)
+
+
+def _clamped_div(mean: float) -> float:
+    """``clamp(1 − mean_{i<j} κ, 0, 1)``. The mean is ``np.add.reduce`` over the pairs divided
+    by their count: what ``np.mean`` computes, bit for bit, without its Python wrapper."""
+    return min(1.0, max(0.0, 1.0 - mean))
 
 
 @cache
@@ -154,7 +172,7 @@ def gains_of_selections(
     matrices come from one stacked product, whose slices are the same BLAS call on the same
     shapes as the item's own ``h @ h.T`` (bit for bit :func:`cosine_matrix` of the item, as
     explanations recompute it), and ``Div``'s means from one reduction along the last axis
-    (the same pairwise sum as :func:`diversity`'s ``np.mean`` of one item). Checked against
+    (the same pairwise sum as :func:`diversity`'s of one item). Checked against
     the item-by-item path in ``tests/test_geometry.py``.
 
     >>> unit = unit_rows(np.array([[1.0, 0.0], [0.99, 0.1], [0.0, 1.0]]))
@@ -175,8 +193,8 @@ def gains_of_selections(
         gram = h @ h.transpose(0, 2, 1)
         # C order, so that each item's row is reduced as one contiguous run (pairwise sum).
         upper = np.ascontiguousarray(gram.reshape(len(members), m * m)[:, _upper_flat(m)])
-        means = np.mean(upper, axis=1).tolist()
+        means = (np.add.reduce(upper, axis=1) / upper.shape[1]).tolist()
         for i, uniq, mean in zip(members, _uniq_counts(gram, threshold), means, strict=True):
-            div = float(min(1.0, max(0.0, 1.0 - mean)))
+            div = _clamped_div(mean)
             out[i] = (uniq * div, uniq, div)
     return out

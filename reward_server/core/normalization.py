@@ -89,6 +89,26 @@ def zscore(values: Sequence[float], eps: float) -> tuple[list[float], float, flo
     return out.tolist(), mu, sigma
 
 
+def row_mean_std(
+    x: npt.NDArray[np.float64],
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+    """Each row's mean and population standard deviation, and ``x`` minus its row's mean.
+
+    The ufunc calls that ``x.mean(axis=1)`` and ``x.std(axis=1)`` make (each row's pairwise
+    sum divided by its length; the root of the mean squared deviation), so the figures are
+    theirs bit for bit, with the centred values computed once for both and without numpy's
+    Python wrappers, which cost more than the arithmetic on a batch's rows.
+
+    >>> [a.tolist() for a in row_mean_std(np.array([[1.0, 3.0], [2.0, 2.0]]))]
+    [[2.0, 2.0], [1.0, 0.0], [[-1.0, 1.0], [0.0, 0.0]]]
+    """
+    n = x.shape[1]
+    mu = np.add.reduce(x, axis=1) / n
+    centered = x - mu[:, None]
+    sigma = np.sqrt(np.add.reduce(np.square(centered), axis=1) / n)
+    return mu, sigma, centered
+
+
 def _zscores(
     x: npt.NDArray[np.float64], eps: float
 ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64], npt.NDArray[np.float64]] | None:
@@ -104,9 +124,7 @@ def _zscores(
     if x.ndim != 2 or x.shape[1] == 0:
         return None
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        mu = x.mean(axis=1)
-        sigma = x.std(axis=1)
-        centered = x - mu[:, None]
+        mu, sigma, centered = row_mean_std(x)
         if not (np.isfinite(mu).all() and np.isfinite(sigma).all()):
             return None
         if not np.isfinite(centered).all():
@@ -138,10 +156,8 @@ def group_advantages(rewards: Sequence[float], groups: Sequence[str], eps: float
         by_size.setdefault(len(members), []).append(members)
     for stacked in by_size.values():
         rows = np.array(stacked, dtype=np.intp)
-        values = r[rows]
-        mean = values.mean(axis=1, keepdims=True)
-        std = values.std(axis=1, keepdims=True)
-        out[rows] = (values - mean) / (std + eps)
+        _, std, centered = row_mean_std(r[rows])
+        out[rows] = centered / (std + eps)[:, None]
     return out.tolist()
 
 

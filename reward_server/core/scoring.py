@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -257,9 +257,6 @@ def finish_batch(
     """
     if embeddings.shape[0] != len(prepared.texts):
         raise ValueError(f"got {embeddings.shape[0]} embeddings for {len(prepared.texts)} texts")
-    if not np.all(np.isfinite(embeddings)):
-        # NaN cosines would silently drop strategies (NaN <= δ is false): fail loudly instead.
-        raise ValueError("the encoder returned non-finite embeddings")
     analyses = prepared.analyses
     p = prepared.params
     # The columns, transposed in C from the named tuples.
@@ -274,7 +271,10 @@ def finish_batch(
     need = [i for i, needed in enumerate(needs) if needed]
     if need:
         row = {text: i for i, text in enumerate(prepared.texts)}
-        unit = unit_rows(embeddings)  # once for the batch: each item's H selects rows of it
+        try:  # once for the batch: each item's H selects rows of it
+            unit = unit_rows(embeddings)
+        except ValueError as exc:  # a NaN row would silently drop strategies: fail loudly
+            raise ValueError(f"the encoder returned non-finite embeddings ({exc})") from None
         selections = [[row[s.reasoning] for s in strategies[i]] for i in need]
         geometry = gains_of_selections(unit, selections, p.similarity_threshold)
         for i, (g, u, d) in zip(need, geometry, strict=True):
@@ -290,9 +290,14 @@ def finish_batch(
     keys = recipe_spec(prepared.recipe).components
     values: dict[str, npt.NDArray[np.float64]] = {k: COMPONENTS[k].value(columns, p) for k in keys}
     agg = aggregate(values, p, normalize=normalize, groups=prepared.groups)
-    results = list(map(ItemResult, n_strat, final, correct, chi, uniq, div))
+    results = list(map(_RESULT, zip(n_strat, final, correct, chi, uniq, div, strict=True)))
     components: dict[str, list[float]] = {k: v.tolist() for k, v in values.items()}
     return BatchScore(prepared.recipe, p, components, agg, results)
+
+
+#: An ItemResult from a tuple of its fields, built in C (a named tuple's own ``__new__`` is a
+#: Python function).
+_RESULT = partial(tuple.__new__, ItemResult)
 
 
 def embed(encoder: Encoder, texts: Sequence[str]) -> npt.NDArray[np.float32]:
