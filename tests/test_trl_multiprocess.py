@@ -9,6 +9,7 @@ completion's reward must equal the reward one ``/v1/score`` request over the who
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import json
 import math
 import random
@@ -58,6 +59,9 @@ def _worker(rank: int, url: str, store: str, out_dir: str) -> None:
 
     from trainer_client.trl import sde2_reward
 
+    # If the process dies in C++ (a gloo SIGABRT was seen once in CI, at an unknown step), the
+    # Python stack of every thread goes to stderr, which pytest shows with the failure.
+    faulthandler.enable(all_threads=True)
     # A file store: no rank hosts a TCP store that the other could outlive.
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     try:
@@ -132,6 +136,9 @@ def _failing_worker(rank: int, urls: list[str], store: str, out_dir: str) -> Non
     from trainer_client.retry import RetryPolicy
     from trainer_client.trl import sde2_reward
 
+    # If the process dies in C++ (a gloo SIGABRT was seen once in CI, at an unknown step), the
+    # Python stack of every thread goes to stderr, which pytest shows with the failure.
+    faulthandler.enable(all_threads=True)
     # A file store: no rank hosts a TCP store that the other could outlive.
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     try:
