@@ -113,6 +113,9 @@ class PreparedBatch:
     groups: list[str] | None
     #: Distinct reasoning texts to embed, in first-seen order.
     texts: list[str] = field(default_factory=list)
+    #: For each item that needs ``g(H)``, in item order, the rows of ``texts`` that are its
+    #: ``H`` (strategy order).
+    selections: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -220,10 +223,13 @@ def prepare_batch(
         analyze_item(it, p, matchers[it.answer], needs_encoder, diagnostics)
         for it, p in zip(items, parsed, strict=True)
     ]
-    texts = dict.fromkeys(
-        s.reasoning for a in analyses if a.needs_geometry for s in a.parsed.strategies
-    )
-    return PreparedBatch(recipe, answer_type, params, analyses, groups, list(texts))
+    rows: dict[str, int] = {}  # each distinct reasoning text to embed -> its row
+    selections = [
+        [rows.setdefault(s.reasoning, len(rows)) for s in a.parsed.strategies]
+        for a in analyses
+        if a.needs_geometry
+    ]
+    return PreparedBatch(recipe, answer_type, params, analyses, groups, list(rows), selections)
 
 
 @dataclass(frozen=True)
@@ -270,13 +276,11 @@ def finish_batch(
     div: list[float | None] = [1.0 if m == 1 else None for m in n_strat]
     need = [i for i, needed in enumerate(needs) if needed]
     if need:
-        row = {text: i for i, text in enumerate(prepared.texts)}
         try:  # once for the batch: each item's H selects rows of it
             unit = unit_rows(embeddings)
         except ValueError as exc:  # a NaN row would silently drop strategies: fail loudly
             raise ValueError(f"the encoder returned non-finite embeddings ({exc})") from None
-        selections = [[row[s.reasoning] for s in strategies[i]] for i in need]
-        geometry = gains_of_selections(unit, selections, p.similarity_threshold)
+        geometry = gains_of_selections(unit, prepared.selections, p.similarity_threshold)
         for i, (g, u, d) in zip(need, geometry, strict=True):
             gain[i], uniq[i], div[i] = g, u, d
     columns = BatchColumns(
