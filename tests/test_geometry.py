@@ -66,7 +66,7 @@ def test_cosine_renormalizes_its_inputs() -> None:
 def test_rows_normalized_once_give_each_selection_its_exact_cosines() -> None:
     """The scorer normalizes a batch once and takes each item's Gram matrix from those rows;
     explanations recompute ``cosine_matrix`` of the item alone: bit for bit the same."""
-    from reward_server.core.geometry import unit_rows
+    from reward_server.core.geometry import gram, unit_rows
 
     rng = np.random.default_rng(7)
     batch = rng.standard_normal((300, 384)).astype(np.float32)
@@ -75,7 +75,8 @@ def test_rows_normalized_once_give_each_selection_its_exact_cosines() -> None:
     for _ in range(50):
         idx = list(rng.choice(300, size=int(rng.integers(2, 11)), replace=False))
         h = unit[idx]
-        assert np.array_equal(h @ h.T, cosine_matrix(batch[idx]))
+        assert np.array_equal(unit_rows(batch[idx]), h)
+        assert np.array_equal(gram(h), cosine_matrix(batch[idx]))
 
 
 def test_gains_of_selections_equal_item_by_item_bit_for_bit() -> None:
@@ -102,7 +103,6 @@ def test_gains_of_selections_equal_item_by_item_bit_for_bit() -> None:
         ]
         some = next((s for s in selections if len(s) >= 2), [0, 1])
         threshold = float(cosine_matrix(batch[some])[0, 1]) if trial % 2 else 0.8
-        # cosine_matrix of each item alone (one buffer times its transpose, as explanations
-        # compute it; the product of two copies may differ in the last bit).
+        # cosine_matrix of each item alone, as explanations compute it.
         reference = [gain_of_cosines(cosine_matrix(batch[s]), threshold) for s in selections]
         assert gains_of_selections(unit, selections, threshold) == reference

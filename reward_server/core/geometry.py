@@ -22,8 +22,22 @@ def cosine_matrix(embeddings: FloatArray) -> npt.NDArray[np.float64]:
     >>> cosine_matrix(np.array([[1.0, 0.0], [3.0, 4.0]])).round(3).tolist()
     [[1.0, 0.6], [0.6, 1.0]]
     """
-    unit = unit_rows(embeddings)
-    return unit @ unit.T
+    return gram(unit_rows(embeddings))
+
+
+def gram(h: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+    """``h @ hᵀ`` of a matrix or of each matrix in a stack, always by the same BLAS call.
+
+    The right operand is a copy: numpy hands a buffer times its own transpose to ``syrk``,
+    whose per-call cost dominates at a completion's few strategies, and two buffers to
+    ``gemm`` (about half the time for a step's groups). Every Gram matrix of the reward and
+    of explanations goes through here, so an item's cosines are the same bits in both, a
+    stack's slices being the same call on the same shapes as the item alone.
+
+    >>> gram(np.array([[1.0, 2.0], [3.0, 4.0]])).tolist()
+    [[5.0, 11.0], [11.0, 25.0]]
+    """
+    return h @ np.swapaxes(h.copy(), -1, -2)
 
 
 def unit_rows(embeddings: FloatArray) -> npt.NDArray[np.float64]:
@@ -96,15 +110,15 @@ def _upper_flat(m: int) -> npt.NDArray[np.intp]:
     return flat
 
 
-def _uniq_counts(gram: npt.NDArray[np.float64], threshold: float) -> list[int]:
-    """``Uniq`` of each ``(m, m)`` cosine matrix of the stack ``gram``: :func:`kept_mask`'s
+def _uniq_counts(grams: npt.NDArray[np.float64], threshold: float) -> list[int]:
+    """``Uniq`` of each ``(m, m)`` cosine matrix of the stack ``grams``: :func:`kept_mask`'s
     walk, with each row's blocking columns (a cosine not ``<= δ``, NaN included) packed into
     one integer by numpy, so that the walk is an AND and an OR per strategy."""
-    m = gram.shape[1]
+    m = grams.shape[1]
     if m > 64:  # beyond one 64-bit word: the walk on floats
-        return [sum(_walk(cosines, threshold)) for cosines in gram.tolist()]
-    blocking = ~(gram <= threshold)
-    rows = (blocking * (np.uint64(1) << np.arange(m, dtype=np.uint64))).sum(axis=2, dtype=np.uint64)
+        return [sum(_walk(cosines, threshold)) for cosines in grams.tolist()]
+    blocking = ~(grams <= threshold)
+    rows = (blocking * _bit_values(m)).sum(axis=2, dtype=np.uint64)
     counts = []
     for bits in rows.tolist():
         kept = 0
@@ -113,6 +127,14 @@ def _uniq_counts(gram: npt.NDArray[np.float64], threshold: float) -> list[int]:
                 kept |= 1 << i
         counts.append(kept.bit_count())
     return counts
+
+
+@cache
+def _bit_values(m: int) -> npt.NDArray[np.uint64]:
+    """``2**j`` for each column ``j < m`` (m <= 64), built once per size."""
+    values = np.uint64(1) << np.arange(m, dtype=np.uint64)
+    values.flags.writeable = False
+    return values
 
 
 def kept_mask(cosines: npt.NDArray[np.float64], threshold: float) -> list[bool]:
@@ -166,14 +188,14 @@ def gain_of_cosines(cosines: npt.NDArray[np.float64], threshold: float) -> tuple
 def gains_of_selections(
     unit: npt.NDArray[np.float64], selections: Sequence[Sequence[int]], threshold: float
 ) -> list[tuple[float, int, float]]:
-    """:func:`gain_of_cosines` of ``unit[s] @ unit[s].T`` for each selection ``s`` of rows.
+    """:func:`gain_of_cosines` of ``gram(unit[s])`` for each selection ``s`` of rows.
 
     A batch's items are grouped by their number of strategies ``m``: each group's Gram
-    matrices come from one stacked product, whose slices are the same BLAS call on the same
-    shapes as the item's own ``h @ h.T`` (bit for bit :func:`cosine_matrix` of the item, as
+    matrices come from one stacked :func:`gram`, whose slices are the same BLAS call on the
+    same shapes as the item's own (bit for bit :func:`cosine_matrix` of the item, as
     explanations recompute it), and ``Div``'s means from one reduction along the last axis
-    (the same pairwise sum as :func:`diversity`'s of one item). Checked against
-    the item-by-item path in ``tests/test_geometry.py``.
+    (the same pairwise sum as :func:`diversity`'s of one item). Checked against the
+    item-by-item path in ``tests/test_geometry.py``.
 
     >>> unit = unit_rows(np.array([[1.0, 0.0], [0.99, 0.1], [0.0, 1.0]]))
     >>> [(round(g, 6), u, round(d, 6)) for g, u, d in gains_of_selections(
@@ -190,11 +212,11 @@ def gains_of_selections(
                 out[i] = gain_of_cosines(np.ones((m, m)), threshold)
             continue
         h = unit[np.array([selections[i] for i in members], dtype=np.intp)]
-        gram = h @ h.transpose(0, 2, 1)
+        grams = gram(h)
         # C order, so that each item's row is reduced as one contiguous run (pairwise sum).
-        upper = np.ascontiguousarray(gram.reshape(len(members), m * m)[:, _upper_flat(m)])
+        upper = np.ascontiguousarray(grams.reshape(len(members), m * m)[:, _upper_flat(m)])
         means = (np.add.reduce(upper, axis=1) / upper.shape[1]).tolist()
-        for i, uniq, mean in zip(members, _uniq_counts(gram, threshold), means, strict=True):
+        for i, uniq, mean in zip(members, _uniq_counts(grams, threshold), means, strict=True):
             div = _clamped_div(mean)
             out[i] = (uniq * div, uniq, div)
     return out
