@@ -11,7 +11,7 @@ import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache, partial
-from itertools import accumulate, chain, islice, pairwise
+from itertools import accumulate, chain, islice, pairwise, repeat
 from typing import Literal, NamedTuple
 
 from reward_server.core.text import field_text, field_texts
@@ -329,7 +329,10 @@ def raw_fields(text: str) -> RawFields:
         whole = reasonings.index(None)  # the first tag that is not a whole block
     except ValueError:
         whole = len(reasonings)
-    fields = RawFields(reasonings[:whole], parts[3 : _STRIDE * whole : _STRIDE], [], [])
+    # Built by tuple.__new__: a named tuple's own __new__ is a Python function (one per text).
+    fields = tuple.__new__(
+        RawFields, (reasonings[:whole], parts[3 : _STRIDE * whole : _STRIDE], [], [])
+    )
     tags = len(reasonings)
     tag = whole
     # The rest must be answer fields, opening then closing. A tag's groups are parts[at + 1]
@@ -411,7 +414,7 @@ def parse_completions(texts: Sequence[str], max_strategies: int) -> list[ParsedC
     cleaned = field_texts(list(chain.from_iterable(chain.from_iterable(kinds))))
     regions = list(accumulate((sum(map(len, lists)) for lists in kinds), initial=0))
     reasonings, outcomes, finals, answers = (cleaned[regions[k] : regions[k + 1]] for k in range(4))
-    blocks = list(map(_STRATEGY, zip(reasonings, outcomes, strict=True)))
+    blocks = list(map(tuple.__new__, repeat(Strategy), zip(reasonings, outcomes, strict=True)))
     bounds = list(accumulate(map(len, kinds[0]), initial=0))
     if "" in reasonings or "" in outcomes or len(set(blocks)) < len(blocks):
         per_text = [
@@ -439,7 +442,6 @@ def parse_completions(texts: Sequence[str], max_strategies: int) -> list[ParsedC
     return parsed
 
 
-#: A Strategy / ParsedCompletion from a tuple of its fields, built in C (a named tuple's own
-#: ``__new__`` is a Python function).
-_STRATEGY = partial(tuple.__new__, Strategy)
+#: A ParsedCompletion from a tuple of its fields, built in C (a named tuple's own ``__new__``
+#: is a Python function).
 _PARSED = partial(tuple.__new__, ParsedCompletion)

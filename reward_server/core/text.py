@@ -78,8 +78,8 @@ def field_texts(raws: list[str]) -> list[str]:
     each field comes out as :func:`field_text` would make it, and the NULs stay where they
     were. Folding leaves at most one space on each side of a NUL: a field's leading or
     trailing whitespace, removed last. Fields that hold a NUL themselves are cleaned one by
-    one. (The separator was ``<``, which the scan's fast path never leaves in a field; but a
-    reasoning such as "x < 5" takes the tag-by-tag path, and its step then lost 0.4 ms here.)
+    one; ``<`` is an ordinary character here (a reasoning such as "x < 5" keeps the batch
+    path).
 
     >>> field_texts([" a  b ", "**", "```py x```", "\\n", "x < 5"])
     ['a b', '', 'x', '', 'x < 5']
@@ -88,12 +88,14 @@ def field_texts(raws: list[str]) -> list[str]:
     """
     if not raws:
         return []
-    joined = _SEP.join(raws)
-    if joined.count(_SEP) != len(raws) - 1:  # some field holds a NUL: clean those alone
+    # A field holding a NUL is cleaned alone. (`in` over a plain join is a memchr scan;
+    # counting the joined text's separators is a slower character loop.)
+    if _SEP in "".join(raws):
         alone = {i: field_text(raw) for i, raw in enumerate(raws) if _SEP in raw}
         rest = [raw for i, raw in enumerate(raws) if i not in alone]
         cleaned = iter(field_texts(rest))
         return [alone[i] if i in alone else next(cleaned) for i in range(len(raws))]
+    joined = _SEP.join(raws)
     fenced = "`" in joined or "~" in joined
     if fenced:
         joined = _FENCE.sub(" ", joined)
