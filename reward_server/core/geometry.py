@@ -51,21 +51,22 @@ def unit_rows(embeddings: FloatArray) -> npt.NDArray[np.float64]:
 
     A row holding a NaN or an infinity has no direction: :class:`ValueError`, since a NaN
     cosine would silently drop strategies (NaN ``<= δ`` is false). The squared norms tell it
-    (float32 values squared and summed in float64 cannot overflow; any non-finite value makes
-    its row's norm non-finite) without a pass over every element.
+    without a pass over every element: any non-finite value makes its row's norm non-finite,
+    and float32 values (what encoders return) squared and summed in float64 cannot overflow.
+    A float64 row too large to square (beyond about 1e154) is refused the same way.
 
     >>> unit_rows(np.array([[3.0, 4.0], [0.0, 0.0]])).round(15).tolist()
     [[0.6, 0.8], [0.0, 0.0]]
     >>> unit_rows(np.array([[1.0, np.nan]]))
     Traceback (most recent call last):
     ...
-    ValueError: embedding row 0 is not finite
+    ValueError: embedding row 0 is not finite (or too large to normalize)
     """
     h = np.array(embeddings, dtype=np.float64)  # a copy, always: scaled in place below
     norms = np.einsum("ij,ij->i", h, h)
     if not np.isfinite(norms).all():
         bad = int(np.flatnonzero(~np.isfinite(norms))[0])
-        raise ValueError(f"embedding row {bad} is not finite")
+        raise ValueError(f"embedding row {bad} is not finite (or too large to normalize)")
     np.sqrt(norms, out=norms)
     norms[norms == 0.0] = 1.0
     h *= np.reciprocal(norms)[:, None]
