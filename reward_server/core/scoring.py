@@ -17,6 +17,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property, partial
+from operator import itemgetter
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -189,11 +190,12 @@ def analyze_item(
 ) -> ItemAnalysis:
     """Match one parsed completion's answers (``matches``: its gold answer's matcher) and decide
     whether it needs the encoder (``needs_encoder``: its recipe's)."""
-    strategy_correct = any(map(matches, [s.outcome for s in parsed.strategies]))
-    correct = parsed.final_answer is not None and matches(parsed.final_answer)
-    m = parsed.n_strat
-    needs = m >= 2 and (diagnostics or (needs_encoder and not strategy_correct))
-    return ItemAnalysis(parsed, correct, strategy_correct, needs, item.num_tokens, item.completion)
+    strategies, final = parsed
+    strategy_correct = any(map(matches, map(_OUTCOME, strategies)))
+    correct = final is not None and matches(final)
+    needs = len(strategies) >= 2 and (diagnostics or (needs_encoder and not strategy_correct))
+    fields = (parsed, correct, strategy_correct, needs, item.num_tokens, item.completion)
+    return tuple.__new__(ItemAnalysis, fields)  # in C: the named tuple's __new__ is Python
 
 
 def prepare_batch(
@@ -302,6 +304,8 @@ def finish_batch(
 #: An ItemResult from a tuple of its fields, built in C (a named tuple's own ``__new__`` is a
 #: Python function).
 _RESULT = partial(tuple.__new__, ItemResult)
+#: A strategy's outcome (``Strategy.outcome``, read in C).
+_OUTCOME = itemgetter(1)
 
 
 def embed(encoder: Encoder, texts: Sequence[str]) -> npt.NDArray[np.float32]:
