@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import orjson
 import psutil
 import pytest
 
@@ -30,6 +31,7 @@ from tests.service_fixtures import onnx_model_dir_fixture  # noqa: F401  (fixtur
 pytestmark = pytest.mark.slow
 
 VALID = {"items": [{"completion": "<final_answer>4</final_answer>", "answer": "4"}]}
+orjson_dumps = orjson.dumps
 
 
 def rss_mb(server: ServerProcess) -> float:
@@ -133,6 +135,76 @@ def test_slow_headers_and_silent_connections_are_dropped(server: ServerProcess) 
     metrics = httpx.get(server.url + "/metrics", timeout=5).text
     found = re.search(r'^sde2_failures_total\{reason="header_timeout"\} (\S+)$', metrics, re.M)
     assert found is not None and float(found.group(1)) >= 2
+
+
+def request_bytes(body: bytes, extra_headers: bytes = b"") -> bytes:
+    """A keep-alive ``POST /v1/score`` with ``body``, as raw bytes."""
+    return (
+        b"POST /v1/score HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        + extra_headers
+        + b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )  # fmt: skip
+
+
+def read_responses(sock: socket.socket, n: int, within: float = 10.0) -> list[int]:
+    """The statuses of the next ``n`` responses on ``sock`` (each read whole by its length)."""
+    sock.settimeout(within)
+    buffer = b""
+    statuses = []
+    while len(statuses) < n:
+        while b"\r\n\r\n" not in buffer:
+            chunk = sock.recv(65536)
+            assert chunk, f"closed after {len(statuses)} of {n} responses: {buffer[:200]!r}"
+            buffer += chunk
+        head, _, buffer = buffer.partition(b"\r\n\r\n")
+        length = int(re.search(rb"(?im)^content-length: *(\d+)", head).group(1))  # type: ignore[union-attr]
+        while len(buffer) < length:
+            buffer += sock.recv(65536)
+        buffer = buffer[length:]
+        statuses.append(int(head.split(b" ", 2)[1]))
+    return statuses
+
+
+def test_request_heads_over_the_limit_get_431_whole_or_in_pieces(server: ServerProcess) -> None:
+    """--max-header-bytes (32 KiB): a head just under it is served, one over it is refused
+    with 431 whether it arrives in one write or line by line."""
+    body = orjson_dumps(VALID)
+    under = b"x-pad: " + b"a" * (30 * 1024) + b"\r\n"
+    with sockets(1, server) as (sock,):
+        sock.sendall(request_bytes(body, under))
+        assert read_responses(sock, 1) == [200]
+    over = b"x-pad: " + b"a" * (40 * 1024) + b"\r\n"
+    with sockets(2, server) as (whole, pieces):
+        whole.sendall(request_bytes(body, over))
+        head = request_bytes(body, over)
+        for at in range(0, len(head), 1000):  # 1000-byte writes, each its own read
+            with contextlib.suppress(OSError):
+                pieces.sendall(head[at : at + 1000])
+                time.sleep(0.001)
+        for sock in (whole, pieces):
+            got = closed_or_answered(sock, within=3.0)
+            assert got is not None and got.startswith(b"HTTP/1.1 431 "), got
+
+
+def test_kept_alive_connections_outlive_the_header_timeout_between_requests(
+    server: ServerProcess,
+) -> None:
+    """The head deadline (1.5 s here) starts with a request's first byte: a connection idle
+    for longer between requests (within the keep-alive timeout, 5 s) is served again; two
+    pipelined requests in one write, and a body many times the head limit, are served."""
+    long_completion = (
+        "<reasoning>" + "word " * 30_000 + "</reasoning><final_answer>4</final_answer>"
+    )
+    big = orjson_dumps({"items": [{"completion": long_completion, "answer": "4"}]})
+    assert len(big) > 4 * 32 * 1024
+    with sockets(1, server) as (sock,):
+        sock.sendall(request_bytes(orjson_dumps(VALID)))
+        assert read_responses(sock, 1) == [200]
+        time.sleep(2.0)
+        sock.sendall(request_bytes(big))
+        assert read_responses(sock, 1) == [200]
+        sock.sendall(request_bytes(orjson_dumps(VALID)) * 2)
+        assert read_responses(sock, 2) == [200, 200]
 
 
 def test_stalled_uploads_hold_no_slot_past_the_body_timeout(server: ServerProcess) -> None:

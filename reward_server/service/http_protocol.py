@@ -1,19 +1,25 @@
-"""The HTTP/1.1 connection handling under the app: uvicorn's h11 protocol, with a head deadline.
+"""The HTTP/1.1 connection handling under the app: uvicorn's httptools protocol, with a bound on
+the request head's size and a deadline for receiving it.
 
-Why h11 and not httptools (uvicorn's default when installed): uvicorn bounds a request's line and
-headers only on h11 (``h11_max_incomplete_event_size``, what ``--max-header-bytes`` sets). Under
-httptools every header line a client sends is kept, so a client that never ends its headers
-grows the process without limit (3 connections: +3.3 GB in 8 s, measured). h11 answers 431 past
-the limit here (uvicorn's own answer is a 400; see :meth:`send_400_response`) and closes.
+Why a subclass: uvicorn bounds neither on httptools. Its parser keeps an unfinished header line
+(and uvicorn every header) as long as a client sends one, so three connections sending endless
+headers grew the process by gigabytes (measured); and uvicorn has no timeout on *receiving* a
+request (its keep-alive timeout is reset by every byte, and a fresh connection has none), so a
+client sending one header byte a second, or nothing at all, holds its connection forever
+(slowloris). :func:`bounded_http_protocol` adds both bounds:
 
-Why a subclass: uvicorn has no timeout on *receiving* a request (its keep-alive timeout is reset
-by every byte, and a fresh connection has none), so a client sending one header byte a second,
-or nothing at all, holds its connection forever (slowloris). :func:`bounded_h11_protocol` adds
-one timer: from the moment a connection opens, or the first byte of the next request on a kept
-alive one arrives, the whole head must arrive within ``--header-timeout`` seconds, else the
-connection is closed. (A proxy with ``client_header_timeout``, such as nginx, does the same in
-front.) The body has its own deadline in the app (``--body-timeout``, see ``http_app``), where
-a 408 can be answered and counted.
+- **size**: the bytes that arrive while a request head is incomplete are counted before the
+  parser sees them; past ``--max-header-bytes`` the server answers 431 (Request Header Fields
+  Too Large) and closes. A head that completes within one read is measured from its parsed
+  request line and headers instead. So at most the limit plus one socket read is ever held.
+- **time**: from the moment a connection opens, or the first byte of the next request on a
+  kept-alive one arrives, the whole head must arrive within ``--header-timeout`` seconds, else
+  the connection is closed and counted. (A proxy with ``client_header_timeout``, such as nginx,
+  does the same in front.)
+
+The body has its own deadline in the app (``--body-timeout``, see ``http_scoring``), where a 408
+can be answered and counted. (h11, uvicorn's other protocol, bounds the head itself, but costs
+0.1-0.2 ms more a scoring request: benchmarks/README.md.)
 """
 
 from __future__ import annotations
@@ -23,14 +29,20 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import h11
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 log = logging.getLogger(__name__)
 
+#: Bytes of a request line and a header line beyond their parsed parts (method, target; name,
+#: value): " " + " HTTP/1.1\r\n" and ": " + "\r\n"; and the blank line that ends the head.
+_REQUEST_LINE_EXTRA = len("  HTTP/1.1\r\n")
+_HEADER_LINE_EXTRA = len(": \r\n")
+_HEAD_END = len("\r\n")
 
-class _BoundedH11Protocol(H11Protocol):
-    """:class:`H11Protocol` that closes connections whose request head is late."""
+
+class _BoundedHttpToolsProtocol(HttpToolsProtocol):
+    """:class:`HttpToolsProtocol` that refuses oversized request heads and closes connections
+    whose head is late."""
 
     header_timeout: float = 10.0
     max_header_bytes: int = 32 * 1024
@@ -39,38 +51,59 @@ class _BoundedH11Protocol(H11Protocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._head_timer: asyncio.TimerHandle | None = None
+        self._in_head = True  # the bytes arriving now belong to a request head
+        self._head_bytes = 0  # received while this head is incomplete
+        self._head_too_large = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._arm_head_timer()
 
     def data_received(self, data: bytes) -> None:
+        if self._in_head:
+            self._head_bytes += len(data)
         super().data_received(data)
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-            self._arm_head_timer()  # part of a head arrived: it has until the timer
-        else:
+        if self.transport.is_closing():
             self._disarm_head_timer()
+        elif self._in_head and self._head_bytes > self.max_header_bytes:
+            self._refuse_head()
+        elif self._in_head and self._head_bytes:
+            self._arm_head_timer()  # part of a head arrived: it has until the timer
+
+    def on_headers_complete(self) -> None:
+        size = len(self.parser.get_method()) + len(self.url) + _REQUEST_LINE_EXTRA + _HEAD_END
+        size += sum(len(name) + len(value) + _HEADER_LINE_EXTRA for name, value in self.headers)
+        if size > self.max_header_bytes:  # a whole head that came in one read
+            self._head_too_large = True
+            raise ValueError("request head too large")  # the parser's error: send_400_response
+        self._in_head = False
+        self._disarm_head_timer()
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._in_head, self._head_bytes = True, 0  # what follows is the next request's head
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_timer()
         super().connection_lost(exc)
 
     def send_400_response(self, msg: str) -> None:
-        """uvicorn answers every parse error with 400; a head over the limit gets the status h11
-        itself names for it, 431 (Request Header Fields Too Large)."""
-        if len(self.conn.trailing_data[0]) <= self.max_header_bytes:
+        """uvicorn answers every parse error with 400; a head over the limit gets 431."""
+        if self._head_too_large:
+            self._refuse_head()
+        else:
             super().send_400_response(msg)
-            return
-        msg = f"request line and headers larger than {self.max_header_bytes} bytes"
-        headers = [(b"content-type", b"text/plain; charset=utf-8"), (b"connection", b"close")]
-        for event in (
-            h11.Response(
-                status_code=431, headers=headers, reason=b"Request Header Fields Too Large"
-            ),
-            h11.Data(data=msg.encode("ascii")),
-            h11.EndOfMessage(),
-        ):
-            self.transport.write(self.conn.send(event) or b"")
+
+    def _refuse_head(self) -> None:
+        self._disarm_head_timer()
+        msg = f"request line and headers larger than {self.max_header_bytes} bytes".encode()
+        self.transport.write(
+            b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+            b"content-type: text/plain; charset=utf-8\r\n"
+            b"content-length: " + str(len(msg)).encode("ascii") + b"\r\n"
+            b"connection: close\r\n\r\n" + msg
+        )
         self.transport.close()
 
     def _arm_head_timer(self) -> None:
@@ -84,7 +117,7 @@ class _BoundedH11Protocol(H11Protocol):
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
-        if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+        if self.transport.is_closing() or not self._in_head:
             return
         log.debug(
             "closing %s: no complete request head in %.1f s", self.client, self.header_timeout
@@ -94,13 +127,13 @@ class _BoundedH11Protocol(H11Protocol):
         self.transport.close()
 
 
-def bounded_h11_protocol(
+def bounded_http_protocol(
     header_timeout: float, max_header_bytes: int, on_timeout: Callable[[], None] | None = None
-) -> type[H11Protocol]:
+) -> type[HttpToolsProtocol]:
     """The protocol class to pass as uvicorn's ``http``, with these limits."""
     return type(
-        "BoundedH11Protocol",
-        (_BoundedH11Protocol,),
+        "BoundedHttpToolsProtocol",
+        (_BoundedHttpToolsProtocol,),
         {
             "header_timeout": header_timeout,
             "max_header_bytes": max_header_bytes,

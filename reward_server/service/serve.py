@@ -137,7 +137,7 @@ def _http_server(settings: Settings, service: ScoringService) -> uvicorn.Server:
     import uvicorn
 
     from reward_server.service.http_app import create_app
-    from reward_server.service.http_protocol import bounded_h11_protocol
+    from reward_server.service.http_protocol import bounded_http_protocol
 
     config = uvicorn.Config(
         create_app(service),
@@ -146,13 +146,12 @@ def _http_server(settings: Settings, service: ScoringService) -> uvicorn.Server:
         log_level=settings.log_level,
         timeout_graceful_shutdown=math.ceil(settings.drain_timeout),  # 0: cancel at once
         access_log=False,
-        # h11 bounds the request head (httptools keeps every header line): see http_protocol.
-        http=bounded_h11_protocol(
+        # httptools with the request head bounded in size and time: see http_protocol.
+        http=bounded_http_protocol(
             settings.header_timeout,
             settings.max_header_bytes,
             on_timeout=service.metrics.failures.labels("header_timeout").inc,
         ),
-        h11_max_incomplete_event_size=settings.max_header_bytes,
         timeout_keep_alive=settings.keep_alive_timeout,
     )
     server = uvicorn.Server(config)
