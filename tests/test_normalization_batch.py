@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reward_server.core.normalization import _zscores, group_advantages, zscore
+from reward_server.core.normalization import _zscores, group_advantages, row_mean_std, zscore
 
 _VALUE = st.one_of(
     st.floats(-10, 10, allow_nan=False),
@@ -67,3 +67,20 @@ def test_group_advantages_equal_group_by_group(
     )
     got = group_advantages(rewards, groups, eps)
     assert repr(got) == repr(_advantages_group_by_group(rewards, groups, eps))
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), rows=st.integers(1, 5), n=st.integers(1, 70))
+def test_row_mean_std_is_numpys_mean_and_std_bit_for_bit(
+    data: st.DataObject, rows: int, n: int
+) -> None:
+    """The one computation of means and deviations that zscore, the batch z-scores and the
+    advantages share is numpy's own ``mean`` and ``std``, to the bit."""
+    x = np.array(data.draw(st.lists(st.lists(_VALUE, min_size=n, max_size=n), min_size=rows,
+                                    max_size=rows)), np.float64)  # fmt: skip
+    mu, sigma, centered = row_mean_std(x)
+    assert repr(mu.tolist()) == repr(x.mean(axis=1).tolist())
+    assert repr(sigma.tolist()) == repr(x.std(axis=1).tolist())
+    assert repr(centered.tolist()) == repr((x - x.mean(axis=1, keepdims=True)).tolist())
+    for row, m, s in zip(x, mu.tolist(), sigma.tolist(), strict=True):
+        assert repr((m, s)) == repr((float(np.mean(row)), float(np.std(row))))

@@ -50,16 +50,21 @@ def _mean_std(x: npt.NDArray[np.float64]) -> tuple[float, float, npt.NDArray[np.
     exact, so ordinary batches get bit-for-bit the plain computation.
     """
     with np.errstate(over="ignore", invalid="ignore"):
-        mu = float(np.mean(x))
-        centered = x - mu
-        sigma = float(np.std(x))
+        mu, sigma, centered = _one_row(row_mean_std(x[None, :]))
     if math.isfinite(mu) and math.isfinite(sigma) and np.all(np.isfinite(centered)):
         return mu, sigma, centered
     e = math.frexp(float(np.max(np.abs(x))))[1]
-    xs = np.ldexp(x, -e)
-    mu_s, sigma_s = float(np.mean(xs)), float(np.std(xs))
+    mu_s, sigma_s, centered_s = _one_row(row_mean_std(np.ldexp(x, -e)[None, :]))
     with np.errstate(over="ignore"):
-        return math.ldexp(mu_s, e), math.ldexp(sigma_s, e), np.ldexp(xs - mu_s, e)
+        return math.ldexp(mu_s, e), math.ldexp(sigma_s, e), np.ldexp(centered_s, e)
+
+
+def _one_row(
+    stats: tuple[npt.NDArray[np.float64], npt.NDArray[np.float64], npt.NDArray[np.float64]],
+) -> tuple[float, float, npt.NDArray[np.float64]]:
+    """:func:`row_mean_std` of a one-row array as ``(μ, σ, x − μ)`` of that row."""
+    mu, sigma, centered = stats
+    return float(mu[0]), float(sigma[0]), centered[0]
 
 
 def zscore(values: Sequence[float], eps: float) -> tuple[list[float], float, float]:
