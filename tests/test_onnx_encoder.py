@@ -185,6 +185,64 @@ def test_fp16_export_is_refused_on_cpu(fp32_export: Path, tmp_path: Path) -> Non
         OnnxEncoder(fake, provider="cpu")
 
 
+def _session_graph_ops(model: Path, tmp_path: Path, disabled: list[str]) -> dict[str, int]:
+    """Op counts of the graph an onnxruntime CPU session really runs (its optimized model)."""
+    import onnx
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "session.onnx")
+    ort.InferenceSession(
+        str(model / "model.onnx"),
+        options,
+        providers=["CPUExecutionProvider"],
+        disabled_optimizers=disabled,
+    )
+    counts: dict[str, int] = {}
+    for node in onnx.load(str(tmp_path / "session.onnx")).graph.node:
+        counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    return counts
+
+
+@pytest.mark.slow
+def test_cpu_session_keeps_residuals_apart_from_layer_norms(
+    fp32_export: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """onnxruntime ignores optimizer names it does not know, so check on its optimized graph
+    that ``CPU_DISABLED_OPTIMIZERS`` still stops the session from fusing each residual ``Add``
+    into its ``LayerNormalization`` (the slow ``SkipLayerNormalization`` CPU kernel); without
+    it the session does fuse them."""
+    from reward_server.encoders.onnx_runtime import CPU_DISABLED_OPTIMIZERS
+
+    ours = _session_graph_ops(fp32_export, tmp_path, list(CPU_DISABLED_OPTIMIZERS))
+    assert ours["LayerNormalization"] == 12 and "SkipLayerNormalization" not in ours
+    fused = _session_graph_ops(fp32_export, tmp_path, [])
+    assert fused["SkipLayerNormalization"] == 12
+
+
+@pytest.mark.slow
+def test_an_export_with_fused_residuals_is_served_with_a_warning(
+    fp32_export: Path,  # noqa: F811
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A folder exported by an older sde2 (its manifest lists ``SkipLayerNormalization``) still
+    loads, and the log says to export it again for the faster graph."""
+    old = tmp_path / "old"
+    shutil.copytree(fp32_export, old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    manifest["graph_ops"]["SkipLayerNormalization"] = 12
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    with caplog.at_level("WARNING", logger="reward_server.encoders.onnx_runtime"):
+        OnnxEncoder(old)
+    assert any("export it again" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="reward_server.encoders.onnx_runtime"):
+        OnnxEncoder(fp32_export)
+    assert not caplog.records
+
+
 # ------------------------------------------------------------------ batching (fast, pure)
 
 

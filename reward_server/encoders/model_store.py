@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
+import logging
 import os
 import re
 import subprocess
@@ -25,6 +27,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal, get_args
 
+log = logging.getLogger(__name__)
+
 #: Name of the cache entry of the default model (the offline all-MiniLM-L6-v2 package).
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
 #: What an export folder holds: the graph, and the manifest that says what it is.
@@ -33,6 +37,10 @@ MANIFEST_FILE = "manifest.json"
 #: The numeric forms an export can take (fp16 runs on CUDA only).
 Variant = Literal["fp32", "fp16", "int8"]
 VARIANTS: tuple[Variant, ...] = get_args(Variant)
+#: How the export builds its graph; a cached export made by an older recipe is made again.
+#: 2: no SkipLayerNormalization on CPU (onnxruntime's CPU kernel of it is 10x slower than
+#: Add + LayerNormalization; :func:`onnx_export.cpu_fusion_options`).
+GRAPH_RECIPE = 2
 #: An export takes ~30-60 s on 2 cores; a waiting process gives up after this long.
 DEFAULT_LOCK_TIMEOUT_S = 1800.0
 _WEIGHT_SUFFIXES = (".safetensors", ".bin")
@@ -50,6 +58,20 @@ def cache_dir() -> Path:
 def is_export(folder: Path) -> bool:
     """Whether ``folder`` is a finished ONNX export of ours."""
     return (folder / MANIFEST_FILE).is_file() and (folder / MODEL_FILE).is_file()
+
+
+def graph_recipe(folder: Path) -> int:
+    """The :data:`GRAPH_RECIPE` an export was made by (1 for exports that predate the field)."""
+    try:
+        manifest = json.loads((folder / MANIFEST_FILE).read_text(encoding="utf-8"))
+        return int(manifest.get("graph_recipe", 1))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 1
+
+
+def is_current_export(folder: Path) -> bool:
+    """Whether ``folder`` is a finished export made by this version's graph recipe."""
+    return is_export(folder) and graph_recipe(folder) == GRAPH_RECIPE
 
 
 @contextmanager
@@ -142,11 +164,13 @@ def _ensure(
 ) -> Path:
     root = root or cache_dir()
     target = root / "models" / f"{entry}-{variant}"
-    if is_export(target):
+    if is_current_export(target):
         return target
     with file_lock(root / "locks" / f"{entry}-{variant}.lock"):
-        if is_export(target):  # another process finished it while we waited
+        if is_current_export(target):  # another process finished it while we waited
             return target
+        if is_export(target):
+            log.info("%s was exported by an older graph recipe: exporting it again", target)
         return export_in_subprocess(source, target, variant, export_args=export_args)
 
 

@@ -8,7 +8,8 @@ single onnxruntime call. Why these exact steps:
   padding, transformers' mask code takes its "no padding" shortcut and the mask path is baked out
   of the graph, so padded batches then embed wrongly.
 * ``onnxruntime.transformers.optimizer.optimize_model(model_type="bert")`` fuses attention,
-  layer norms and GELU; the fused graph matches sentence-transformers at cosine 1.00000.
+  layer norms and GELU (on CPU not the residual into its layer norm: :func:`fusion_options`);
+  the fused graph matches sentence-transformers at cosine 1.00000.
 * int8 (8-bit weights in blocks of 32) is only written when the SD-E² decisions it would make
   agree with fp32 (see :mod:`reward_server.encoders.fidelity`); otherwise the export refuses,
   loudly.
@@ -37,15 +38,18 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 
 from reward_server.encoders import fidelity
 from reward_server.encoders.base import EMBEDDING_DIM, MAX_SEQ_LENGTH
-from reward_server.encoders.model_store import MANIFEST_FILE, MODEL_FILE, VARIANTS
+from reward_server.encoders.model_store import GRAPH_RECIPE, MANIFEST_FILE, MODEL_FILE, VARIANTS
 from reward_server.encoders.tokenization import save_configured_tokenizer
+
+if TYPE_CHECKING:
+    from onnxruntime.transformers.fusion_options import FusionOptions
 
 log = logging.getLogger(__name__)
 
@@ -174,12 +178,32 @@ def _export_graph(st_model: Any, path: Path, opset: int) -> None:
         )
 
 
+def fusion_options(*, gpu: bool) -> FusionOptions:
+    """onnxruntime's BERT fusions for the graph of a CPU or a GPU export.
+
+    On CPU the residual ``Add`` and its ``LayerNormalization`` stay two ops: onnxruntime's CPU
+    kernel of the fused ``SkipLayerNormalization`` took 0.62 s of a 4.7 s encoding where the
+    two ops take 0.20 (``benchmarks/README.md``, seventh pass). The session must not fuse them
+    back either (:data:`onnx_runtime.CPU_DISABLED_OPTIMIZERS`). CUDA keeps every fusion.
+    """
+    from onnxruntime.transformers.fusion_options import FusionOptions
+
+    options = FusionOptions("bert")
+    options.enable_skip_layer_norm = gpu
+    return options
+
+
 def _optimize(raw: Path, out: Path, *, fp16: bool) -> dict[str, int]:
     """ORT BERT fusions (and fp16 conversion for the GPU variant); returns fused-op counts."""
     from onnxruntime.transformers.optimizer import optimize_model
 
     opt = optimize_model(
-        str(raw), model_type="bert", num_heads=12, hidden_size=EMBEDDING_DIM, use_gpu=fp16
+        str(raw),
+        model_type="bert",
+        num_heads=12,
+        hidden_size=EMBEDDING_DIM,
+        use_gpu=fp16,
+        optimization_options=fusion_options(gpu=fp16),
     )
     if fp16:
         # keep_io_types: inputs stay int64 and the embedding comes out as float32.
@@ -460,6 +484,7 @@ def _write_manifest(
     }
     manifest = {
         "manifest_version": MANIFEST_VERSION,
+        "graph_recipe": GRAPH_RECIPE,
         "model_name": _model_name(src),
         "source": src.label,
         "variant": variant,
