@@ -205,7 +205,7 @@ def test_every_new_limit_is_a_flag_and_an_env_var() -> None:
             load_settings(None, {name: bad})
 
 
-def test_chunk_size_defaults_to_2048_a_stream_or_four_of_the_backends_runs() -> None:
+def test_chunk_size_defaults_to_4096_a_stream_or_four_of_the_backends_runs() -> None:
     from tests.doubles import HashEncoder
 
     class GpuSized(HashEncoder):
@@ -219,12 +219,12 @@ def test_chunk_size_defaults_to_2048_a_stream_or_four_of_the_backends_runs() -> 
         def describe(self) -> EncoderDescription:
             return dataclasses.replace(super().describe(), max_batch_tokens=512, streams=2)
 
-    class TwoStreamsLongRuns(HashEncoder):  # the OpenVINO encoder's defaults
+    class TwoStreamsLongRuns(HashEncoder):  # e.g. the OpenVINO encoder with 2048-token runs
         def describe(self) -> EncoderDescription:
-            return dataclasses.replace(super().describe(), max_batch_tokens=1024, streams=2)
+            return dataclasses.replace(super().describe(), max_batch_tokens=2048, streams=2)
 
-    assert chunk(make_service()) == 2048
-    assert chunk(make_service(TwoStreams())) == 4096  # every stream has runs to make
-    assert chunk(make_service(TwoStreamsLongRuns())) == 8192  # four runs a stream
+    assert chunk(make_service()) == 4096
+    assert chunk(make_service(TwoStreams())) == 8192  # every stream has runs to make
+    assert chunk(make_service(TwoStreamsLongRuns())) == 16384  # four runs a stream
     assert chunk(make_service(GpuSized())) == 65536
     assert chunk(make_service(GpuSized(), chunk_tokens=512)) == 512
