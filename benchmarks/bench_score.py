@@ -14,7 +14,8 @@ On CPU it prints the *ceiling* of A/C for any conforming encoder (SPEC §3 asks 
 its Uniq rule tolerates pairwise differences of 1e-4 only, which int8 misses by 10-500x): (A)'s
 measured time over the time the texts the reward needs would take at the matrix-product floor with
 no overhead at all. No fp32 implementation on this machine can beat that ratio, whatever its
-engine; ``A/C`` is read against it.
+engine; ``A/C`` is read against it, both as the ratio of the medians and step by step
+(:func:`share_of_ceiling`).
 
 Then (D) and (E), everything *but* the encoder: the same standard steps with embeddings served
 by a zero-cost table (:mod:`benchmarks.table_server`; precomputed by our encoder, so rewards and
@@ -103,6 +104,27 @@ def fp32_ceiling(
         a / (flops / (floor_gflops * 1e9)) if flops else math.inf
         for a, flops in zip(a_seconds, needed_flops, strict=True)
     )
+
+
+def share_of_ceiling(
+    c_seconds: Sequence[float], needed_flops: Sequence[float], floor_gflops: float
+) -> float:
+    """Median over steps of (C)'s A/C over that step's ceiling, which is the needed texts' time
+    at the floor over (C)'s time: (A)'s time cancels, so a slow or fast (A) step cannot pair
+    with another step's (C) as it does in the ratio of medians. Steps with no encoder work
+    (``needed_flops`` 0) are left out; none at all gives ``nan``.
+
+    >>> share_of_ceiling([2.0, 1.0, 4.0], [1e11, 1e11, 0.0], 100.0)
+    0.75
+    >>> share_of_ceiling([2.0], [0.0], 100.0)
+    nan
+    """
+    shares = [
+        flops / (floor_gflops * 1e9) / c
+        for c, flops in zip(c_seconds, needed_flops, strict=True)
+        if flops
+    ]
+    return statistics.median(shares) if shares else math.nan
 
 
 def in_process_naive(items: Sequence[ScoreItem], st_model: Any) -> list[float]:
@@ -405,6 +427,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"fp32 ceiling: the reward needs {100 * needed:.0f}% of (A)'s encoder FLOPs; at the "
             f"floor with no overhead -> A/C at most {ceiling:.2f} "
             f"for any conforming encoder here ((A)'s engine runs at {100 * a_engine:.0f}% of floor)"
+        )
+        paired = share_of_ceiling(times["C"], flops["needed"], floor_gflops)
+        print(
+            f"(C) against its ceiling: A/C over the ceiling {med['A'] / med['C'] / ceiling:.2f} "
+            f"(medians of different steps); step by step {paired:.2f} (median over steps of "
+            "the step's needed texts' time at the floor / its (C) time)"
         )
     else:
         print(throughput)
