@@ -38,8 +38,8 @@ MANIFEST_FILE = "manifest.json"
 Variant = Literal["fp32", "fp16", "int8"]
 VARIANTS: tuple[Variant, ...] = get_args(Variant)
 #: How the export builds its graph; a cached export made by an older recipe is made again.
-#: 2: no SkipLayerNormalization on CPU (onnxruntime's CPU kernel of it is 10x slower than
-#: Add + LayerNormalization; :func:`onnx_export.cpu_fusion_options`).
+#: 2: no SkipLayerNormalization on CPU (onnxruntime's CPU kernel of it is 3x slower than
+#: Add + LayerNormalization; :func:`onnx_export.fusion_options`).
 GRAPH_RECIPE = 2
 #: An export takes ~30-60 s on 2 cores; a waiting process gives up after this long.
 DEFAULT_LOCK_TIMEOUT_S = 1800.0
