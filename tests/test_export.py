@@ -252,6 +252,26 @@ def test_an_export_of_an_older_graph_recipe_is_made_again(
     assert calls == [entry]  # the current export is reused
 
 
+def test_an_older_export_still_serves_when_it_cannot_be_made_again(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where the export cannot run (a server-only install has no torch; a read-only cache),
+    the older graph, which computes the same embeddings more slowly, is served with a warning
+    instead of the server failing to start; with no export at all the failure is raised."""
+
+    def failing_export(source: str | None, out_dir: Path, variant: str, **_: object) -> Path:
+        raise model_store.ModelExportError("exporting failed: No module named 'torch'")
+
+    monkeypatch.setattr(model_store, "export_in_subprocess", failing_export)
+    entry = tmp_path / "models" / "all-MiniLM-L6-v2-fp32"
+    write_fake_export(entry, recipe=1)
+    with caplog.at_level("WARNING", logger="reward_server.encoders.model_store"):
+        assert model_store.ensure_default_model(root=tmp_path) == entry
+    assert any("torch" in r.getMessage() for r in caplog.records)
+    with pytest.raises(model_store.ModelExportError, match="torch"):
+        model_store.ensure_default_model(root=tmp_path / "empty")
+
+
 def test_not_a_model_folder(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"config\.json"):
         model_store.resolve_model(str(tmp_path), root=tmp_path / "cache")

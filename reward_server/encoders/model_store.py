@@ -169,9 +169,18 @@ def _ensure(
     with file_lock(root / "locks" / f"{entry}-{variant}.lock"):
         if is_current_export(target):  # another process finished it while we waited
             return target
-        if is_export(target):
-            log.info("%s was exported by an older graph recipe: exporting it again", target)
-        return export_in_subprocess(source, target, variant, export_args=export_args)
+        if not is_export(target):
+            return export_in_subprocess(source, target, variant, export_args=export_args)
+        log.info("%s was exported by an older graph recipe: exporting it again", target)
+        try:
+            return export_in_subprocess(source, target, variant, export_args=export_args)
+        except (ModelExportError, OSError, subprocess.SubprocessError) as exc:
+            # A server-only install (no torch) or a read-only cache cannot export: the older
+            # graph computes the same embeddings, only slower, so it still serves.
+            if not is_export(target):
+                raise
+            log.warning("serving %s as it is: exporting it again failed (%s)", target, exc)
+            return target
 
 
 def ensure_default_model(
