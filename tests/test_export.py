@@ -9,6 +9,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -245,11 +247,29 @@ def test_an_export_of_an_older_graph_recipe_is_made_again(
     entry = tmp_path / "models" / "all-MiniLM-L6-v2-fp32"
     write_fake_export(entry, recipe=1)
     (entry / "manifest.json").write_text("{}")  # made before the field existed
-    assert model_store.graph_recipe(entry) == 1 and not model_store.is_current_export(entry)
+    assert model_store.graph_recipe(entry) == 1
+    assert not model_store.is_current_export(entry, "fp32")
     assert model_store.ensure_default_model(root=tmp_path) == entry
-    assert calls == [entry] and model_store.is_current_export(entry)
+    assert calls == [entry] and model_store.is_current_export(entry, "fp32")
     assert model_store.ensure_default_model(root=tmp_path) == entry
     assert calls == [entry]  # the current export is reused
+
+
+def test_which_recipes_are_current(tmp_path: Path) -> None:
+    """An export is current when made by the recipe that last changed its variant's graph or
+    a later one: a newer build's export is not made again by an older build, and the fp16
+    (CUDA) graph, unchanged by recipe 2, is not made again either."""
+    for recipe, variant, current in (
+        (1, "fp32", False),
+        (1, "int8", False),
+        (1, "fp16", True),
+        (model_store.GRAPH_RECIPE, "fp32", True),
+        (model_store.GRAPH_RECIPE + 1, "fp32", True),
+    ):
+        folder = tmp_path / f"{variant}-{recipe}"
+        write_fake_export(folder, recipe)
+        assert model_store.is_current_export(folder, variant) is current, (recipe, variant)
+    assert not model_store.is_current_export(tmp_path / "missing", "fp32")
 
 
 def test_an_older_export_still_serves_when_it_cannot_be_made_again(
@@ -269,6 +289,31 @@ def test_an_older_export_still_serves_when_it_cannot_be_made_again(
         assert model_store.ensure_default_model(root=tmp_path) == entry
     assert any("torch" in r.getMessage() for r in caplog.records)
     with pytest.raises(model_store.ModelExportError, match="torch"):
+        model_store.ensure_default_model(root=tmp_path / "empty")
+
+
+def test_an_older_export_in_a_read_only_cache_still_serves(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A read-only cache fails before any export, on the lock file: the older export serves,
+    and with no export at all the error stands."""
+
+    @contextmanager
+    def read_only_lock(path: Path, timeout_s: float = 0.0) -> Iterator[None]:
+        raise OSError(30, "Read-only file system", str(path.parent))
+        yield  # pragma: no cover
+
+    def no_export(*_a: object, **_k: object) -> Path:
+        raise AssertionError("no export can run in a read-only cache")
+
+    monkeypatch.setattr(model_store, "file_lock", read_only_lock)
+    monkeypatch.setattr(model_store, "export_in_subprocess", no_export)
+    entry = tmp_path / "models" / "all-MiniLM-L6-v2-fp32"
+    write_fake_export(entry, recipe=1)
+    with caplog.at_level("WARNING", logger="reward_server.encoders.model_store"):
+        assert model_store.ensure_default_model(root=tmp_path) == entry
+    assert any("Read-only" in r.getMessage() for r in caplog.records)
+    with pytest.raises(OSError, match="Read-only"):
         model_store.ensure_default_model(root=tmp_path / "empty")
 
 

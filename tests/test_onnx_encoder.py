@@ -222,6 +222,31 @@ def test_cpu_session_keeps_residuals_apart_from_layer_norms(
 
 
 @pytest.mark.slow
+def test_the_encoders_own_cpu_session_runs_the_unfused_residuals(
+    fp32_export: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """What :class:`OnnxEncoder` itself opens on CPU: its session's optimized graph (written
+    out by onnxruntime) has no ``SkipLayerNormalization``, so the encoder passes the disabled
+    fusion, and its embeddings are those of the plain session."""
+    import onnx
+
+    dumped = tmp_path / "encoder-session.onnx"
+
+    class Dumping(OnnxEncoder):
+        def _session_options(self, **settings: Any) -> Any:
+            options = super()._session_options(**settings)
+            options.optimized_model_filepath = str(dumped)
+            return options
+
+    texts = ["a first text", "and a second, longer one about apples and pears"]
+    encoder = Dumping(fp32_export)
+    ops = {node.op_type for node in onnx.load(str(dumped)).graph.node}
+    assert "LayerNormalization" in ops and "SkipLayerNormalization" not in ops
+    np.testing.assert_array_equal(encoder.encode(texts), OnnxEncoder(fp32_export).encode(texts))
+
+
+@pytest.mark.slow
 def test_an_export_with_fused_residuals_is_served_with_a_warning(
     fp32_export: Path,  # noqa: F811
     tmp_path: Path,

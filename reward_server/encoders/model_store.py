@@ -37,10 +37,13 @@ MANIFEST_FILE = "manifest.json"
 #: The numeric forms an export can take (fp16 runs on CUDA only).
 Variant = Literal["fp32", "fp16", "int8"]
 VARIANTS: tuple[Variant, ...] = get_args(Variant)
-#: How the export builds its graph; a cached export made by an older recipe is made again.
-#: 2: no SkipLayerNormalization on CPU (onnxruntime's CPU kernel of it is 3x slower than
-#: Add + LayerNormalization; :func:`onnx_export.fusion_options`).
+#: How the export builds its graph, recorded in each manifest. 2: no SkipLayerNormalization
+#: on CPU (onnxruntime's CPU kernel of it is 3x slower than Add + LayerNormalization;
+#: :func:`onnx_export.fusion_options`).
 GRAPH_RECIPE = 2
+#: The recipe in which each variant's graph last changed: a cached export made by an older one
+#: is made again (fp16, the CUDA graph, did not change in recipe 2).
+_GRAPH_CHANGED: dict[str, int] = {"fp32": 2, "int8": 2, "fp16": 1}
 #: An export takes ~30-60 s on 2 cores; a waiting process gives up after this long.
 DEFAULT_LOCK_TIMEOUT_S = 1800.0
 _WEIGHT_SUFFIXES = (".safetensors", ".bin")
@@ -69,9 +72,10 @@ def graph_recipe(folder: Path) -> int:
         return 1
 
 
-def is_current_export(folder: Path) -> bool:
-    """Whether ``folder`` is a finished export made by this version's graph recipe."""
-    return is_export(folder) and graph_recipe(folder) == GRAPH_RECIPE
+def is_current_export(folder: Path, variant: str) -> bool:
+    """Whether ``folder`` is a finished export of ``variant`` whose graph is this version's
+    (made by the recipe that last changed it, or a later one)."""
+    return is_export(folder) and graph_recipe(folder) >= _GRAPH_CHANGED.get(variant, GRAPH_RECIPE)
 
 
 @contextmanager
@@ -164,23 +168,24 @@ def _ensure(
 ) -> Path:
     root = root or cache_dir()
     target = root / "models" / f"{entry}-{variant}"
-    if is_current_export(target):
+    if is_current_export(target, variant):
         return target
-    with file_lock(root / "locks" / f"{entry}-{variant}.lock"):
-        if is_current_export(target):  # another process finished it while we waited
-            return target
-        if not is_export(target):
+    stale = is_export(target)  # made by an older graph recipe
+    try:
+        with file_lock(root / "locks" / f"{entry}-{variant}.lock"):
+            if is_current_export(target, variant):  # another process made it while we waited
+                return target
+            if stale:
+                log.info("%s was exported by an older graph recipe: exporting it again", target)
             return export_in_subprocess(source, target, variant, export_args=export_args)
-        log.info("%s was exported by an older graph recipe: exporting it again", target)
-        try:
-            return export_in_subprocess(source, target, variant, export_args=export_args)
-        except (ModelExportError, OSError, subprocess.SubprocessError) as exc:
-            # A server-only install (no torch) or a read-only cache cannot export: the older
-            # graph computes the same embeddings, only slower, so it still serves.
-            if not is_export(target):
-                raise
-            log.warning("serving %s as it is: exporting it again failed (%s)", target, exc)
-            return target
+    except (ModelExportError, OSError, subprocess.SubprocessError) as exc:
+        # A server-only install (no torch) or a read-only cache (no lock file, no export)
+        # cannot export: an older graph computes the same embeddings, only slower, so it
+        # still serves. With nothing to fall back on, the failure stands.
+        if not (stale and is_export(target)):
+            raise
+        log.warning("serving %s as it is: exporting it again failed (%s)", target, exc)
+        return target
 
 
 def ensure_default_model(

@@ -151,7 +151,7 @@ class Batcher:
         batch_tokens: int,
         max_backlog_seconds: float | None = None,
         observer: BatchObserver | None = None,
-        chunk_tokens: int = 2048,
+        chunk_tokens: int = 4096,
     ) -> None:
         if capacity < 1 or batch_tokens < 1 or chunk_tokens < 1:
             raise ValueError("capacity, batch_tokens and chunk_tokens must be >= 1")
