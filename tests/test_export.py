@@ -283,13 +283,7 @@ def test_an_older_export_still_serves_when_it_cannot_be_made_again(
         raise model_store.ModelExportError("exporting failed: No module named 'torch'")
 
     monkeypatch.setattr(model_store, "export_in_subprocess", failing_export)
-    entry = tmp_path / "models" / "all-MiniLM-L6-v2-fp32"
-    write_fake_export(entry, recipe=1)
-    with caplog.at_level("WARNING", logger="reward_server.encoders.model_store"):
-        assert model_store.ensure_default_model(root=tmp_path) == entry
-    assert any("torch" in r.getMessage() for r in caplog.records)
-    with pytest.raises(model_store.ModelExportError, match="torch"):
-        model_store.ensure_default_model(root=tmp_path / "empty")
+    assert_the_older_export_serves(tmp_path, caplog, "torch", model_store.ModelExportError)
 
 
 def test_an_older_export_in_a_read_only_cache_still_serves(
@@ -308,13 +302,21 @@ def test_an_older_export_in_a_read_only_cache_still_serves(
 
     monkeypatch.setattr(model_store, "file_lock", read_only_lock)
     monkeypatch.setattr(model_store, "export_in_subprocess", no_export)
-    entry = tmp_path / "models" / "all-MiniLM-L6-v2-fp32"
+    assert_the_older_export_serves(tmp_path, caplog, "Read-only", OSError)
+
+
+def assert_the_older_export_serves(
+    root: Path, caplog: pytest.LogCaptureFixture, cause: str, error: type[Exception]
+) -> None:
+    """With the export failing for ``cause``: a cached export of recipe 1 is served with a
+    warning naming the cause, and an empty cache raises ``error``."""
+    entry = root / "models" / "all-MiniLM-L6-v2-fp32"
     write_fake_export(entry, recipe=1)
     with caplog.at_level("WARNING", logger="reward_server.encoders.model_store"):
-        assert model_store.ensure_default_model(root=tmp_path) == entry
-    assert any("Read-only" in r.getMessage() for r in caplog.records)
-    with pytest.raises(OSError, match="Read-only"):
-        model_store.ensure_default_model(root=tmp_path / "empty")
+        assert model_store.ensure_default_model(root=root) == entry
+    assert any(cause in r.getMessage() for r in caplog.records)
+    with pytest.raises(error, match=cause):
+        model_store.ensure_default_model(root=root / "empty")
 
 
 def test_not_a_model_folder(tmp_path: Path) -> None:
