@@ -24,7 +24,6 @@ only the run of one padded batch. Where the speed comes from (figures in
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import threading
@@ -47,7 +46,7 @@ from reward_server.encoders.base import (
     EncodeStats,
     Provider,
 )
-from reward_server.encoders.model_store import MANIFEST_FILE
+from reward_server.encoders.model_store import read_manifest
 from reward_server.encoders.tokenization import encode_ids, load_tokenizer
 
 #: A text joins a batch only if it is at least this share of the batch's longest (padding waste).
@@ -85,12 +84,6 @@ def available_cpus(cgroup_root: str | Path = "/sys/fs/cgroup") -> int:
     if limit is not None:
         n = min(n, max(1, math.ceil(limit)))
     return max(1, n)
-
-
-def read_manifest(model_dir: Path) -> dict[str, Any]:
-    """The export's manifest (empty for a folder without one: a bare ``model.onnx``)."""
-    path = model_dir / MANIFEST_FILE
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
 
 def default_streams(provider: Provider, threads: int) -> int:

@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +63,16 @@ def is_export(folder: Path) -> bool:
     return (folder / MANIFEST_FILE).is_file() and (folder / MODEL_FILE).is_file()
 
 
+def read_manifest(model_dir: Path) -> dict[str, Any]:
+    """The export's manifest (empty for a folder without one: a bare ``model.onnx``)."""
+    path = model_dir / MANIFEST_FILE
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
 def graph_recipe(folder: Path) -> int:
     """The :data:`GRAPH_RECIPE` an export was made by (1 for exports that predate the field)."""
     try:
-        manifest = json.loads((folder / MANIFEST_FILE).read_text(encoding="utf-8"))
-        return int(manifest.get("graph_recipe", 1))
+        return int(read_manifest(folder).get("graph_recipe", 1))
     except (OSError, ValueError, TypeError, AttributeError):
         return 1
 
