@@ -57,6 +57,14 @@ log = logging.getLogger(__name__)
 CHARS_PER_TOKEN = 4
 
 
+#: Estimated tokens per encoder stream between deadline checks on CPU (with two streams, ~0.55 s
+#: of fp32 on 2 cores). Per stream, because each chunk is one encoder call and a chunk of too few
+#: runs leaves a stream idle at its end: a standard step took 3.5 % longer in chunks of 2048
+#: tokens a stream than in one call, 1.2 % in 4096 (benchmarks/README.md, fourth, fifth and
+#: seventh passes). The service sizes a batcher's chunks from it and the encoder's streams.
+CHUNK_TOKENS_PER_STREAM = 4096
+
+
 def estimate_tokens(text: str) -> int:
     """Rough token count of ``text`` ([CLS] and [SEP] included, capped at the model's limit)."""
     return min(MAX_SEQ_LENGTH, 2 + math.ceil(len(text) / CHARS_PER_TOKEN))
@@ -151,7 +159,7 @@ class Batcher:
         batch_tokens: int,
         max_backlog_seconds: float | None = None,
         observer: BatchObserver | None = None,
-        chunk_tokens: int = 4096,
+        chunk_tokens: int = CHUNK_TOKENS_PER_STREAM,
     ) -> None:
         if capacity < 1 or batch_tokens < 1 or chunk_tokens < 1:
             raise ValueError("capacity, batch_tokens and chunk_tokens must be >= 1")

@@ -43,7 +43,12 @@ from reward_server.core.normalization import Aggregate
 from reward_server.core.text import preprocess
 from reward_server.encoders.base import EMBEDDING_DIM, Encoder, check_encoder
 from reward_server.math_judge import IsolatedMathJudge, MathDeadlineExceeded
-from reward_server.service.batcher import Batcher, EncodeResult, estimate_tokens
+from reward_server.service.batcher import (
+    CHUNK_TOKENS_PER_STREAM,
+    Batcher,
+    EncodeResult,
+    estimate_tokens,
+)
 from reward_server.service.config import Settings
 from reward_server.service.errors import (
     MAX_ISSUES,
@@ -135,11 +140,6 @@ class Scored:
         return {**self.score.as_dict(), "encoder": self.encoder}
 
 
-#: Estimated tokens per stream between deadline checks on CPU (with two streams, ~0.55 s of fp32
-#: on 2 cores). Per stream, because each chunk is one encoder call and a chunk of too few runs
-#: leaves a stream idle at its end: a standard step took 3.5 % longer in chunks of 2048 tokens a
-#: stream than in one call, 1.2 % in 4096 (benchmarks/README.md, fourth, fifth and seventh passes).
-CHUNK_TOKENS_PER_STREAM = 4096
 #: Runs each stream makes in a chunk at least, when there are several streams, for the same
 #: reason (OpenVINO's 1024-token runs left a stream idle in 4096-token chunks).
 RUNS_PER_STREAM = 4
