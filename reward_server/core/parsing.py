@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from functools import cache, partial
+from functools import cache
 from itertools import accumulate, chain, islice, pairwise, repeat
 from typing import Literal, NamedTuple
 
@@ -425,7 +425,9 @@ def parse_completions(texts: Sequence[str], max_strategies: int) -> list[ParsedC
         per_text = [tuple(blocks[a : min(b, a + max_strategies)]) for a, b in pairwise(bounds)]
     if "" not in finals and len(finals) == len(texts) and max(map(len, kinds[2])) == 1:
         # One non-empty final_answer field per text (the usual case): each is f_ans.
-        return list(map(_PARSED, zip(per_text, finals, strict=True)))
+        return list(
+            map(tuple.__new__, repeat(ParsedCompletion), zip(per_text, finals, strict=True))
+        )
     final_bounds = list(accumulate(map(len, kinds[2]), initial=0))
     answer_bounds = list(accumulate(map(len, kinds[3]), initial=0))
     parsed = []
@@ -438,10 +440,5 @@ def parse_completions(texts: Sequence[str], max_strategies: int) -> list[ParsedC
             )
         if answer is None and strategies:
             answer = strategies[-1].outcome
-        parsed.append(_PARSED((strategies, answer)))
+        parsed.append(tuple.__new__(ParsedCompletion, (strategies, answer)))
     return parsed
-
-
-#: A ParsedCompletion from a tuple of its fields, built in C (a named tuple's own ``__new__``
-#: is a Python function).
-_PARSED = partial(tuple.__new__, ParsedCompletion)

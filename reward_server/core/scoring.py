@@ -16,7 +16,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property, partial
+from functools import cached_property
+from itertools import repeat
 from operator import itemgetter
 from typing import Any, NamedTuple
 
@@ -296,14 +297,12 @@ def finish_batch(
     keys = recipe_spec(prepared.recipe).components
     values: dict[str, npt.NDArray[np.float64]] = {k: COMPONENTS[k].value(columns, p) for k in keys}
     agg = aggregate(values, p, normalize=normalize, groups=prepared.groups)
-    results = list(map(_RESULT, zip(n_strat, final, correct, chi, uniq, div, strict=True)))
+    fields = zip(n_strat, final, correct, chi, uniq, div, strict=True)
+    results = list(map(tuple.__new__, repeat(ItemResult), fields))  # in C, as analyze_item
     components: dict[str, list[float]] = {k: v.tolist() for k, v in values.items()}
     return BatchScore(prepared.recipe, p, components, agg, results)
 
 
-#: An ItemResult from a tuple of its fields, built in C (a named tuple's own ``__new__`` is a
-#: Python function).
-_RESULT = partial(tuple.__new__, ItemResult)
 #: A strategy's outcome (``Strategy.outcome``, read in C).
 _OUTCOME = itemgetter(1)
 
