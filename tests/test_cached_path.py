@@ -1,14 +1,20 @@
-"""A request whose embeddings are all cached is rewarded in the pool trip that prepared it,
-without the encoder worker's queue: same answers, same errors, and it is not held up by a
-running encoder call."""
+"""A request whose embeddings are all cached is rewarded in the trip that prepared it, without
+the encoder worker's queue: same answers, same errors, and it is not held up by a running
+encoder call. That trip runs on the event loop for a small body and in the CPU pool for a large
+one (``inline_bytes``), with the same answers."""
 
 from __future__ import annotations
 
+import json
+import threading
 import time
+from typing import Any
 
 import numpy as np
+import pytest
 
 from reward_server.encoders.cache import CachedEncoder
+from reward_server.service import pipeline
 from tests.doubles import HashEncoder
 from tests.service_fixtures import (
     SlowEncoder,
@@ -81,3 +87,45 @@ def test_cached_request_errors_as_before() -> None:
             assert r.json()["detail"][0]["field"] == "params"
     finally:
         service.close()
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_where_a_request_is_prepared_depends_on_its_size_not_its_answer(
+    monkeypatch: pytest.MonkeyPatch, cached: bool
+) -> None:
+    """A body up to ``inline_bytes`` is parsed on the event loop's thread, a larger one in the
+    CPU pool; both answer as the reference does, on the encoder's path and on the cached one."""
+    body = {"items": step_items(seed=8)[:16], "diagnostics": True}
+    raw = json.dumps(body).encode()
+    want = reference_response(body, HashEncoder())
+    threads: list[str] = []
+    prepare = pipeline.prepare_batch
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return prepare(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "prepare_batch", recording)
+    places = {}
+    for limit, place in ((len(raw), "loop"), (len(raw) - 1, "pool"), (0, "pool")):
+        encoder = CachedEncoder(HashEncoder(), 1000) if cached else HashEncoder()
+        service = make_service(encoder, inline_bytes=limit)
+        try:
+            with http_client(service) as c:
+                for _ in range(2 if cached else 1):  # the second one finds every text cached
+                    threads.clear()
+                    r = c.post(
+                        "/v1/score", content=raw, headers={"content-type": "application/json"}
+                    )
+                    assert r.status_code == 200, r.text
+                    assert_same_response(r.json(), want | {"encoder": encoder.name})
+                    assert len(threads) == 1
+                    places[limit] = threads[0]
+                bad = c.post("/v1/score", content=raw.replace(b'"answer"', b'"answr"', 1))
+                assert bad.status_code == 422 and bad.json()["detail"][0]["loc"][:2] == [
+                    "items",
+                    0,
+                ]
+        finally:
+            service.close()
+        assert places[limit].startswith("sde2-cpu") == (place == "pool"), places

@@ -65,6 +65,7 @@ class RewardServicer:
         scored = await self.service.score(
             lambda: ScoreRequest.model_validate_json(body),
             authorization=_authorization(context),
+            size=lambda: len(body),
             timeout=context.time_remaining(),
             explain=method == "Explain",
         )

@@ -126,6 +126,7 @@ async def run_scoring(
         lambda: parse_body(body),
         authorization=request.headers.get("authorization"),
         receive=receive,
+        size=lambda: len(body),
         loc_map=loc_map,
         explain=explain,
     )

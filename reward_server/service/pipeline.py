@@ -8,7 +8,10 @@ with the same request model, so they return identical numbers and reject the sam
 the same field paths.
 
 CPU-bound phases (validation of a large body, parsing, the reward) run in a small thread pool so
-the event loop keeps answering ``/healthz`` and rejecting overload quickly while they run.
+the event loop keeps answering ``/healthz`` and rejecting overload quickly while they run. A
+small body (``--inline-bytes``, 256 KiB: a standard step's 180 KB takes ~2 ms) is parsed on the
+loop itself: the pool's two thread hand-offs cost more than they protect there (see
+:meth:`ScoringService._parse_and_prepare`).
 """
 
 from __future__ import annotations
@@ -371,6 +374,7 @@ class ScoringService:
         *,
         authorization: str | None = None,
         receive: Callable[[], Awaitable[object]] | None = None,
+        size: Callable[[], int] | None = None,
         loc_map: LocMap | None = None,
         timeout: float | None = None,
         explain: bool = False,
@@ -383,7 +387,10 @@ class ScoringService:
         (see :meth:`authorize`), checked before anything else. ``receive`` is awaited once the
         request is admitted and before ``parse``: HTTP reads its body there, so a full server
         answers 429 at once without buffering the body, and the bodies held in memory are
-        bounded by the queue's capacity. ``timeout`` (seconds) tightens the server's
+        bounded by the queue's capacity. ``size`` gives the request's size in bytes once
+        received: up to ``inline_bytes`` it is parsed on the event loop (see
+        :meth:`_parse_and_prepare`), else (or without ``size``) in the CPU pool. ``timeout``
+        (seconds) tightens the server's
         ``request_timeout`` for this request. ``explain`` embeds ``H`` of every item (as
         ``diagnostics`` does; the rewards are the same) and adds the explanation.
         """
@@ -394,7 +401,10 @@ class ScoringService:
         with batcher.admit():
             if receive is not None:
                 await receive()
-            parsed = await self._parse_and_prepare(parse, loc_map, deadline, explain, batcher)
+            inline = size is not None and size() <= self.settings.inline_bytes
+            parsed = await self._parse_and_prepare(
+                parse, loc_map, deadline, explain, batcher, inline
+            )
             if parsed is None:
                 spent = time.monotonic() - t0
                 timings = dict.fromkeys(("parse", "total"), spent) | _NO_WORK
@@ -463,13 +473,23 @@ class ScoringService:
         deadline: float,
         explain: bool,
         batcher: Batcher,
+        inline: bool,
     ) -> tuple[ScoreRequest, PreparedBatch, _CachedReward | None] | None:
-        """Validation, limits and parsing in one trip to the CPU pool (each trip is a thread
-        hand-off and a GIL hand-back, a visible share of a millisecond step, and more on a
-        loaded machine). When every embedding the request needs is cached, the same trip also
-        looks them up and computes the reward (:meth:`_reward_if_cached`). A math request is
-        prepared in threads of its own instead: its checks wait on the judge's children and
-        must not hold the pool every request shares."""
+        """Validation, limits and parsing in one trip to the CPU pool, or on the event loop
+        itself when ``inline`` (a small body). When every embedding the request needs is
+        cached, the same trip also looks them up and computes the reward
+        (:meth:`_reward_if_cached`). A math request is prepared in threads of its own instead:
+        its checks wait on the judge's children and must not hold the pool every request
+        shares.
+
+        Why a small body stays on the loop: the trip there and back is two thread wake-ups,
+        ~0.1 ms of a 2 ms standard step on an idle machine, and the pool does not keep the
+        loop free during such work anyway: a pool thread running Python holds the GIL, which
+        the loop gets back only after the interpreter's 5 ms switch interval. Work under that
+        interval stalls the loop about as long either way (a 256 KiB body of model output takes
+        ~3 ms; the slowest found of that size, all ``<``, 14 ms); a larger body (up to
+        ``max_body_bytes``) goes to the pool, where the loop gets the GIL every 5 ms.
+        """
 
         def prepare(request: ScoreRequest) -> PreparedBatch:
             return prepare_batch(
@@ -495,7 +515,7 @@ class ScoringService:
             return request, prepared, self._reward_if_cached(batcher, request, prepared, deadline)
 
         try:
-            parsed = await self._in_pool(parse_and_prepare)
+            parsed = parse_and_prepare() if inline else await self._in_pool(parse_and_prepare)
             if parsed is None:
                 return None
             request, prepared, cached = parsed
