@@ -25,6 +25,7 @@ from reward_server.service.batcher import (
     estimate_tokens,
 )
 from reward_server.service.config import Settings, add_arguments, load_settings
+from reward_server.service.errors import RequestInvalid
 from reward_server.service.metrics import Metrics
 from reward_server.service.pipeline import ScoringService
 from tests.doubles import HashEncoder
@@ -105,6 +106,44 @@ def test_limits_on_items_and_characters() -> None:
         four = {"query": ["pa"] * 4, "prompts": ["p"] * 4, "labels": ["1"] * 4}
         r = c.post("/get_reward", json=four)
         assert r.status_code == 422 and r.json()["detail"][0]["field"] == "query"
+
+
+def test_limit_checks_report_every_field_over_its_limit_and_nothing_else() -> None:
+    """The checks skip a field whose longest value cannot be over its limit, even after NFKC,
+    and report each one that is, in item order: the same issues as checking every item."""
+    service = make_service(max_completion_chars=36, max_answer_chars=4)
+    nfkc = "\ufdfa\ufdfa"  # 2 characters, 36 after NFKC: at the limit, not over it
+    cases = [
+        ([{"completion": nfkc, "answer": "1"}], []),
+        ([{"completion": nfkc + "a", "answer": "1"}], ["items.0.completion"]),
+        ([{"completion": "a" * 36, "answer": "1", "prompt": "p" * 37}], ["items.0.prompt"]),
+        (
+            [{"completion": "ok", "answer": "12345"}, {"completion": "x" * 37, "answer": "1"}],
+            ["items.0.answer", "items.1.completion"],
+        ),
+        ([{"completion": "ok", "answer": "1", "group": "g" * 5}], ["items.0.group"]),
+    ]
+    try:
+        with http_client(service) as c:
+            for items, fields in cases:
+                r = c.post("/v1/score", json={"items": items})
+                got = [d["field"] for d in r.json()["detail"]] if r.status_code == 422 else []
+                assert got == fields, (items, r.text)
+                assert r.status_code == (422 if fields else 200)
+    finally:
+        service.close()
+
+
+def test_encoder_budget_counts_the_texts_when_their_count_alone_cannot_clear_it() -> None:
+    service = make_service(max_request_tokens=10)
+    try:
+        service.check_encoder_budget(["abcd"] * 3)  # 3 texts of 3 tokens: 9 <= 10
+        with pytest.raises(RequestInvalid) as raised:
+            service.check_encoder_budget(["abcd"] * 4)  # 12 > 10
+        assert "needs about 12 encoder tokens" in str(raised.value.issues)
+        service.check_encoder_budget([])
+    finally:
+        service.close()
 
 
 def test_body_limit_is_413_declared_or_streamed() -> None:

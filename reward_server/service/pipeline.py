@@ -21,10 +21,11 @@ import hmac
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
+from operator import attrgetter
 from typing import Any, TypeVar
 
 import numpy as np
@@ -37,6 +38,7 @@ from reward_server.core import (
     NonFiniteRewardError,
     PreparedBatch,
     RewardParams,
+    ScoreItem,
     finish_batch,
     prepare_batch,
 )
@@ -44,7 +46,7 @@ from reward_server.core.answers import MathJudge, math_available
 from reward_server.core.explain import explain_batch
 from reward_server.core.normalization import Aggregate
 from reward_server.core.text import preprocess
-from reward_server.encoders.base import EMBEDDING_DIM, Encoder, check_encoder
+from reward_server.encoders.base import EMBEDDING_DIM, MAX_SEQ_LENGTH, Encoder, check_encoder
 from reward_server.math_judge import IsolatedMathJudge, MathDeadlineExceeded
 from reward_server.service.batcher import (
     CHUNK_TOKENS_PER_STREAM,
@@ -126,6 +128,23 @@ def text_over_limit(value: str | None, limit: int, nfkc: bool) -> str | None:
         if n > limit:
             return f"at most {limit} characters after Unicode NFKC normalization, got {n}"
     return None
+
+
+def could_be_over(items: Sequence[ScoreItem], name: str, limit: int) -> bool:
+    """Whether some item's text field ``name`` may be over ``limit`` (:func:`text_over_limit`
+    tells which): its longest value is, or would be after the largest NFKC expansion. One
+    C-level pass a field; a standard step's items are all far below their limits.
+
+    >>> items = [ScoreItem(completion="abc", answer="1"), ScoreItem(completion="", answer="1")]
+    >>> could_be_over(items, "completion", 3 * NFKC_MAX_EXPANSION)
+    False
+    >>> could_be_over(items, "prompt", 1)  # no item has one
+    False
+    >>> could_be_over(items, "completion", 3 * NFKC_MAX_EXPANSION - 1)
+    True
+    """
+    longest = max(map(len, filter(None, map(attrgetter(name), items))), default=0)
+    return longest * (NFKC_MAX_EXPANSION if name in NFKC_FIELDS else 1) > limit
 
 
 @dataclass(frozen=True)
@@ -341,8 +360,12 @@ class ScoringService:
             add(("answer_type",), msg, "unsupported")
         if len(request.items) > s.max_items:
             add(("items",), f"at most {s.max_items} items per request, got {len(request.items)}")
-        limits = item_text_limits(s)
-        for i, item in enumerate(request.items):
+        limits = {
+            name: limit
+            for name, limit in item_text_limits(s).items()
+            if could_be_over(request.items, name, limit)
+        }
+        for i, item in enumerate(request.items if limits else ()):
             if len(issues) >= MAX_ISSUES:
                 break
             for name, limit in limits.items():
@@ -356,6 +379,8 @@ class ScoringService:
         """At most ``max_request_tokens`` (estimated) of encoder work per request: one request
         must not hold the shared encoder for minutes."""
         limit = self.settings.max_request_tokens
+        if len(texts) * MAX_SEQ_LENGTH <= limit:  # no text is estimated above the model's limit
+            return
         needed = sum(map(estimate_tokens, texts))
         if needed > limit:
             msg = (
