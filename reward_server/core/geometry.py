@@ -37,7 +37,7 @@ def gram(h: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
     >>> gram(np.array([[1.0, 2.0], [3.0, 4.0]])).tolist()
     [[5.0, 11.0], [11.0, 25.0]]
     """
-    return h @ np.swapaxes(h.copy(), -1, -2)
+    return h @ h.copy().swapaxes(-1, -2)  # the method: np.swapaxes adds a Python wrapper
 
 
 def unit_rows(embeddings: FloatArray) -> npt.NDArray[np.float64]:
@@ -113,18 +113,18 @@ def _upper_flat(m: int) -> npt.NDArray[np.intp]:
 
 def _uniq_counts(grams: npt.NDArray[np.float64], threshold: float) -> list[int]:
     """``Uniq`` of each ``(m, m)`` cosine matrix of the stack ``grams``: :func:`kept_mask`'s
-    walk, with each row's blocking columns (a cosine not ``<= δ``, NaN included) packed into
-    one integer by numpy, so that the walk is an AND and an OR per strategy."""
+    walk, with each row's allowed columns (a cosine ``<= δ``; NaN never is) packed into one
+    integer by numpy, so that the walk is an AND and an OR per strategy: strategy ``i`` is kept
+    when every kept one is among its allowed columns."""
     m = grams.shape[1]
     if m > 64:  # beyond one 64-bit word: the walk on floats
         return [sum(_walk(cosines, threshold)) for cosines in grams.tolist()]
-    blocking = ~(grams <= threshold)
-    rows = (blocking * _bit_values(m)).sum(axis=2, dtype=np.uint64)
+    rows = np.add.reduce((grams <= threshold) * _bit_values(m), axis=2)
     counts = []
     for bits in rows.tolist():
         kept = 0
         for i, row in enumerate(bits):
-            if not row & kept:
+            if row & kept == kept:
                 kept |= 1 << i
         counts.append(kept.bit_count())
     return counts
@@ -212,10 +212,11 @@ def gains_of_selections(
             for i in members:
                 out[i] = gain_of_cosines(np.ones((m, m)), threshold)
             continue
-        h = unit[np.array([selections[i] for i in members], dtype=np.intp)]
+        h = unit.take(np.array([selections[i] for i in members], dtype=np.intp), axis=0)
         grams = gram(h)
-        # C order, so that each item's row is reduced as one contiguous run (pairwise sum).
-        upper = np.ascontiguousarray(grams.reshape(len(members), m * m)[:, _upper_flat(m)])
+        # `take` gives C order, so each item's row is reduced as one contiguous run (pairwise
+        # sum); fancy indexing along the second axis would not.
+        upper = grams.reshape(len(members), m * m).take(_upper_flat(m), axis=1)
         means = (np.add.reduce(upper, axis=1) / upper.shape[1]).tolist()
         for i, uniq, mean in zip(members, _uniq_counts(grams, threshold), means, strict=True):
             div = _clamped_div(mean)
