@@ -415,9 +415,9 @@ class ScoringService:
         bounded by the queue's capacity. ``size`` gives the request's size in bytes once
         received: up to ``inline_bytes`` it is parsed on the event loop (see
         :meth:`_parse_and_prepare`), else (or without ``size``) in the CPU pool. ``timeout``
-        (seconds) tightens the server's
-        ``request_timeout`` for this request. ``explain`` embeds ``H`` of every item (as
-        ``diagnostics`` does; the rewards are the same) and adds the explanation.
+        (seconds) tightens the server's ``request_timeout`` for this request. ``explain``
+        embeds ``H`` of every item (as ``diagnostics`` does; the rewards are the same) and adds
+        the explanation.
         """
         t0 = time.monotonic()
         self.authorize(authorization)
