@@ -187,8 +187,9 @@ def test_fp16_export_is_refused_on_cpu(fp32_export: Path, tmp_path: Path) -> Non
 
 def _session_graph_ops(model: Path, tmp_path: Path, disabled: list[str]) -> dict[str, int]:
     """Op counts of the graph an onnxruntime CPU session really runs (its optimized model)."""
-    import onnx
     import onnxruntime as ort
+
+    from reward_server.encoders.onnx_export import _op_counts
 
     options = ort.SessionOptions()
     options.optimized_model_filepath = str(tmp_path / "session.onnx")
@@ -198,10 +199,7 @@ def _session_graph_ops(model: Path, tmp_path: Path, disabled: list[str]) -> dict
         providers=["CPUExecutionProvider"],
         disabled_optimizers=disabled,
     )
-    counts: dict[str, int] = {}
-    for node in onnx.load(str(tmp_path / "session.onnx")).graph.node:
-        counts[node.op_type] = counts.get(node.op_type, 0) + 1
-    return counts
+    return _op_counts(tmp_path / "session.onnx")
 
 
 @pytest.mark.slow
@@ -229,7 +227,7 @@ def test_the_encoders_own_cpu_session_runs_the_unfused_residuals(
     """What :class:`OnnxEncoder` itself opens on CPU: its session's optimized graph (written
     out by onnxruntime) has no ``SkipLayerNormalization``, so the encoder passes the disabled
     fusion, and its embeddings are those of the plain session."""
-    import onnx
+    from reward_server.encoders.onnx_export import _op_counts
 
     dumped = tmp_path / "encoder-session.onnx"
 
@@ -241,7 +239,7 @@ def test_the_encoders_own_cpu_session_runs_the_unfused_residuals(
 
     texts = ["a first text", "and a second, longer one about apples and pears"]
     encoder = Dumping(fp32_export)
-    ops = {node.op_type for node in onnx.load(str(dumped)).graph.node}
+    ops = _op_counts(dumped)
     assert "LayerNormalization" in ops and "SkipLayerNormalization" not in ops
     np.testing.assert_array_equal(encoder.encode(texts), OnnxEncoder(fp32_export).encode(texts))
 
