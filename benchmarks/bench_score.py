@@ -186,6 +186,12 @@ class Reference:
         if self._proc.is_alive():
             self._proc.kill()
 
+    def __enter__(self) -> Reference:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
 
 def _reference_worker(conn: Any, provider: str) -> None:
     """The child of :class:`Reference`: load sentence-transformers, then score steps as asked."""
@@ -399,7 +405,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     from reward_server.encoders.model_store import resolve_model
 
     model_dir = resolve_model(args.model)
-    reference = Reference(args.provider)
     ours = export_engine(args.backend)(model_dir, provider=args.provider)
     ours.warmup()
     rows = load_gsm8k()
@@ -414,7 +419,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     times: dict[str, list[float]] = {"A": [], "B": [], "C": []}
     max_diff = {"A-B": 0.0, "A-C": 0.0}
     try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{args.port}", timeout=300) as http:
+        with (
+            Reference(args.provider) as reference,
+            httpx.Client(base_url=f"http://127.0.0.1:{args.port}", timeout=300) as http,
+        ):
             for r, step in enumerate(steps):
                 items = [ScoreItem(**i) for i in step]
                 a_seconds, a = reference.score(step)
@@ -434,7 +442,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 max_diff["A-C"] = max(max_diff["A-C"], float(np.max(np.abs(np.subtract(a, c)))))
         server_rss = rss_mb(server.pid)
     finally:
-        reference.close()
         server.terminate()
         server.wait(30)
 
