@@ -509,3 +509,64 @@ def test_math_variant_survives_pathological_answers() -> None:
         assert httpx.get(f"{running.http}/healthz", timeout=5).status_code == 200
     finally:
         remove_container(running.name)
+
+
+def _image_ids(*filters: str) -> dict[str, str]:
+    """Image id -> its ``org.sde2.source-hash`` label, of the images ``filters`` select."""
+    args = [a for f in filters for a in ("--filter", f)]
+    fmt = '{{.ID}} {{index .Labels "org.sde2.source-hash"}}'
+    lines = podman("images", "--no-trunc", *args, "--format", fmt).stdout.split("\n")
+    return dict(line.split() for line in lines if len(line.split()) == 2)
+
+
+def test_rebuild_removes_what_earlier_builds_left(tmp_path: Path) -> None:
+    """A rebuild after a source change leaves no untagged image of the earlier build (each kept
+    ~2.7 GB), and keeps this build's builder stage, the layer cache of the next one.
+
+    Built from a copy of the build inputs, so that a source can change without touching the
+    checkout, into an image name of its own (removed at the end with what it left).
+    """
+    name = f"localhost/sde2-reward-server:rebuild-{uuid.uuid4().hex[:8]}"
+    listed = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "--", "pyproject.toml", "setup.py",
+         "MANIFEST.in", "README.md", "reward_server", "trainer_client", "protos", "docker",
+         ".dockerignore"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    copy = tmp_path / "checkout"
+    for rel in listed:
+        if (ROOT / rel).is_file():
+            (copy / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / rel, copy / rel)
+    subprocess.run(["git", "init", "-q"], cwd=copy, check=True)
+    env = {**_env(), "SKIP_SETUP": "1", "IMAGE": name}
+    ours = f"label=org.sde2.image={name}"
+
+    def build() -> tuple[str, str]:
+        proc = subprocess.run(
+            ["bash", "docker/build.sh", "--if-changed"], cwd=copy, env=env,
+            capture_output=True, text=True, timeout=BUILD_TIMEOUT, check=False,
+        )  # fmt: skip
+        assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        digest = subprocess.run(
+            ["bash", "docker/build.sh", "--print-hash"], cwd=copy, env=env,
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
+        image_id = podman("image", "inspect", "--format", "{{.Id}}", name).stdout.strip()
+        return image_id, digest
+
+    try:
+        first, first_hash = build()
+        (copy / "reward_server" / "_rebuild_probe.txt").write_text("a source changed\n")
+        second, second_hash = build()
+        assert second_hash != first_hash and second != first
+        assert podman("image", "exists", first, check=False).returncode != 0, (
+            "the image the rebuild replaced is still there, untagged"
+        )
+        left = _image_ids("dangling=true", ours)
+        # What is left untagged: this build's builder stage only (its layers are the cache).
+        assert set(left.values()) == {second_hash}, left
+        assert len(left) == 1, left
+    finally:
+        for image_id in [*_image_ids(ours)]:
+            podman("rmi", "-f", image_id, check=False, timeout=300)
