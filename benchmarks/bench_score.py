@@ -142,11 +142,8 @@ def in_process_naive(items: Sequence[ScoreItem], st_model: Any) -> list[float]:
 
 class Reference:
     """(A) in a child process of its own, timed there: sentence-transformers and torch never
-    load in the process that measures (B) and (D), which then holds what a server holds.
-
-    Measured before it moved out: (D) in a process that had run sentence-transformers read
-    1.57-1.64 ms against 1.48-1.54 in one that had not (benchmarks/README.md, eighth pass).
-    """
+    load in the process that measures (B) and (D), which then holds what a server holds (torch
+    in the process slowed (D): benchmarks/README.md, eighth and ninth passes)."""
 
     def __init__(self, provider: str) -> None:
         import multiprocessing

@@ -161,18 +161,19 @@ def remove_container(name: str) -> None:
 # --- fixtures -------------------------------------------------------------------------------------
 
 
-def build_image(name: str, **env: str) -> str:
-    """``docker/build.sh --if-changed`` into ``name`` (``env``: its build variables)."""
+def build_image(name: str, root: Path = ROOT, **env: str) -> str:
+    """``docker/build.sh --if-changed`` of the checkout ``root`` into ``name`` (``env``: its
+    build variables)."""
     _podman_base()
     t0 = time.monotonic()
-    cmd = ["bash", str(ROOT / "docker" / "build.sh"), "--if-changed"]
+    cmd = ["bash", str(root / "docker" / "build.sh"), "--if-changed"]
     try:
         proc = subprocess.run(
             cmd,
             capture_output=True,
             text=True,
             timeout=BUILD_TIMEOUT,
-            cwd=ROOT,
+            cwd=root,
             env={**_env(), "SKIP_SETUP": "1", "IMAGE": name, **env},
             check=False,
         )
@@ -539,17 +540,13 @@ def test_rebuild_removes_what_earlier_builds_left(tmp_path: Path) -> None:
             (copy / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / rel, copy / rel)
     subprocess.run(["git", "init", "-q"], cwd=copy, check=True)
-    env = {**_env(), "SKIP_SETUP": "1", "IMAGE": name}
     ours = f"label=org.sde2.image={name}"
 
     def build() -> tuple[str, str]:
-        proc = subprocess.run(
-            ["bash", "docker/build.sh", "--if-changed"], cwd=copy, env=env,
-            capture_output=True, text=True, timeout=BUILD_TIMEOUT, check=False,
-        )  # fmt: skip
-        assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        build_image(name, root=copy)
         digest = subprocess.run(
-            ["bash", "docker/build.sh", "--print-hash"], cwd=copy, env=env,
+            ["bash", "docker/build.sh", "--print-hash"], cwd=copy,
+            env={**_env(), "SKIP_SETUP": "1", "IMAGE": name},
             capture_output=True, text=True, check=True,
         ).stdout.strip()  # fmt: skip
         image_id = podman("image", "inspect", "--format", "{{.Id}}", name).stdout.strip()
@@ -568,5 +565,5 @@ def test_rebuild_removes_what_earlier_builds_left(tmp_path: Path) -> None:
         assert set(left.values()) == {second_hash}, left
         assert len(left) == 1, left
     finally:
-        for image_id in [*_image_ids(ours)]:
+        for image_id in _image_ids(ours):
             podman("rmi", "-f", image_id, check=False, timeout=300)
