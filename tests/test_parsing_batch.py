@@ -74,9 +74,14 @@ def test_batch_parser_matches_the_tag_by_tag_scan(texts: list[str], cap: int) ->
         assert parsed.final_answer == final_answer(text, reference)
 
 
-# Latin-1 fields take the byte-flag check of ``field_texts``; a wider character, the plain one;
-# a NUL (the separator ``field_texts`` joins with) makes its field cleaned alone.
+# ``field_texts`` reads a batch of Latin-1 fields one byte a character and any other batch four
+# bytes a character (every whitespace character of either kind here); a NUL (the separator it
+# joins with) makes its field cleaned alone.
 _LATIN1_FIELD = st.text(alphabet=st.sampled_from(" \t\n\x1c\x85\xa0*_`~abé1<\x00"), max_size=10)
+_WIDE_FIELD = st.text(
+    alphabet=st.sampled_from(" \n\xa0\u1680\u2000\u200a\u2028\u202f\u3000\u3001→😀\ud800*_a\x00"),
+    max_size=10,
+)
 
 
 #: A fence between words: the field is clean once the fence is a space (a batch of such fields
@@ -90,7 +95,11 @@ _FENCED_FIELD = st.builds(
 
 
 @settings(max_examples=500, deadline=None)
-@given(st.lists(st.one_of(_LATIN1_FIELD, _LATIN1_FIELD, _FIELD, _FENCED_FIELD), max_size=12))
+@given(
+    st.lists(
+        st.one_of(_LATIN1_FIELD, _LATIN1_FIELD, _FIELD, _FENCED_FIELD, _WIDE_FIELD), max_size=12
+    )
+)
 def test_fields_cleaned_together_as_one_by_one(raws: list[str]) -> None:
     assert field_texts(raws) == [field_text(raw) for raw in raws]
 

@@ -12,6 +12,7 @@ from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
 
 import numpy as np
+import numpy.typing as npt
 
 #: SPEC §1's typographic map. No replacement is itself a key, so replacing one character at a
 #: time gives what a simultaneous mapping would; ``str.replace`` scans at memchr speed, where
@@ -76,10 +77,8 @@ def field_texts(raws: list[str]) -> list[str]:
     dozen C scans each. Joined with NUL instead, each step of the cleaning runs once: no step
     matches across a NUL (a fence marker, ``**``, ``__`` and whitespace never contain one), so
     each field comes out as :func:`field_text` would make it, and the NULs stay where they
-    were. Folding leaves at most one space on each side of a NUL: a field's leading or
-    trailing whitespace, removed last. Fields that hold a NUL themselves are cleaned one by
-    one; ``<`` is an ordinary character here (a reasoning such as "x < 5" keeps the batch
-    path).
+    were. Fields that hold a NUL themselves are cleaned one by one; ``<`` is an ordinary
+    character here (a reasoning such as "x < 5" keeps the batch path).
 
     >>> field_texts([" a  b ", "**", "```py x```", "\\n", "x < 5"])
     ['a b', '', 'x', '', 'x < 5']
@@ -99,41 +98,105 @@ def field_texts(raws: list[str]) -> list[str]:
     fenced = "`" in joined or "~" in joined
     if fenced:
         joined = _FENCE.sub(" ", joined)
-    if _clean_already(joined):
+    untidy = _untidy(joined)
+    if not untidy:
         # Each field is its own field text: the fields as they came, unless a fence was
         # replaced (splitting the joined text again would copy them all).
         return joined.split(_SEP) if fenced else list(raws)
-    joined = joined.replace("**", "").replace("__", "")
-    joined = " ".join(joined.split()).replace(" " + _SEP, _SEP).replace(_SEP + " ", _SEP)
-    return joined.split(_SEP)
+    if untidy & (_STAR | _UNDERSCORE):
+        joined = joined.replace("**", "").replace("__", "")
+    # Each run of whitespace is one space now; the fields' ends lose theirs.
+    return list(map(str.strip, _fold_runs(joined).split(_SEP)))
 
 
-#: Latin-1 byte -> flags for :func:`_clean_already`: 1 ``*``, 2 ``_``, 4 a space or the
-#: separator (NUL), 8 any other ``str.isspace`` character.
-_CLEAN_FLAGS = bytes(
-    1 if c == "*" else 2 if c == "_" else 4 if c in " " + _SEP else 8 if c.isspace() else 0
-    for c in map(chr, range(256))
+#: Flags of a character for :func:`field_texts`: ``*``, ``_``, the space or the separator (two
+#: side by side, or one at an end, need folding), other whitespace (always folded).
+_STAR, _UNDERSCORE, _SPACED, _OTHER_SPACE = 1, 2, 4, 8
+
+#: Every ``str.isspace`` character (``str.split()`` splits at runs of them); checked against
+#: all of Unicode in ``tests/test_text.py``.
+WHITESPACE = "\t\n\x0b\x0c\r\x1c\x1d\x1e\x1f \x85\xa0\u1680" + "".join(
+    map(chr, (*range(0x2000, 0x200B), 0x2028, 0x2029, 0x202F, 0x205F, 0x3000))
 )
 
 
-def _clean_already(joined: str) -> bool:
-    """Whether each NUL-separated field of ``joined`` (fences already replaced) is its own
-    field text: no ``**`` or ``__``, no whitespace but single spaces inside a field.
+def _flag_table() -> npt.NDArray[np.uint8]:
+    """Flags by code point up to the last whitespace character, and one entry more, all
+    zero, that stands for every code point past it."""
+    table = np.zeros(ord(WHITESPACE[-1]) + 2, np.uint8)
+    for char in WHITESPACE:
+        table[ord(char)] = _OTHER_SPACE
+    table[ord("*")], table[ord("_")], table[ord(" ")], table[ord(_SEP)] = (
+        _STAR, _UNDERSCORE, _SPACED, _SPACED
+    )  # fmt: skip
+    return table
 
-    Told in a few C passes over a Latin-1 text (nearly all model output): one byte lookup
-    per character, then the flags of neighbours ANDed by numpy, where ``str.isprintable``
-    and the searches for two spaces and a space beside a separator cost ten times more. A
-    pair of adjacent separators (an empty field) or one at an end also answers no: the full
-    cleaning then runs, which is always right.
-    """
+
+_FLAGS = _flag_table()
+#: ``bytes.translate`` tables for a Latin-1 text: its flags, and whitespace to a space.
+_LATIN1_FLAGS = _FLAGS[:256].tobytes()
+_LATIN1_TO_SPACE = bytes(ord(" ") if chr(c).isspace() else c for c in range(256))
+
+
+# A text is read one byte a character when it is Latin-1 (nearly all model output) and four
+# otherwise: ``bytes.translate`` and a few whole-array numpy operations stand in for work per
+# character or per word (``" ".join(text.split())`` over a step's 130k characters makes 25k
+# words: 1.1 ms, where `_fold_runs` takes 0.1).
+
+
+def _wide_codes(text: str) -> npt.NDArray[np.uint32]:
+    # Surrogates pass: a JSON body may hold a lone one ("\\ud800"), which is text like any other.
+    return np.frombuffer(text.encode("utf-32-le", "surrogatepass"), np.uint32)
+
+
+def _wide_flags(codes: npt.NDArray[np.uint32]) -> npt.NDArray[np.uint8]:
+    return np.take(_FLAGS, np.minimum(codes, len(_FLAGS) - 1))
+
+
+def _untidy(text: str) -> int:
+    """What cleaning the NUL-separated fields of ``text`` has to do: ``_STAR`` or
+    ``_UNDERSCORE`` when one holds a ``**`` or a ``__``, ``_SPACED`` when one holds whitespace
+    other than single spaces inside it; 0 when each is its own field text. (A pair of adjacent
+    separators, an empty field, also reads as ``_SPACED``: folding then runs, which is always
+    right.)"""
     try:
-        flags = joined.encode("latin-1").translate(_CLEAN_FLAGS)
+        flags = text.encode("latin-1").translate(_LATIN1_FLAGS)
     except UnicodeEncodeError:
-        return False
-    if not flags or b"\x08" in flags:
-        return not flags
-    codes = np.frombuffer(flags, dtype=np.uint8)
-    return not (codes[0] | codes[-1]) & 4 and not (codes[:-1] & codes[1:]).any()
+        flags = _wide_flags(_wide_codes(text)).tobytes()
+    if not flags:
+        return 0
+    codes = np.frombuffer(flags, np.uint8)
+    pairs = codes[:-1] & codes[1:]
+    untidy = int(np.bitwise_or.reduce(pairs)) if pairs.any() else 0
+    if bytes((_OTHER_SPACE,)) in flags or (codes[0] | codes[-1]) & _SPACED:
+        untidy |= _SPACED
+    return untidy & (_STAR | _UNDERSCORE | _SPACED)
+
+
+def _fold_runs(text: str) -> str:
+    """``text`` with each run of whitespace made one space (its first character): what
+    ``" ".join(field.split())`` makes of every field, but for a space left at either end.
+
+    >>> _fold_runs("a \\t\\n b\\u3000\\u3000c\\x00 d ")
+    'a b c\\x00 d '
+    """
+    if not text:
+        return text
+    codes: npt.NDArray[np.uint8] | npt.NDArray[np.uint32]
+    try:
+        codes = np.frombuffer(text.encode("latin-1").translate(_LATIN1_TO_SPACE), np.uint8)
+        encoding, errors = "latin-1", "strict"
+    except UnicodeEncodeError:
+        wide = _wide_codes(text)
+        codes = np.where(_wide_flags(wide) == _OTHER_SPACE, np.uint32(ord(" ")), wide)
+        encoding, errors = "utf-32-le", "surrogatepass"
+    space = codes == ord(" ")
+    # A character goes when it and the one before it are spaces (in place: a step's text is
+    # 130 KB, and each temporary array that size is one more allocation to fault in).
+    dropped = np.empty(len(codes), bool)
+    dropped[0] = False
+    np.logical_and(space[1:], space[:-1], out=dropped[1:])
+    return str(codes[np.logical_not(dropped, out=dropped)].data, encoding, errors)
 
 
 def _folded(text: str) -> bool:
