@@ -10,9 +10,10 @@ import re
 import unicodedata
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
+from itertools import compress, count, repeat
+from operator import contains, not_
 
 import numpy as np
-import numpy.typing as npt
 
 #: SPEC §1's typographic map. No replacement is itself a key, so replacing one character at a
 #: time gives what a simultaneous mapping would; ``str.replace`` scans at memchr speed, where
@@ -77,24 +78,24 @@ def field_texts(raws: list[str]) -> list[str]:
     dozen C scans each. Joined with NUL instead, each step of the cleaning runs once: no step
     matches across a NUL (a fence marker, ``**``, ``__`` and whitespace never contain one), so
     each field comes out as :func:`field_text` would make it, and the NULs stay where they
-    were. Fields that hold a NUL themselves are cleaned one by one; ``<`` is an ordinary
-    character here (a reasoning such as "x < 5" keeps the batch path).
+    were. The joined text is read a byte a character (``bytes.translate`` and whole-array
+    numpy operations in place of work per character or per word: folding a step's 130k
+    characters by ``" ".join(text.split())`` makes 25k words and takes 1.1 ms, against
+    0.1 ms), so a field holding a character beyond Latin-1, or a NUL itself, is cleaned
+    alone. ``<`` is an ordinary character here (a reasoning such as "x < 5" keeps the batch
+    path).
 
-    >>> field_texts([" a  b ", "**", "```py x```", "\\n", "x < 5"])
-    ['a b', '', 'x', '', 'x < 5']
+    >>> field_texts([" a  b ", "**", "```py x```", "\\n", "x < 5", " \u2192\u3000 "])
+    ['a b', '', 'x', '', 'x < 5', '\u2192']
     >>> field_texts(["a```python####"])  # clean once the fence is a space
     ['a ####']
     """
     if not raws:
         return []
-    # A field holding a NUL is cleaned alone. (`in` over a plain join is a memchr scan;
-    # counting the joined text's separators is a slower character loop.)
-    if _SEP in "".join(raws):
-        alone = {i: field_text(raw) for i, raw in enumerate(raws) if _SEP in raw}
-        rest = [raw for i, raw in enumerate(raws) if i not in alone]
-        cleaned = iter(field_texts(rest))
-        return [alone[i] if i in alone else next(cleaned) for i in range(len(raws))]
     joined = _SEP.join(raws)
+    # (`in` over a plain join is a memchr scan; counting separators is a character loop.)
+    if _SEP in "".join(raws) or not _is_latin1(joined):
+        return _cleaned_apart(raws)
     fenced = "`" in joined or "~" in joined
     if fenced:
         joined = _FENCE.sub(" ", joined)
@@ -109,60 +110,54 @@ def field_texts(raws: list[str]) -> list[str]:
     return list(map(str.strip, _fold_runs(joined).split(_SEP)))
 
 
+def _is_latin1(text: str) -> bool:
+    # isascii is O(1); the encoding stops at the first character beyond Latin-1.
+    if text.isascii():
+        return True
+    try:
+        text.encode("latin-1")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _cleaned_apart(raws: list[str]) -> list[str]:
+    """:func:`field_texts` with each field the batch cannot read (one holding a NUL or a
+    character beyond Latin-1: a few a step at most, in model output) cleaned alone."""
+    non_ascii = compress(count(), map(not_, map(str.isascii, raws)))
+    apart = {i for i in non_ascii if not _is_latin1(raws[i])}
+    apart.update(compress(count(), map(contains, raws, repeat(_SEP))))
+    # The batch keeps its shape, with a clean stand-in for each field cleaned apart.
+    cleaned = field_texts([_STAND_IN if i in apart else raw for i, raw in enumerate(raws)])
+    for i in apart:
+        cleaned[i] = field_text(raws[i])
+    return cleaned
+
+
+#: What stands in the batch for a field cleaned apart: its own field text.
+_STAND_IN = "."
+
+
 #: Flags of a character for :func:`field_texts`: ``*``, ``_``, the space or the separator (two
 #: side by side, or one at an end, need folding), other whitespace (always folded).
 _STAR, _UNDERSCORE, _SPACED, _OTHER_SPACE = 1, 2, 4, 8
 
-#: Every ``str.isspace`` character (``str.split()`` splits at runs of them); checked against
-#: all of Unicode in ``tests/test_text.py``.
-WHITESPACE = "\t\n\x0b\x0c\r\x1c\x1d\x1e\x1f \x85\xa0\u1680" + "".join(
-    map(chr, (*range(0x2000, 0x200B), 0x2028, 0x2029, 0x202F, 0x205F, 0x3000))
+#: ``bytes.translate`` tables for a Latin-1 text: each character's flags, and whitespace (per
+#: ``str.isspace``, where ``str.split()`` splits) made a space.
+_LATIN1_FLAGS = bytes(
+    {"*": _STAR, "_": _UNDERSCORE, " ": _SPACED, _SEP: _SPACED}.get(c, _OTHER_SPACE * c.isspace())
+    for c in map(chr, range(256))
 )
-
-
-def _flag_table() -> npt.NDArray[np.uint8]:
-    """Flags by code point up to the last whitespace character, and one entry more, all
-    zero, that stands for every code point past it."""
-    table = np.zeros(ord(WHITESPACE[-1]) + 2, np.uint8)
-    for char in WHITESPACE:
-        table[ord(char)] = _OTHER_SPACE
-    table[ord("*")], table[ord("_")], table[ord(" ")], table[ord(_SEP)] = (
-        _STAR, _UNDERSCORE, _SPACED, _SPACED
-    )  # fmt: skip
-    return table
-
-
-_FLAGS = _flag_table()
-#: ``bytes.translate`` tables for a Latin-1 text: its flags, and whitespace to a space.
-_LATIN1_FLAGS = _FLAGS[:256].tobytes()
 _LATIN1_TO_SPACE = bytes(ord(" ") if chr(c).isspace() else c for c in range(256))
 
 
-# A text is read one byte a character when it is Latin-1 (nearly all model output) and four
-# otherwise: ``bytes.translate`` and a few whole-array numpy operations stand in for work per
-# character or per word (``" ".join(text.split())`` over a step's 130k characters makes 25k
-# words: 1.1 ms, where `_fold_runs` takes 0.1).
-
-
-def _wide_codes(text: str) -> npt.NDArray[np.uint32]:
-    # Surrogates pass: a JSON body may hold a lone one ("\\ud800"), which is text like any other.
-    return np.frombuffer(text.encode("utf-32-le", "surrogatepass"), np.uint32)
-
-
-def _wide_flags(codes: npt.NDArray[np.uint32]) -> npt.NDArray[np.uint8]:
-    return np.take(_FLAGS, np.minimum(codes, len(_FLAGS) - 1))
-
-
 def _untidy(text: str) -> int:
-    """What cleaning the NUL-separated fields of ``text`` has to do: ``_STAR`` or
+    """What cleaning the NUL-separated fields of a Latin-1 ``text`` has to do: ``_STAR`` or
     ``_UNDERSCORE`` when one holds a ``**`` or a ``__``, ``_SPACED`` when one holds whitespace
     other than single spaces inside it; 0 when each is its own field text. (A pair of adjacent
     separators, an empty field, also reads as ``_SPACED``: folding then runs, which is always
     right.)"""
-    try:
-        flags = text.encode("latin-1").translate(_LATIN1_FLAGS)
-    except UnicodeEncodeError:
-        flags = _wide_flags(_wide_codes(text)).tobytes()
+    flags = text.encode("latin-1").translate(_LATIN1_FLAGS)
     if not flags:
         return 0
     codes = np.frombuffer(flags, np.uint8)
@@ -174,29 +169,22 @@ def _untidy(text: str) -> int:
 
 
 def _fold_runs(text: str) -> str:
-    """``text`` with each run of whitespace made one space (its first character): what
-    ``" ".join(field.split())`` makes of every field, but for a space left at either end.
+    """A Latin-1 ``text`` with each run of whitespace made one space (its first character):
+    what ``" ".join(field.split())`` makes of every field, but for a space left at either end.
 
-    >>> _fold_runs("a \\t\\n b\\u3000\\u3000c\\x00 d ")
+    >>> _fold_runs("a \\t\\n b\\x85\\xa0c\\x00 d ")
     'a b c\\x00 d '
     """
     if not text:
         return text
-    codes: npt.NDArray[np.uint8] | npt.NDArray[np.uint32]
-    try:
-        codes = np.frombuffer(text.encode("latin-1").translate(_LATIN1_TO_SPACE), np.uint8)
-        encoding, errors = "latin-1", "strict"
-    except UnicodeEncodeError:
-        wide = _wide_codes(text)
-        codes = np.where(_wide_flags(wide) == _OTHER_SPACE, np.uint32(ord(" ")), wide)
-        encoding, errors = "utf-32-le", "surrogatepass"
+    codes = np.frombuffer(text.encode("latin-1").translate(_LATIN1_TO_SPACE), np.uint8)
     space = codes == ord(" ")
     # A character goes when it and the one before it are spaces (in place: a step's text is
     # 130 KB, and each temporary array that size is one more allocation to fault in).
     dropped = np.empty(len(codes), bool)
     dropped[0] = False
     np.logical_and(space[1:], space[:-1], out=dropped[1:])
-    return str(codes[np.logical_not(dropped, out=dropped)].data, encoding, errors)
+    return str(codes[np.logical_not(dropped, out=dropped)].data, "latin-1")
 
 
 def _folded(text: str) -> bool:
