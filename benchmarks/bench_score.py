@@ -54,7 +54,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.workload import grpo_step, load_gsm8k
+from benchmarks.workload import SHAPES, grpo_step, load_gsm8k, reshape
 from reward_server.core import PreparedBatch, ScoreItem, finish_batch, prepare_batch
 from reward_server.encoders.loading import export_engine
 from reward_server.encoders.tokenization import encode_ids
@@ -271,6 +271,10 @@ class Overhead:
     http_minimal: list[float] = field(default_factory=list)
     server_total: list[float] = field(default_factory=list)  # the server's x-total-time
     max_diff: float = 0.0  # HTTP vs in process, rewards
+    #: (D) on the same steps in each of the workload's other :data:`SHAPES`.
+    shapes: dict[str, list[float]] = field(default_factory=dict)
+    #: Line breaks folded away: rewards against the standard steps' (must be 0).
+    line_break_diff: float = 0.0
 
 
 def measure_overhead(
@@ -284,14 +288,17 @@ def measure_overhead(
     table, alternating. The body is serialized before the clock starts and the answer decoded
     after it stops; the rewards of (D) and (E) must agree. Each (E) request is sent a second
     time through a bare ``http.client`` connection, to tell the client's share from the
-    server's.
+    server's. Then (D) runs ``repeats`` times on the same steps in each of the workload's
+    other :data:`SHAPES` (the table holds their texts too).
     """
     import tempfile
     from http.client import HTTPConnection
 
     from benchmarks.table_server import TableEncoder
 
-    texts = list(dict.fromkeys(t for st in steps for t in prepare_batch(_items(st)).texts))
+    shaped = {shape: [reshape(st, shape) for st in steps] for shape in SHAPES}
+    every_step = [*steps, *(st for sts in shaped.values() for st in sts)]
+    texts = list(dict.fromkeys(t for st in every_step for t in prepare_batch(_items(st)).texts))
     table = TableEncoder(texts, encoder.encode(texts))
     bodies = [json.dumps({"items": st}).encode() for st in steps]
     out = Overhead()
@@ -331,6 +338,23 @@ def measure_overhead(
         minimal.close()
         server.terminate()
         server.wait(30)
+    for shape, shape_steps in shaped.items():
+        out.shapes[shape] = times = []
+        for r in range(repeats + len(steps)):
+            i = r % len(steps)
+            items = _items(shape_steps[i])
+            t0 = time.perf_counter()
+            prepared = prepare_batch(items)
+            rewards = finish_batch(prepared, table.encode(prepared.texts)).rewards
+            t1 = time.perf_counter()
+            if shape == SHAPES[0] and r < len(steps):
+                standard = _items(steps[i])
+                prepared = prepare_batch(standard)
+                expected = finish_batch(prepared, table.encode(prepared.texts)).rewards
+                diff = float(np.max(np.abs(np.subtract(rewards, expected))))
+                out.line_break_diff = max(out.line_break_diff, diff)
+            if r >= len(steps):
+                times.append((t1 - t0) * 1000)
     return out
 
 
@@ -346,8 +370,16 @@ def print_overhead(o: Overhead) -> bool:
     ):
         p50, p99 = statistics.median(values), float(np.percentile(values, 99))
         print(f"{name:<52}{p50:>10.2f}{p99:>10.2f}{target:>10}")
+    for shape, values in o.shapes.items():
+        name = f"(D), {shape}"
+        p50, p99 = statistics.median(values), float(np.percentile(values, 99))
+        print(f"{name:<52}{p50:>10.2f}{p99:>10.2f}{'':>10}")
     ok = o.max_diff <= 1e-9
     print(f"(D) and (E) rewards agree (<= 1e-9): {'yes' if ok else 'NO'} ({o.max_diff:.1e})")
+    if o.shapes:
+        same = o.line_break_diff == 0.0
+        print(f"line breaks leave the rewards as they were: {'yes' if same else 'NO'}")
+        ok = ok and same
     return ok
 
 

@@ -81,3 +81,19 @@ def grpo_step(
                 }
             )
     return items
+
+
+#: What real model output holds and the standard step does not, for ``bench_score.py``'s (D):
+#: reasoning broken into lines (field cleaning folds the breaks, so the reward is the standard
+#: step's), and one character beyond Latin-1 in the step (an arrow at the end of one reasoning).
+SHAPES = ("reasoning with line breaks", "one character beyond Latin-1")
+
+
+def reshape(step: list[dict[str, Any]], shape: str) -> list[dict[str, Any]]:
+    """``step`` with its completions in one of :data:`SHAPES`."""
+    if shape == SHAPES[0]:
+        return [{**item, "completion": item["completion"].replace(". ", ".\n")} for item in step]
+    if shape == SHAPES[1]:
+        arrow = step[0]["completion"].replace("</reasoning>", " \u2192</reasoning>", 1)
+        return [{**step[0], "completion": arrow}, *step[1:]]
+    raise ValueError(f"unknown shape {shape!r}: one of {SHAPES}")

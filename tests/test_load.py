@@ -219,3 +219,7 @@ def test_score_benchmark_runs_end_to_end(
     assert re.search(r"\(D\) in process.* [0-9.]+ +[0-9.]+ +<= 1\.5", out), out
     assert re.search(r"\(E\) through the server.* [0-9.]+ +[0-9.]+ +<= 3\.0", out), out
     assert "(D) and (E) rewards agree (<= 1e-9): yes" in out
+    # (D) on the workload's other shapes; folded line breaks leave every reward as it was.
+    assert re.search(r"\(D\), reasoning with line breaks +[0-9.]+ +[0-9.]+", out), out
+    assert re.search(r"\(D\), one character beyond Latin-1 +[0-9.]+ +[0-9.]+", out), out
+    assert "line breaks leave the rewards as they were: yes" in out
