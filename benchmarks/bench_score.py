@@ -271,8 +271,8 @@ class Overhead:
     http_minimal: list[float] = field(default_factory=list)
     server_total: list[float] = field(default_factory=list)  # the server's x-total-time
     max_diff: float = 0.0  # HTTP vs in process, rewards
-    #: (D) on the same steps in each of the workload's other :data:`SHAPES`.
-    shapes: dict[str, list[float]] = field(default_factory=dict)
+    #: (D) and (E) on the same steps in each of the workload's other :data:`SHAPES`.
+    shapes: dict[str, tuple[list[float], list[float]]] = field(default_factory=dict)
     #: Line breaks folded away: rewards against the standard steps' (must be 0).
     line_break_diff: float = 0.0
 
@@ -288,8 +288,8 @@ def measure_overhead(
     table, alternating. The body is serialized before the clock starts and the answer decoded
     after it stops; the rewards of (D) and (E) must agree. Each (E) request is sent a second
     time through a bare ``http.client`` connection, to tell the client's share from the
-    server's. Then (D) runs ``repeats`` times on the same steps in each of the workload's
-    other :data:`SHAPES` (the table holds their texts too).
+    server's. Then (D) and (E) run ``repeats`` times on the same steps in each of the
+    workload's other :data:`SHAPES` (the table holds their texts too).
     """
     import tempfile
     from http.client import HTTPConnection
@@ -334,28 +334,51 @@ def measure_overhead(
                 out.http.append((t2 - t1) * 1000)
                 out.http_minimal.append((t4 - t3) * 1000)
                 out.server_total.append(float(resp.headers["x-total-time"]))
+            for shape, shape_steps in shaped.items():
+                _measure_shape(out, shape, shape_steps, steps, table, http, repeats)
     finally:
         minimal.close()
         server.terminate()
         server.wait(30)
-    for shape, shape_steps in shaped.items():
-        out.shapes[shape] = times = []
-        for r in range(repeats + len(steps)):
-            i = r % len(steps)
-            items = _items(shape_steps[i])
-            t0 = time.perf_counter()
-            prepared = prepare_batch(items)
-            rewards = finish_batch(prepared, table.encode(prepared.texts)).rewards
-            t1 = time.perf_counter()
-            if shape == SHAPES[0] and r < len(steps):
-                standard = _items(steps[i])
-                prepared = prepare_batch(standard)
-                expected = finish_batch(prepared, table.encode(prepared.texts)).rewards
-                diff = float(np.max(np.abs(np.subtract(rewards, expected))))
-                out.line_break_diff = max(out.line_break_diff, diff)
-            if r >= len(steps):
-                times.append((t1 - t0) * 1000)
     return out
+
+
+def _measure_shape(
+    out: Overhead,
+    shape: str,
+    shape_steps: Sequence[list[dict[str, Any]]],
+    steps: Sequence[list[dict[str, Any]]],
+    table: Any,
+    http: httpx.Client,
+    repeats: int,
+) -> None:
+    """(D) and (E) of ``steps`` reshaped as ``shape``, into ``out.shapes[shape]``."""
+    in_process: list[float] = []
+    through_server: list[float] = []
+    out.shapes[shape] = (in_process, through_server)
+    headers = {"content-type": "application/json"}
+    bodies = [json.dumps({"items": st}).encode() for st in shape_steps]
+    for r in range(repeats + len(steps)):
+        i = r % len(steps)
+        items = _items(shape_steps[i])
+        t0 = time.perf_counter()
+        prepared = prepare_batch(items)
+        rewards = finish_batch(prepared, table.encode(prepared.texts)).rewards
+        t1 = time.perf_counter()
+        resp = http.post("/v1/score", content=bodies[i], headers=headers)
+        t2 = time.perf_counter()
+        resp.raise_for_status()
+        diff = np.max(np.abs(np.subtract(rewards, resp.json()["rewards"])))
+        out.max_diff = max(out.max_diff, float(diff))
+        if r < len(steps):
+            if shape == SHAPES[0]:
+                prepared = prepare_batch(_items(steps[i]))
+                expected = finish_batch(prepared, table.encode(prepared.texts)).rewards
+                diff = np.max(np.abs(np.subtract(rewards, expected)))
+                out.line_break_diff = max(out.line_break_diff, float(diff))
+            continue
+        in_process.append((t1 - t0) * 1000)
+        through_server.append((t2 - t1) * 1000)
 
 
 def print_overhead(o: Overhead) -> bool:
@@ -370,10 +393,11 @@ def print_overhead(o: Overhead) -> bool:
     ):
         p50, p99 = statistics.median(values), float(np.percentile(values, 99))
         print(f"{name:<52}{p50:>10.2f}{p99:>10.2f}{target:>10}")
-    for shape, values in o.shapes.items():
-        name = f"(D), {shape}"
-        p50, p99 = statistics.median(values), float(np.percentile(values, 99))
-        print(f"{name:<52}{p50:>10.2f}{p99:>10.2f}{'':>10}")
+    for shape, timed in o.shapes.items():
+        for path, values in zip(("(D)", "(E)"), timed, strict=True):
+            name = f"{path}, {shape}"
+            p50, p99 = statistics.median(values), float(np.percentile(values, 99))
+            print(f"{name:<52}{p50:>10.2f}{p99:>10.2f}{'':>10}")
     ok = o.max_diff <= 1e-9
     print(f"(D) and (E) rewards agree (<= 1e-9): {'yes' if ok else 'NO'} ({o.max_diff:.1e})")
     if o.shapes:
