@@ -14,6 +14,11 @@ for bit. The embeddings are random unit-free rows seeded here, the same for both
 cost of everything but the encoder is measured.
 
     python benchmarks/ab_trees.py --base ../other-checkout [--steps 300]
+    python benchmarks/ab_trees.py --base ../other-checkout --shape "reasoning with line breaks"
+
+The steps are made here, by this tree's ``benchmarks/workload.py`` (``--shape``: the standard
+steps reshaped as real output is, :data:`~benchmarks.workload.SHAPES`), and handed to both
+trees' workers in a file: the base need not know the shape.
 """
 
 from __future__ import annotations
@@ -43,11 +48,16 @@ def _differ(answers: Sequence[list[float]], what: str, largest: list[float]) -> 
         raise SystemExit(f"{what}: the trees' rewards differ by {diff:.2e}")
 
 
-def _steps() -> list[list[dict[str, Any]]]:
-    from benchmarks.workload import grpo_step, load_gsm8k
+def _steps(shape: str) -> list[list[dict[str, Any]]]:
+    from benchmarks.workload import grpo_step, load_gsm8k, reshape
 
     rows = load_gsm8k()
-    return [grpo_step(seed=100 + r, rows=rows) for r in range(8)]
+    steps = [grpo_step(seed=100 + r, rows=rows) for r in range(8)]
+    return steps if shape == STANDARD else [reshape(st, shape) for st in steps]
+
+
+#: ``--shape`` of the steps as :func:`benchmarks.workload.grpo_step` makes them.
+STANDARD = "standard"
 
 
 def _table(steps: list[list[dict[str, Any]]]) -> Any:
@@ -63,11 +73,12 @@ def _table(steps: list[list[dict[str, Any]]]) -> Any:
     return TableEncoder(texts, rows)
 
 
-def worker() -> None:
-    """Answer ``i`` on stdin with ``milliseconds rewards-json`` for standard step ``i % 8``."""
+def worker(steps_file: Path) -> None:
+    """Answer ``i`` on stdin with ``milliseconds rewards-json`` for step ``i % 8`` of
+    ``steps_file``."""
     from reward_server.core import ScoreItem, finish_batch, prepare_batch
 
-    steps = _steps()
+    steps = json.loads(steps_file.read_text())
     table = _table(steps)
     print("ready", flush=True)
     for line in sys.stdin:
@@ -89,11 +100,12 @@ def _spawn(tree: Path, *args: str) -> subprocess.Popen[str]:
 
 
 def compare_in_process(
-    trees: Sequence[Path], steps: int, largest: list[float]
+    trees: Sequence[Path], steps: int, steps_file: Path, largest: list[float]
 ) -> dict[Path, list[float]]:
     """(D) per tree, alternating step by step; rewards must agree (:func:`_differ`)."""
     # This file's worker, importing each tree's code (its PYTHONPATH): the base need not have it.
-    procs = [_spawn(t, str(Path(__file__).resolve()), "--worker") for t in trees]
+    me = str(Path(__file__).resolve())
+    procs = [_spawn(t, me, "--worker", "--steps-file", str(steps_file)) for t in trees]
     times: dict[Path, list[float]] = {t: [] for t in trees}
     try:
         for p in procs:
@@ -117,7 +129,11 @@ def compare_in_process(
 
 
 def compare_http(
-    trees: Sequence[Path], steps: int, port: int, largest: list[float]
+    trees: Sequence[Path],
+    steps: int,
+    step_items: list[list[dict[str, Any]]],
+    port: int,
+    largest: list[float],
 ) -> tuple[dict[Path, list[float]], dict[Path, list[float]]]:
     """(E) per tree through its standard app with the same table, alternating requests: the
     client's milliseconds and the server's own (``x-total-time``)."""
@@ -125,13 +141,13 @@ def compare_http(
 
     from benchmarks.bench_score import _wait_ready
 
-    bodies = [json.dumps({"items": st}).encode() for st in _steps()]
+    bodies = [json.dumps({"items": st}).encode() for st in step_items]
     times: dict[Path, list[float]] = {t: [] for t in trees}
     server_ms: dict[Path, list[float]] = {t: [] for t in trees}
     servers = []
     with tempfile.TemporaryDirectory() as tmp:
         table = Path(tmp) / "table.npz"
-        _table(_steps()).save(table)
+        _table(step_items).save(table)
         try:
             for k, tree in enumerate(trees):
                 script = str(tree / "benchmarks" / "table_server.py")
@@ -167,19 +183,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--base", type=Path, help="the other checkout (the 'before')")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--port", type=int, default=18761)
+    parser.add_argument("--shape", default=STANDARD, help="standard, or one of workload.SHAPES")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--steps-file", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        worker()
+        worker(args.steps_file)
         return 0
     if args.base is None:
         parser.error("--base is required")
+    from benchmarks.workload import SHAPES
+
+    if args.shape not in (STANDARD, *SHAPES):
+        parser.error(f"--shape: one of {[STANDARD, *SHAPES]}")
     trees = [args.base.resolve(), ROOT]
     largest = [0.0]
-    d = compare_in_process(trees, args.steps, largest)
-    e, e_server = compare_http(trees, args.steps, args.port, largest)
+    step_items = _steps(args.shape)
+    with tempfile.TemporaryDirectory() as tmp:
+        steps_file = Path(tmp) / "steps.json"
+        steps_file.write_text(json.dumps(step_items))
+        d = compare_in_process(trees, args.steps, steps_file, largest)
+    e, e_server = compare_http(trees, args.steps, step_items, args.port, largest)
     print(
-        f"{args.steps} standard steps per tree, interleaved; rewards agree "
+        f"{args.steps} steps per tree ({args.shape}), interleaved; rewards agree "
         f"(<= {TOLERANCE:.0e}): yes, largest difference {largest[0]:.1e}"
     )
     print(f"{'p50 ms / step':<44}{'base':>10}{'this tree':>12}{'speed-up':>10}")

@@ -10,8 +10,6 @@ import re
 import unicodedata
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
-from itertools import compress, count, repeat
-from operator import contains, not_
 
 import numpy as np
 
@@ -78,12 +76,12 @@ def field_texts(raws: list[str]) -> list[str]:
     dozen C scans each. Joined with NUL instead, each step of the cleaning runs once: no step
     matches across a NUL (a fence marker, ``**``, ``__`` and whitespace never contain one), so
     each field comes out as :func:`field_text` would make it, and the NULs stay where they
-    were. The joined text is read a byte a character (``bytes.translate`` and whole-array
-    numpy operations in place of work per character or per word: folding a step's 130k
-    characters by ``" ".join(text.split())`` makes 25k words and takes 1.1 ms, against
-    0.1 ms), so a field holding a character beyond Latin-1, or a NUL itself, is cleaned
-    alone. ``<`` is an ordinary character here (a reasoning such as "x < 5" keeps the batch
-    path).
+    were. The joined text is read a byte a character, as Latin-1 (``bytes.translate`` and
+    whole-array numpy operations in place of work per character or per word: folding a
+    step's 130k characters by ``" ".join(text.split())`` makes 25k words and takes 1.1 ms,
+    against 0.1 ms), so a field holding a character beyond Latin-1 (a ``?`` in those bytes)
+    is cleaned again alone, as is every field when one holds a NUL itself. ``<`` is an
+    ordinary character here (a reasoning such as "x < 5" keeps the batch path).
 
     >>> field_texts([" a  b ", "**", "```py x```", "\\n", "x < 5", " \u2192\u3000 "])
     ['a b', '', 'x', '', 'x < 5', '\u2192']
@@ -92,50 +90,42 @@ def field_texts(raws: list[str]) -> list[str]:
     """
     if not raws:
         return []
+    # A field holding a NUL: no batch. (`in` over a plain join is a memchr scan for a Latin-1
+    # text; counting the joined text's separators is a character loop.)
+    if _SEP in "".join(raws):
+        return [field_text(raw) for raw in raws]
     joined = _SEP.join(raws)
-    # (`in` over a plain join is a memchr scan; counting separators is a character loop.)
-    if _SEP in "".join(raws) or not _is_latin1(joined):
-        return _cleaned_apart(raws)
     fenced = "`" in joined or "~" in joined
     if fenced:
         joined = _FENCE.sub(" ", joined)
-    untidy = _untidy(joined)
+    try:
+        data, wide = joined.encode("latin-1"), []
+    except UnicodeEncodeError:
+        data = joined.encode("latin-1", "replace")
+        wide = _fields_beyond_latin1(joined, data)
+    untidy = _untidy(data)
     if not untidy:
         # Each field is its own field text: the fields as they came, unless a fence was
         # replaced (splitting the joined text again would copy them all).
-        return joined.split(_SEP) if fenced else list(raws)
-    if untidy & (_STAR | _UNDERSCORE):
-        joined = joined.replace("**", "").replace("__", "")
-    # Each run of whitespace is one space now; the fields' ends lose theirs.
-    return list(map(str.strip, _fold_runs(joined).split(_SEP)))
-
-
-def _is_latin1(text: str) -> bool:
-    # isascii is O(1); the encoding stops at the first character beyond Latin-1.
-    if text.isascii():
-        return True
-    try:
-        text.encode("latin-1")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _cleaned_apart(raws: list[str]) -> list[str]:
-    """:func:`field_texts` with each field the batch cannot read (one holding a NUL or a
-    character beyond Latin-1: a few a step at most, in model output) cleaned alone."""
-    non_ascii = compress(count(), map(not_, map(str.isascii, raws)))
-    apart = {i for i in non_ascii if not _is_latin1(raws[i])}
-    apart.update(compress(count(), map(contains, raws, repeat(_SEP))))
-    # The batch keeps its shape, with a clean stand-in for each field cleaned apart.
-    cleaned = field_texts([_STAND_IN if i in apart else raw for i, raw in enumerate(raws)])
-    for i in apart:
+        cleaned = joined.split(_SEP) if fenced else list(raws)
+    else:
+        if untidy & (_STAR | _UNDERSCORE):
+            data = data.replace(b"**", b"").replace(b"__", b"")
+        # Each run of whitespace is one space now; the fields' ends lose theirs.
+        cleaned = list(map(str.strip, _fold_runs(data).split(_SEP)))
+    for i in wide:
         cleaned[i] = field_text(raws[i])
     return cleaned
 
 
-#: What stands in the batch for a field cleaned apart: its own field text.
-_STAND_IN = "."
+def _fields_beyond_latin1(joined: str, data: bytes) -> list[int]:
+    """Which NUL-separated fields of ``joined`` hold a character beyond Latin-1, from its
+    Latin-1 encoding ``data`` with each such character replaced by ``?``."""
+    codes = np.frombuffer(data, np.uint8)
+    # A "?" of data is one of joined's own, or stands for a wider character.
+    at = [i for i in np.flatnonzero(codes == ord("?")).tolist() if joined[i] != "?"]
+    fields = np.searchsorted(np.flatnonzero(codes == 0), at)  # separators before each
+    return sorted(set(fields.tolist()))
 
 
 #: Flags of a character for :func:`field_texts`: ``*``, ``_``, the space or the separator (two
@@ -151,13 +141,13 @@ _LATIN1_FLAGS = bytes(
 _LATIN1_TO_SPACE = bytes(ord(" ") if chr(c).isspace() else c for c in range(256))
 
 
-def _untidy(text: str) -> int:
+def _untidy(text: bytes) -> int:
     """What cleaning the NUL-separated fields of a Latin-1 ``text`` has to do: ``_STAR`` or
     ``_UNDERSCORE`` when one holds a ``**`` or a ``__``, ``_SPACED`` when one holds whitespace
     other than single spaces inside it; 0 when each is its own field text. (A pair of adjacent
     separators, an empty field, also reads as ``_SPACED``: folding then runs, which is always
     right.)"""
-    flags = text.encode("latin-1").translate(_LATIN1_FLAGS)
+    flags = text.translate(_LATIN1_FLAGS)
     if not flags:
         return 0
     codes = np.frombuffer(flags, np.uint8)
@@ -168,16 +158,16 @@ def _untidy(text: str) -> int:
     return untidy & (_STAR | _UNDERSCORE | _SPACED)
 
 
-def _fold_runs(text: str) -> str:
+def _fold_runs(text: bytes) -> str:
     """A Latin-1 ``text`` with each run of whitespace made one space (its first character):
     what ``" ".join(field.split())`` makes of every field, but for a space left at either end.
 
-    >>> _fold_runs("a \\t\\n b\\x85\\xa0c\\x00 d ")
+    >>> _fold_runs("a \\t\\n b\\x85\\xa0c\\x00 d ".encode("latin-1"))
     'a b c\\x00 d '
     """
     if not text:
-        return text
-    codes = np.frombuffer(text.encode("latin-1").translate(_LATIN1_TO_SPACE), np.uint8)
+        return ""
+    codes = np.frombuffer(text.translate(_LATIN1_TO_SPACE), np.uint8)
     space = codes == ord(" ")
     # A character goes when it and the one before it are spaces (in place: a step's text is
     # 130 KB, and each temporary array that size is one more allocation to fault in).
