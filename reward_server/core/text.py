@@ -22,8 +22,24 @@ _PUNCTUATION = (
     *((c, "-") for c in "\u2010\u2011\u2012\u2013\u2014\u2015\u2212"),
 )
 
-# A Markdown fence marker with an optional language word right after it.
-_FENCE = re.compile(r"(?:```|~~~)(?:[A-Za-z][A-Za-z0-9_+\-]*)?")
+# A Markdown fence marker with an optional language word right after it: one pattern a marker,
+# each starting with a literal, which `re` finds far faster than an alternation (a step's 130k
+# characters without a fence: 43 us against 390).
+_FENCES = {m[0]: re.compile(rf"{m}(?:[A-Za-z][A-Za-z0-9_+\-]*)?") for m in ("```", "~~~")}
+
+
+def _without_fences(text: str) -> str:
+    """``text`` with each fence marker and its language word made a space. (One marker's
+    replacement never makes or breaks the other's: they share no character.)
+
+    >>> _without_fences("a```py x~~~1```")
+    'a  x 1 '
+    """
+    # `in` of one character is a memchr scan; most texts hold neither "`" nor "~".
+    for char, fence in _FENCES.items():
+        if char in text:
+            text = fence.sub(" ", text)
+    return text
 
 
 def preprocess(text: str) -> str:
@@ -54,10 +70,7 @@ def field_text(raw: str) -> str:
     >>> field_text("<reasoning>**</reasoning>".split(">")[1].split("<")[0])
     ''
     """
-    # The fence scan runs only where a fence can be: `in` is a memchr scan, the regex a
-    # character-by-character one, and most reasoning texts hold neither "`" nor "~".
-    text = _FENCE.sub(" ", raw) if "`" in raw or "~" in raw else raw
-    text = text.replace("**", "").replace("__", "")
+    text = _without_fences(raw).replace("**", "").replace("__", "")
     if _folded(text):
         return text
     # str.split() with no argument splits on runs of str.isspace characters and drops the ends.
@@ -97,7 +110,7 @@ def field_texts(raws: list[str]) -> list[str]:
     joined = _SEP.join(raws)
     fenced = "`" in joined or "~" in joined
     if fenced:
-        joined = _FENCE.sub(" ", joined)
+        joined = _without_fences(joined)
     try:
         data, wide = joined.encode("latin-1"), []
     except UnicodeEncodeError:
@@ -110,12 +123,31 @@ def field_texts(raws: list[str]) -> list[str]:
         cleaned = joined.split(_SEP) if fenced else list(raws)
     else:
         if untidy & (_STAR | _UNDERSCORE):
-            data = data.replace(b"**", b"").replace(b"__", b"")
-        # Each run of whitespace is one space now; the fields' ends lose theirs.
-        cleaned = list(map(str.strip, _fold_runs(data).split(_SEP)))
+            data = _without_emphasis(data, untidy)
+            untidy = _untidy(data)  # what is left: folding only when whitespace needs it
+        if untidy & _SPACED:
+            # Each run of whitespace is one space now; the fields' ends lose theirs.
+            cleaned = list(map(str.strip, _fold_runs(data).split(_SEP)))
+        else:
+            cleaned = data.decode("latin-1").split(_SEP)
     for i in wide:
         cleaned[i] = field_text(raws[i])
     return cleaned
+
+
+def _without_emphasis(data: bytes, untidy: int) -> bytes:
+    """``data`` without ``**`` then without ``__``, as :func:`field_text` removes them, each
+    replacement made only where it can change something: a two-byte search costs ~75 us over a
+    step's joined fields, and model output with bold text seldom has ``__``.
+
+    >>> _without_emphasis(b"_**_ **a**", _STAR)
+    b' a'
+    """
+    if untidy & _STAR:
+        data = data.replace(b"**", b"")
+    if untidy & _UNDERSCORE or (untidy & _STAR and b"_" in data):  # "_**_" makes a "__"
+        data = data.replace(b"__", b"")
+    return data
 
 
 def _fields_beyond_latin1(joined: str, data: bytes) -> list[int]:
