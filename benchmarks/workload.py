@@ -85,8 +85,9 @@ def grpo_step(
 
 #: What real model output holds and the standard step does not, for ``bench_score.py``'s (D):
 #: reasoning broken into lines (field cleaning folds the breaks, so the reward is the standard
-#: step's), and one character beyond Latin-1 in the step (an arrow at the end of one reasoning).
-SHAPES = ("reasoning with line breaks", "one character beyond Latin-1")
+#: step's), one character beyond Latin-1 in the step (an arrow at the end of one reasoning),
+#: and a comparison in each completion's first reasoning (a "<" that is text, not a tag).
+SHAPES = ("reasoning with line breaks", "one character beyond Latin-1", "a '<' in the reasoning")
 
 
 def reshape(step: list[dict[str, Any]], shape: str) -> list[dict[str, Any]]:
@@ -96,4 +97,14 @@ def reshape(step: list[dict[str, Any]], shape: str) -> list[dict[str, Any]]:
     if shape == SHAPES[1]:
         arrow = step[0]["completion"].replace("</reasoning>", " \u2192</reasoning>", 1)
         return [{**step[0], "completion": arrow}, *step[1:]]
+    if shape == SHAPES[2]:
+        return [
+            {
+                **item,
+                "completion": item["completion"].replace(
+                    "</reasoning>", ", as 3 < 5</reasoning>", 1
+                ),
+            }
+            for item in step
+        ]
     raise ValueError(f"unknown shape {shape!r}: one of {SHAPES}")

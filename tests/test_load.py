@@ -222,4 +222,5 @@ def test_score_benchmark_runs_end_to_end(
     # (D) on the workload's other shapes; folded line breaks leave every reward as it was.
     assert re.search(r"\(D\), reasoning with line breaks +[0-9.]+ +[0-9.]+", out), out
     assert re.search(r"\(D\), one character beyond Latin-1 +[0-9.]+ +[0-9.]+", out), out
+    assert re.search(r"\(E\), a '<' in the reasoning +[0-9.]+ +[0-9.]+", out), out
     assert "line breaks leave the rewards as they were: yes" in out

@@ -8,17 +8,31 @@ any text, hostile or not, and any cap.
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reward_server.core.parsing import final_answer, parse_completions, strategy_blocks
+from reward_server.core.parsing import (
+    _scan_fields,
+    final_answer,
+    parse_completions,
+    raw_fields,
+    strategy_blocks,
+)
 from reward_server.core.text import field_text, field_texts, preprocess
 from tests.hostile import PIECES
 
+# A "<" that is text, and ones that begin (or look like) a tag the scan reads.
+_ANGLED = st.sampled_from(
+    ["x<5", "<<", "</", "<br>", "a <= b", "<strategyx", "</reasoningx>", "<Reasoning>",
+     "<STRATEGY_OUTCOME>", "<strategy_outcome x>", "</strategy_outcome", "<answers",
+     "</final_answer >", "<strategy\n>", "</strategy>", "<answer>1", "<reasoning_x>"]
+)  # fmt: skip
 _FIELD = st.one_of(
     st.sampled_from(["", " ", "  x  ", "**", "__", "```py a```", "~~~", "a < b", "\n1\t", "ﬁ"]),
+    _ANGLED,
     st.text(alphabet=st.sampled_from(" \t\n\xa0\u2028*_`~<>/ab1"), max_size=8),
-)
+)  # fmt: skip
 _TAG = st.sampled_from(
     ["<strategy>", '<strategy id="1">', "<STRATEGY\tx>", "</strategy>", "</Strategy >",
      "<reasoning>", "<Reasoning a=b>", "</reasoning>", "</REASONING\n>", "<strategy_outcome>",
@@ -110,16 +124,18 @@ def test_a_batch_of_fields_clean_but_for_a_fence_loses_the_fence() -> None:
 
 
 _WORD = st.sampled_from(["a", "b c", "x**y", " 42 ", "0", "twelve", "3/4", "é"])
+_USUAL_FIELD = st.one_of(_WORD, _WORD, _WORD, st.builds("{} {}".format, _WORD, _ANGLED))
 
 
 @st.composite
 def _usual_completion(draw: st.DrawFn) -> str:
     """What models mostly emit: well-formed blocks, then one final answer (the parser's fast
     paths), with the cases that must leave them: an empty field, a repeated block, no or two
-    final answers, an empty one, an ``answer`` field, text after the answer."""
+    final answers, an empty one, an ``answer`` field, text after the answer, a ``<`` in a
+    field (text, or a tag the scan reads)."""
     blocks = [
-        f'<strategy id="{j}"><reasoning>{draw(_WORD)}</reasoning>'
-        f"<strategy_outcome>{draw(_WORD)}</strategy_outcome></strategy>\n"
+        f'<strategy id="{j}"><reasoning>{draw(_USUAL_FIELD)}</reasoning>'
+        f"<strategy_outcome>{draw(_USUAL_FIELD)}</strategy_outcome></strategy>\n"
         for j in range(draw(st.integers(0, 5)))
     ]
     if blocks and draw(st.booleans()):
@@ -145,6 +161,32 @@ def test_batch_parser_fast_paths_match_the_tag_by_tag_scan(texts: list[str], cap
         reference = strategy_blocks(text, cap)
         assert parsed.strategies == reference
         assert parsed.final_answer == final_answer(text, reference)
+        assert raw_fields(text) == _scan_fields(text)
+
+
+_BODY = "<reasoning>x < 5</reasoning><strategy_outcome>1</strategy_outcome>"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        f"<strategy>{_BODY}</strategy><final_answer>1</final_answer>",  # read from the split
+        f"<strategy>{_BODY}</strategy><strategy>{_BODY.replace('<', '(')}</strategy>",
+        f"<final_answer>{_BODY}</strategy>",  # a closing after an answer opening: no block
+        f"</strategy>{_BODY}</strategy>",  # a closing after a closing
+        f"<strategy>{_BODY}<final_answer>2</final_answer>",  # an opening never closed
+        f"<strategy>{_BODY}</answer><answer>2</answer>",
+        f"<strategy>{_BODY}<answer>2</answer></strategy>",  # an answer inside the block
+        f"<strategy>{_BODY}",
+        f"<strategy><reasoning>a <STRATEGY_OUTCOME></reasoning>{_BODY[-46:]}</strategy>",
+    ],
+)
+def test_a_block_with_a_lt_in_a_field_is_read_as_the_scan_reads_it(text: str) -> None:
+    """A block whose fields hold a ``<`` is read from the split only between its own opening
+    and closing; anywhere else the tag by tag scan decides."""
+    assert raw_fields(text) == _scan_fields(text)
+    (parsed,) = parse_completions([text], 32)
+    assert parsed.strategies == strategy_blocks(text, 32)
 
 
 def test_long_texts_are_scanned_tag_by_tag_with_the_same_fields() -> None:

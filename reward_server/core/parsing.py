@@ -292,6 +292,24 @@ def _event() -> re.Pattern[str]:
     )
 
 
+@cache
+def _block_body() -> re.Pattern[str]:
+    """A strategy block's body, between its opening and its closing, read as
+    :func:`scan_strategies` reads it when a field holds a ``<`` that is text (as in
+    "x < 5"): reasoning field (group 1), outcome field (group 2), nothing else but text
+    between them, and in a field no ``<`` that could begin a tag the scan reads (any name
+    starting with one of theirs, opening or closing). So the first reasoning opening is the
+    body's, the first closing after it ends the field, and likewise for the outcome (an
+    outcome tag inside the reasoning would begin with ``<strategy``). Possessive
+    repetitions: a match never backtracks.
+    """
+    r, o = map(_ascii_caseless, ("reasoning", "strategy_outcome"))
+    names = "|".join(map(_ascii_caseless, ("strategy", "reasoning", "final_answer", "answer")))
+    attrs = r"(?:\s[^<>]*)?>"
+    field = rf"([^<]*+(?:<(?!/?(?:{names}))[^<]*+)*+)"
+    return re.compile(rf"[^<]*+<{r}{attrs}{field}</{r}\s*>[^<]*+<{o}{attrs}{field}</{o}\s*>[^<]*+")
+
+
 class RawFields(NamedTuple):
     """A completion's fields as SPEC §1 reads them, before field cleaning."""
 
@@ -317,9 +335,12 @@ def raw_fields(text: str) -> RawFields:
     ``_event().split`` hands back every tag's groups in one C call. In the usual completion
     every strategy block is well formed and read whole, and whatever follows the last one is
     answer fields, each opening followed by its closing: then the fields are slices of that
-    list, with no Python work per tag. Any other completion, or one over
-    :data:`SPLIT_MAX_CHARS`, is read tag by tag (:func:`_scan_fields`), which gives the same
-    fields for the usual ones.
+    list, with no Python work per tag. Past the first tag that is not a whole block, the
+    list is read tag by tag: answer fields, whole blocks, and blocks whose fields hold a
+    ``<`` that is text (an opening alone, then its closing, the body between them read by
+    :func:`_block_body`). Any other completion, or one over :data:`SPLIT_MAX_CHARS`, is read
+    from the text tag by tag (:func:`_scan_fields`), which gives the same fields for the
+    usual ones.
     """
     if len(text) > SPLIT_MAX_CHARS:
         return _scan_fields(text)
@@ -335,15 +356,29 @@ def raw_fields(text: str) -> RawFields:
     )
     tags = len(reasonings)
     tag = whole
-    # The rest must be answer fields, opening then closing. A tag's groups are parts[at + 1]
-    # to parts[at + 7]; parts[following] is the text up to the next tag, whose groups follow.
+    # A tag's groups are parts[at + 1] to parts[at + 7]; parts[following] is the text up to
+    # the next tag, whose groups follow.
     while tag < tags:
         at = _STRIDE * tag
         following = at + _STRIDE
-        if tag + 1 < tags and parts[at + 4] is not None and parts[following + 5] is not None:
+        if parts[at + 2] is not None:  # a whole block
+            fields.reasonings.append(parts[at + 2])
+            fields.outcomes.append(parts[at + 3])
+            tag += 1
+            continue
+        if tag + 1 == tags:
+            return _scan_fields(text)
+        if parts[at + 4] is not None and parts[following + 5] is not None:
             fields.final_answers.append(parts[following])
-        elif tag + 1 < tags and parts[at + 6] is not None and parts[following + 7] is not None:
+        elif parts[at + 6] is not None and parts[following + 7] is not None:
             fields.answers.append(parts[following])
+        elif (
+            parts[following + 1] is not None  # a strategy closing, after an opening alone:
+            and parts[at + 1 : following].count(None) == _STRIDE - 1
+            and (body := _block_body().fullmatch(parts[following])) is not None
+        ):
+            fields.reasonings.append(body[1])
+            fields.outcomes.append(body[2])
         else:
             return _scan_fields(text)
         tag += 2
