@@ -86,25 +86,31 @@ def grpo_step(
 #: What real model output holds and the standard step does not, for ``bench_score.py``'s (D):
 #: reasoning broken into lines (field cleaning folds the breaks, so the reward is the standard
 #: step's), one character beyond Latin-1 in the step (an arrow at the end of one reasoning),
-#: and a comparison in each completion's first reasoning (a "<" that is text, not a tag).
-SHAPES = ("reasoning with line breaks", "one character beyond Latin-1", "a '<' in the reasoning")
+#: a comparison in each completion's first reasoning (a "<" that is text, not a tag), and
+#: Markdown in every reasoning (a bold lead and a fenced line of code).
+SHAPES = (
+    "reasoning with line breaks",
+    "one character beyond Latin-1",
+    "a '<' in the reasoning",
+    "Markdown in the reasoning",
+)
 
 
 def reshape(step: list[dict[str, Any]], shape: str) -> list[dict[str, Any]]:
     """``step`` with its completions in one of :data:`SHAPES`."""
     if shape == SHAPES[0]:
-        return [{**item, "completion": item["completion"].replace(". ", ".\n")} for item in step]
+        return _replaced(step, ". ", ".\n")
     if shape == SHAPES[1]:
-        arrow = step[0]["completion"].replace("</reasoning>", " \u2192</reasoning>", 1)
-        return [{**step[0], "completion": arrow}, *step[1:]]
+        return [*_replaced(step[:1], "</reasoning>", " \u2192</reasoning>", 1), *step[1:]]
     if shape == SHAPES[2]:
-        return [
-            {
-                **item,
-                "completion": item["completion"].replace(
-                    "</reasoning>", ", as 3 < 5</reasoning>", 1
-                ),
-            }
-            for item in step
-        ]
+        return _replaced(step, "</reasoning>", ", as 3 < 5</reasoning>", 1)
+    if shape == SHAPES[3]:
+        bold = _replaced(step, "<reasoning>", "<reasoning>**Step:** ")
+        return _replaced(bold, "</reasoning>", "\n```py\nx = 1\n```</reasoning>")
     raise ValueError(f"unknown shape {shape!r}: one of {SHAPES}")
+
+
+def _replaced(
+    step: list[dict[str, Any]], old: str, new: str, count: int = -1
+) -> list[dict[str, Any]]:
+    return [{**item, "completion": item["completion"].replace(old, new, count)} for item in step]

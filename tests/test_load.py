@@ -223,4 +223,5 @@ def test_score_benchmark_runs_end_to_end(
     assert re.search(r"\(D\), reasoning with line breaks +[0-9.]+ +[0-9.]+", out), out
     assert re.search(r"\(D\), one character beyond Latin-1 +[0-9.]+ +[0-9.]+", out), out
     assert re.search(r"\(E\), a '<' in the reasoning +[0-9.]+ +[0-9.]+", out), out
+    assert re.search(r"\(D\), Markdown in the reasoning +[0-9.]+ +[0-9.]+", out), out
     assert "line breaks leave the rewards as they were: yes" in out
