@@ -47,7 +47,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 import numpy as np
@@ -307,33 +307,23 @@ def measure_overhead(
         server = start_table_server(Path(tmp) / "table.npz", port)
     minimal = HTTPConnection("127.0.0.1", port, timeout=60)
     try:
-        headers = {"content-type": "application/json"}
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
             for r in range(repeats + len(steps)):  # the first pass over the steps warms up
                 i = r % len(steps)
-                items = _items(steps[i])
-                t0 = time.perf_counter()
-                prepared = prepare_batch(items)
-                d = finish_batch(prepared, table.encode(prepared.texts)).rewards
-                t1 = time.perf_counter()
-                resp = http.post("/v1/score", content=bodies[i], headers=headers)
-                t2 = time.perf_counter()
-                resp.raise_for_status()
-                e = resp.json()["rewards"]
-                out.max_diff = max(out.max_diff, float(np.max(np.abs(np.subtract(d, e)))))
+                both = _both_ways(steps[i], bodies[i], table, http, out)
                 t3 = time.perf_counter()
-                minimal.request("POST", "/v1/score", body=bodies[i], headers=headers)
+                minimal.request("POST", "/v1/score", body=bodies[i], headers=_JSON)
                 answer = minimal.getresponse()
                 raw = answer.read()
                 t4 = time.perf_counter()
-                if answer.status != 200 or json.loads(raw)["rewards"] != e:
+                if answer.status != 200 or json.loads(raw)["rewards"] != both.http_rewards:
                     raise RuntimeError(f"the minimal client got {answer.status} or other rewards")
                 if r < len(steps):
                     continue
-                out.in_process.append((t1 - t0) * 1000)
-                out.http.append((t2 - t1) * 1000)
+                out.in_process.append(both.in_process_ms)
+                out.http.append(both.http_ms)
                 out.http_minimal.append((t4 - t3) * 1000)
-                out.server_total.append(float(resp.headers["x-total-time"]))
+                out.server_total.append(both.server_ms)
             for shape, shape_steps in shaped.items():
                 _measure_shape(out, shape, shape_steps, steps, table, http, repeats)
     finally:
@@ -341,6 +331,38 @@ def measure_overhead(
         server.terminate()
         server.wait(30)
     return out
+
+
+_JSON = {"content-type": "application/json"}
+
+
+class BothWays(NamedTuple):
+    """One step's (D) and (E): milliseconds, (D)'s rewards, (E)'s and the server's own time."""
+
+    in_process_ms: float
+    http_ms: float
+    rewards: list[float]
+    http_rewards: list[float]
+    server_ms: float
+
+
+def _both_ways(
+    step: list[dict[str, Any]], body: bytes, table: Any, http: httpx.Client, out: Overhead
+) -> BothWays:
+    """(D), then (E) of the same ``step`` (``body`` serialized), the rewards' difference
+    recorded in ``out.max_diff``."""
+    items = _items(step)
+    t0 = time.perf_counter()
+    prepared = prepare_batch(items)
+    rewards = finish_batch(prepared, table.encode(prepared.texts)).rewards
+    t1 = time.perf_counter()
+    resp = http.post("/v1/score", content=body, headers=_JSON)
+    t2 = time.perf_counter()
+    resp.raise_for_status()
+    http_rewards = resp.json()["rewards"]
+    out.max_diff = max(out.max_diff, float(np.max(np.abs(np.subtract(rewards, http_rewards)))))
+    server_ms = float(resp.headers["x-total-time"])
+    return BothWays((t1 - t0) * 1000, (t2 - t1) * 1000, rewards, http_rewards, server_ms)
 
 
 def _measure_shape(
@@ -356,29 +378,19 @@ def _measure_shape(
     in_process: list[float] = []
     through_server: list[float] = []
     out.shapes[shape] = (in_process, through_server)
-    headers = {"content-type": "application/json"}
     bodies = [json.dumps({"items": st}).encode() for st in shape_steps]
     for r in range(repeats + len(steps)):
         i = r % len(steps)
-        items = _items(shape_steps[i])
-        t0 = time.perf_counter()
-        prepared = prepare_batch(items)
-        rewards = finish_batch(prepared, table.encode(prepared.texts)).rewards
-        t1 = time.perf_counter()
-        resp = http.post("/v1/score", content=bodies[i], headers=headers)
-        t2 = time.perf_counter()
-        resp.raise_for_status()
-        diff = np.max(np.abs(np.subtract(rewards, resp.json()["rewards"])))
-        out.max_diff = max(out.max_diff, float(diff))
+        both = _both_ways(shape_steps[i], bodies[i], table, http, out)
         if r < len(steps):
             if shape == SHAPES[0]:
                 prepared = prepare_batch(_items(steps[i]))
                 expected = finish_batch(prepared, table.encode(prepared.texts)).rewards
-                diff = np.max(np.abs(np.subtract(rewards, expected)))
+                diff = np.max(np.abs(np.subtract(both.rewards, expected)))
                 out.line_break_diff = max(out.line_break_diff, float(diff))
             continue
-        in_process.append((t1 - t0) * 1000)
-        through_server.append((t2 - t1) * 1000)
+        in_process.append(both.in_process_ms)
+        through_server.append(both.http_ms)
 
 
 def print_overhead(o: Overhead) -> bool:
