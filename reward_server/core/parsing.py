@@ -1,8 +1,10 @@
 """The completion schema parser of SPEC §1: strategy blocks and the final answer.
 
-It never raises and runs in time linear in the input: every regular expression below is
-anchored on a literal ``<`` and its variable part (``[^<>]*`` or whitespace) cannot run past
-the next ``<``, so scans from different start positions never overlap.
+It never raises and runs in time linear in the input: every regular expression below that
+searches is anchored on a literal ``<`` and its variable part (``[^<>]*`` or whitespace)
+cannot run past the next ``<``, so scans from different start positions never overlap; the
+one that reads a block's body (:func:`_block_body`) is matched once per block, over that
+block's text only, with possessive repetitions that never backtrack.
 """
 
 from __future__ import annotations
