@@ -88,9 +88,10 @@ def test_batch_parser_matches_the_tag_by_tag_scan(texts: list[str], cap: int) ->
         assert parsed.final_answer == final_answer(text, reference)
 
 
-# ``field_texts`` reads a batch of Latin-1 fields one byte a character and any other batch four
-# bytes a character (every whitespace character of either kind here); a NUL (the separator it
-# joins with) makes its field cleaned alone.
+# ``field_texts`` reads a batch as Latin-1, a byte a character, with "?" for each wider one,
+# and cleans again alone each field holding one (every whitespace character of either kind,
+# and literal "?", here); a NUL (the separator it joins with) in any field makes it clean
+# every field alone.
 _LATIN1_FIELD = st.text(alphabet=st.sampled_from(" \t\n\x1c\x85\xa0*_`~abé1<\x00"), max_size=10)
 _WIDE_FIELD = st.text(
     alphabet=st.sampled_from(" \n\xa0\u1680\u2000\u200a\u2028\u202f\u3000\u3001→😀\ud800*_?a\x00"),
@@ -115,6 +116,12 @@ _FENCED_FIELD = st.builds(
     )
 )
 def test_fields_cleaned_together_as_one_by_one(raws: list[str]) -> None:
+    assert field_texts(raws) == [field_text(raw) for raw in raws]
+
+
+def test_many_question_marks_beside_wide_characters() -> None:
+    """Past a few hundred literal "?" the fields beyond Latin-1 are told from the code points."""
+    raws = ["? " * 200, "a\u2192  b", "??", " x ? ", "\U0001f600?\ud800", "\u3000?"] * 2
     assert field_texts(raws) == [field_text(raw) for raw in raws]
 
 

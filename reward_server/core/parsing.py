@@ -4,7 +4,8 @@ It never raises and runs in time linear in the input: every regular expression b
 searches is anchored on a literal ``<`` and its variable part (``[^<>]*`` or whitespace)
 cannot run past the next ``<``, so scans from different start positions never overlap; the
 one that reads a block's body (:func:`_block_body`) is matched once per block, over that
-block's text only, with possessive repetitions that never backtrack.
+block's text only: its fields' repetitions are possessive, and what can backtrack (a tag's
+attributes, a closing's whitespace) stops at the next ``<`` or ``>``.
 """
 
 from __future__ import annotations
@@ -302,8 +303,10 @@ def _block_body() -> re.Pattern[str]:
     between them, and in a field no ``<`` that could begin a tag the scan reads (any name
     starting with one of theirs, opening or closing). So the first reasoning opening is the
     body's, the first closing after it ends the field, and likewise for the outcome (an
-    outcome tag inside the reasoning would begin with ``<strategy``). Possessive
-    repetitions: a match never backtracks.
+    outcome tag inside the reasoning would begin with ``<strategy``). The answer names are
+    left out of fields for safety only: a real answer tag in the block would have been a tag
+    of the split, so a text such as ``<answers`` merely sends the completion tag by tag.
+    The fields' repetitions are possessive.
     """
     r, o = map(_ascii_caseless, ("reasoning", "strategy_outcome"))
     names = "|".join(map(_ascii_caseless, ("strategy", "reasoning", "final_answer", "answer")))
@@ -325,6 +328,8 @@ class RawFields(NamedTuple):
 
 #: In ``_event().split(text)``: each tag's 7 groups then the text after it, per tag.
 _STRIDE = 8
+#: A strategy opening alone: none of its 7 groups matched.
+_OPENING_ALONE = [None] * (_STRIDE - 1)
 #: Longer texts are scanned tag by tag (:func:`_scan_fields` streams its matches): ``split``
 #: holds eight list entries per tag at once, and a body of tag floods may hold millions of tags.
 #: Completions are a few KB; the shortcut is for them.
@@ -341,8 +346,8 @@ def raw_fields(text: str) -> RawFields:
     list is read tag by tag: answer fields, whole blocks, and blocks whose fields hold a
     ``<`` that is text (an opening alone, then its closing, the body between them read by
     :func:`_block_body`). Any other completion, or one over :data:`SPLIT_MAX_CHARS`, is read
-    from the text tag by tag (:func:`_scan_fields`), which gives the same fields for the
-    usual ones.
+    from the text tag by tag (:func:`_scan_fields`, the reference: this function returns
+    what it returns for every text).
     """
     if len(text) > SPLIT_MAX_CHARS:
         return _scan_fields(text)
@@ -376,7 +381,7 @@ def raw_fields(text: str) -> RawFields:
             fields.answers.append(parts[following])
         elif (
             parts[following + 1] is not None  # a strategy closing, after an opening alone:
-            and parts[at + 1 : following].count(None) == _STRIDE - 1
+            and parts[at + 1 : following] == _OPENING_ALONE
             and (body := _block_body().fullmatch(parts[following])) is not None
         ):
             fields.reasonings.append(body[1])
