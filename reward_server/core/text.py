@@ -77,8 +77,8 @@ def field_text(raw: str) -> str:
     return " ".join(text.split())
 
 
-#: Between fields in :func:`field_texts`: NUL, which model output does not hold (a field that
-#: does is cleaned alone) and which no cleaning step touches.
+#: Between fields in :func:`field_texts`: NUL, which model output does not hold (when a field
+#: does, the batch is cleaned field by field) and which no cleaning step touches.
 _SEP = "\x00"
 
 
