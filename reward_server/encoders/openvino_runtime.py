@@ -67,6 +67,15 @@ class OpenVinoEncoder(BatchedEncoder):
         self._compiled = self._compile()
         self._input_names = {port.get_any_name() for port in self._compiled.inputs}
         self._requests = threading.local()
+        # A first inference here, on the one thread that opens the encoder. OpenVINO's Python
+        # binding initializes function-local statics the first time a request's tensors are
+        # filled and read; when two stream threads did that at once, one waited for the
+        # static's guard holding the GIL while the other waited for the GIL inside the guard
+        # (seen once in CI: a test process hung in `__cxa_guard_acquire` under
+        # `InferRequest.infer`, every other thread waiting). Afterwards the statics are set.
+        # Any token ids do: the output is dropped.
+        ids = np.zeros((1, 2), dtype=np.int64)
+        self._compiled.create_infer_request().infer(self._feeds(ids, np.ones_like(ids)))
 
     def _compile(self) -> Any:
         """The export compiled for this machine's CPU in fp32, with this encoder's streams."""
@@ -90,7 +99,12 @@ class OpenVinoEncoder(BatchedEncoder):
         request = getattr(self._requests, "request", None)
         if request is None:
             request = self._requests.request = self._compiled.create_infer_request()
+        return request.infer(self._feeds(ids, mask))[0]
+
+    def _feeds(
+        self, ids: npt.NDArray[np.int64], mask: npt.NDArray[np.int64]
+    ) -> dict[str, npt.NDArray[np.int64]]:
         feeds = {"input_ids": ids, "attention_mask": mask}
         if "token_type_ids" in self._input_names:
             feeds["token_type_ids"] = np.zeros_like(ids)
-        return request.infer(feeds)[0]
+        return feeds
