@@ -50,10 +50,14 @@ def _ascii_caseless(name: str) -> str:
     return f"(?ai:{re.escape(name)})"
 
 
+#: What follows an opening tag's name: `>`, or one whitespace character, anything but `<`/`>`,
+#: then `>` (``<NAME>``, ``<NAME id="1">``).
+_ATTRS = r"(?:\s[^<>]*)?>"
+
+
 @cache
 def _opening(name: str) -> re.Pattern[str]:
-    # `<NAME>` or `<NAME` + one whitespace character + anything but `<`/`>` + `>`.
-    return re.compile(rf"<{_ascii_caseless(name)}(?:\s[^<>]*)?>")
+    return re.compile(rf"<{_ascii_caseless(name)}{_ATTRS}")
 
 
 @cache
@@ -284,14 +288,13 @@ def _event() -> re.Pattern[str]:
     s, r, o, f, a = map(
         _ascii_caseless, ("strategy", "reasoning", "strategy_outcome", "final_answer", "answer")
     )
-    attrs = r"(?:\s[^<>]*)?>"
     body = (
-        rf"[^<]*+<{r}{attrs}([^<]*+)</{r}\s*>"
-        rf"[^<]*+<{o}{attrs}([^<]*+)</{o}\s*>[^<]*+</{s}\s*>"
+        rf"[^<]*+<{r}{_ATTRS}([^<]*+)</{r}\s*>"
+        rf"[^<]*+<{o}{_ATTRS}([^<]*+)</{o}\s*>[^<]*+</{s}\s*>"
     )
     return re.compile(
-        rf"<(?:(/{s}\s*>)|{s}{attrs}(?:{body})?"
-        rf"|({f}{attrs})|(/{f}\s*>)|({a}{attrs})|(/{a}\s*>))"
+        rf"<(?:(/{s}\s*>)|{s}{_ATTRS}(?:{body})?"
+        rf"|({f}{_ATTRS})|(/{f}\s*>)|({a}{_ATTRS})|(/{a}\s*>))"
     )
 
 
@@ -310,9 +313,10 @@ def _block_body() -> re.Pattern[str]:
     """
     r, o = map(_ascii_caseless, ("reasoning", "strategy_outcome"))
     names = "|".join(map(_ascii_caseless, ("strategy", "reasoning", "final_answer", "answer")))
-    attrs = r"(?:\s[^<>]*)?>"
     field = rf"([^<]*+(?:<(?!/?(?:{names}))[^<]*+)*+)"
-    return re.compile(rf"[^<]*+<{r}{attrs}{field}</{r}\s*>[^<]*+<{o}{attrs}{field}</{o}\s*>[^<]*+")
+    return re.compile(
+        rf"[^<]*+<{r}{_ATTRS}{field}</{r}\s*>[^<]*+<{o}{_ATTRS}{field}</{o}\s*>[^<]*+"
+    )
 
 
 class RawFields(NamedTuple):

@@ -221,8 +221,8 @@ def _fold_runs(text: bytes) -> str:
     codes = np.frombuffer(text.translate(_LATIN1_TO_SPACE), np.uint8)
     space = codes == ord(" ")
     # Every whitespace character is a space now; a space goes when the one before it is a
-    # space too, so each run keeps one (in place: a step's text is
-    # 130 KB, and each temporary array that size is one more allocation to fault in).
+    # space too, so each run keeps one (in place: a step's text is 130 KB, and each temporary
+    # array that size is one more allocation to fault in).
     dropped = np.empty(len(codes), bool)
     dropped[0] = False
     np.logical_and(space[1:], space[:-1], out=dropped[1:])
