@@ -10,8 +10,9 @@ changes gain, so a before/after must come from one run with the two trees interl
 
 Both trees must give the same rewards for every step, to within :data:`TOLERANCE` (a change
 may round differently, never more): the largest difference is printed, 0 when they agree bit
-for bit. The embeddings are random unit-free rows seeded here, the same for both, since only the
-cost of everything but the encoder is measured.
+for bit. The embeddings are the real encoder's (the embedded model, CPU), computed once here
+into one table that both trees read: what everything but the encoder costs depends on the
+cosines (the ``Uniq`` walk runs for the items with a pair closer than the threshold).
 
     python benchmarks/ab_trees.py --base ../other-checkout [--steps 300]
     python benchmarks/ab_trees.py --base ../other-checkout --shape "reasoning with line breaks"
@@ -60,26 +61,28 @@ def _steps(shape: str) -> list[list[dict[str, Any]]]:
 STANDARD = "standard"
 
 
-def _table(steps: list[list[dict[str, Any]]]) -> Any:
-    import numpy as np
-
+def _save_table(steps: list[list[dict[str, Any]]], path: Path) -> None:
+    """The steps' needed texts embedded by the embedded model, saved as a table at ``path``."""
     from benchmarks.table_server import TableEncoder
     from reward_server.core import ScoreItem, prepare_batch
+    from reward_server.encoders.loading import export_engine
+    from reward_server.encoders.model_store import resolve_model
 
     texts = list(
         dict.fromkeys(t for st in steps for t in prepare_batch([ScoreItem(**i) for i in st]).texts)
     )
-    rows = np.random.default_rng(0).standard_normal((len(texts), 384)).astype(np.float32)
-    return TableEncoder(texts, rows)
+    encoder = export_engine("onnx")(resolve_model(None))
+    TableEncoder(texts, encoder.encode(texts)).save(path)
 
 
-def worker(steps_file: Path) -> None:
+def worker(steps_file: Path, table_file: Path) -> None:
     """Answer ``i`` on stdin with ``milliseconds rewards-json`` for step ``i % 8`` of
-    ``steps_file``."""
+    ``steps_file``, embeddings from ``table_file``."""
+    from benchmarks.table_server import TableEncoder
     from reward_server.core import ScoreItem, finish_batch, prepare_batch
 
     steps = json.loads(steps_file.read_text())
-    table = _table(steps)
+    table = TableEncoder.load(table_file)
     print("ready", flush=True)
     for line in sys.stdin:
         step = steps[int(line) % len(steps)]
@@ -100,12 +103,13 @@ def _spawn(tree: Path, *args: str) -> subprocess.Popen[str]:
 
 
 def compare_in_process(
-    trees: Sequence[Path], steps: int, steps_file: Path, largest: list[float]
+    trees: Sequence[Path], steps: int, steps_file: Path, table: Path, largest: list[float]
 ) -> dict[Path, list[float]]:
     """(D) per tree, alternating step by step; rewards must agree (:func:`_differ`)."""
     # This file's worker, importing each tree's code (its PYTHONPATH): the base need not have it.
     me = str(Path(__file__).resolve())
-    procs = [_spawn(t, me, "--worker", "--steps-file", str(steps_file)) for t in trees]
+    worker_args = ("--worker", "--steps-file", str(steps_file), "--table", str(table))
+    procs = [_spawn(t, me, *worker_args) for t in trees]
     times: dict[Path, list[float]] = {t: [] for t in trees}
     try:
         for p in procs:
@@ -132,6 +136,7 @@ def compare_http(
     trees: Sequence[Path],
     steps: int,
     step_items: list[list[dict[str, Any]]],
+    table: Path,
     port: int,
     largest: list[float],
 ) -> tuple[dict[Path, list[float]], dict[Path, list[float]]]:
@@ -145,36 +150,33 @@ def compare_http(
     times: dict[Path, list[float]] = {t: [] for t in trees}
     server_ms: dict[Path, list[float]] = {t: [] for t in trees}
     servers = []
-    with tempfile.TemporaryDirectory() as tmp:
-        table = Path(tmp) / "table.npz"
-        _table(step_items).save(table)
-        try:
-            for k, tree in enumerate(trees):
-                script = str(tree / "benchmarks" / "table_server.py")
-                server = _spawn(tree, script, "--table", str(table), "--port", str(port + k))
-                servers.append(server)
-                _wait_ready(server, port + k, time.perf_counter())  # type: ignore[arg-type]
-            clients = [
-                httpx.Client(base_url=f"http://127.0.0.1:{port + k}", timeout=60)
-                for k in range(len(trees))
-            ]
-            headers = {"content-type": "application/json"}
-            for r in range(steps + 16):
-                answers = []
-                for tree, client in zip(trees, clients, strict=True):
-                    start = time.perf_counter()
-                    resp = client.post("/v1/score", content=bodies[r % 8], headers=headers)
-                    ms = (time.perf_counter() - start) * 1000
-                    resp.raise_for_status()
-                    answers.append(resp.json()["rewards"])
-                    if r >= 16:
-                        times[tree].append(ms)
-                        server_ms[tree].append(float(resp.headers["x-total-time"]))
-                _differ(answers, f"request {r}", largest)
-        finally:
-            for server in servers:
-                server.terminate()
-                server.wait(30)
+    try:
+        for k, tree in enumerate(trees):
+            script = str(tree / "benchmarks" / "table_server.py")
+            server = _spawn(tree, script, "--table", str(table), "--port", str(port + k))
+            servers.append(server)
+            _wait_ready(server, port + k, time.perf_counter())  # type: ignore[arg-type]
+        clients = [
+            httpx.Client(base_url=f"http://127.0.0.1:{port + k}", timeout=60)
+            for k in range(len(trees))
+        ]
+        headers = {"content-type": "application/json"}
+        for r in range(steps + 16):
+            answers = []
+            for tree, client in zip(trees, clients, strict=True):
+                start = time.perf_counter()
+                resp = client.post("/v1/score", content=bodies[r % 8], headers=headers)
+                ms = (time.perf_counter() - start) * 1000
+                resp.raise_for_status()
+                answers.append(resp.json()["rewards"])
+                if r >= 16:
+                    times[tree].append(ms)
+                    server_ms[tree].append(float(resp.headers["x-total-time"]))
+            _differ(answers, f"request {r}", largest)
+    finally:
+        for server in servers:
+            server.terminate()
+            server.wait(30)
     return times, server_ms
 
 
@@ -186,9 +188,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--shape", default=STANDARD, help="standard, or one of workload.SHAPES")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--steps-file", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--table", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        worker(args.steps_file)
+        worker(args.steps_file, args.table)
         return 0
     if args.base is None:
         parser.error("--base is required")
@@ -200,10 +203,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     largest = [0.0]
     step_items = _steps(args.shape)
     with tempfile.TemporaryDirectory() as tmp:
-        steps_file = Path(tmp) / "steps.json"
+        steps_file, table = Path(tmp) / "steps.json", Path(tmp) / "table.npz"
         steps_file.write_text(json.dumps(step_items))
-        d = compare_in_process(trees, args.steps, steps_file, largest)
-    e, e_server = compare_http(trees, args.steps, step_items, args.port, largest)
+        _save_table(step_items, table)
+        d = compare_in_process(trees, args.steps, steps_file, table, largest)
+        e, e_server = compare_http(trees, args.steps, step_items, table, args.port, largest)
     print(
         f"{args.steps} steps per tree ({args.shape}), interleaved; rewards agree "
         f"(<= {TOLERANCE:.0e}): yes, largest difference {largest[0]:.1e}"

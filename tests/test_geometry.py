@@ -101,6 +101,12 @@ def test_gains_of_selections_equal_item_by_item_bit_for_bit() -> None:
             ]
             for _ in range(int(rng.integers(1, 30)))
         ]
+        if trial % 3 == 0:  # each selection its own rows, laid out by size: views of runs
+            sizes = list(map(len, selections))
+            batch = batch[rng.integers(0, len(batch), sum(sizes))]
+            unit, start = unit_rows(batch), 0
+            for k in sorted(range(len(sizes)), key=sizes.__getitem__):
+                selections[k], start = list(range(start, start + sizes[k])), start + sizes[k]
         some = next((s for s in selections if len(s) >= 2), [0, 1])
         threshold = float(cosine_matrix(batch[some])[0, 1]) if trial % 2 else 0.8
         # cosine_matrix of each item alone, as explanations compute it.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from fractions import Fraction
 
 from reward_server.core.params import AnswerType
@@ -81,6 +81,49 @@ def canonical_numeric(text: str) -> Canonical:
     if last is None:
         return field_text(text).lower().rstrip(". ")
     return _canonical_number(last.group(0))
+
+
+def whole_number_digits(gold: str) -> str | None:
+    """The plain digits a prediction in plain digits must equal to match ``gold`` numerically
+    (the digits of ``N(gold)`` when it is a whole number, with its sign), else ``None``.
+
+    See :func:`plain_whole_numbers`: together they let a batch of such predictions be matched
+    by string comparisons, with no matcher call per prediction.
+
+    >>> whole_number_digits("#### 1,000.00"), whole_number_digits("-7"), whole_number_digits("0.5")
+    ('1000', '-7', None)
+    """
+    gold_numeric = canonical_numeric(gold)
+    if type(gold_numeric) is Fraction and gold_numeric.denominator == 1:
+        return str(gold_numeric.numerator)
+    return None
+
+
+#: A piece of :func:`plain_whole_numbers`'s joined text that starts with a redundant zero.
+_LEADING_ZERO = re.compile(",0[0-9]")
+
+
+def plain_whole_numbers(texts: Sequence[str]) -> bool:
+    """Whether every text is a whole number in canonical plain digits: ASCII digits only, no
+    redundant leading zero (most outcomes and final answers of numeric tasks).
+
+    Such a text ``t`` canonicalizes to ``Fraction(int(t))``, and ``int(t)`` is written ``t``,
+    so it matches a gold iff ``t == whole_number_digits(gold)`` (a gold that is not a whole
+    number, ``None``, matches none of them). One scan of the texts joined, not one call each.
+
+    >>> plain_whole_numbers(["18", "0", "250"]), plain_whole_numbers(["18", "018"])
+    (True, False)
+    >>> plain_whole_numbers(["1,000"]), plain_whole_numbers(["-3"]), plain_whole_numbers(["1 2"])
+    (False, False, False)
+    """
+    joined = ",".join(texts)
+    return (
+        all(texts)
+        and joined.count(",") == len(texts) - 1  # no comma inside a text
+        and joined.isascii()
+        and joined.replace(",", "").isdigit()
+        and _LEADING_ZERO.search("," + joined) is None
+    )
 
 
 # Option-letter patterns of the `choice` matcher, in priority order.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import cache
+from itertools import accumulate, chain, repeat
 
 import numpy as np
 import numpy.typing as npt
@@ -194,9 +195,14 @@ def gains_of_selections(
     A batch's items are grouped by their number of strategies ``m``: each group's Gram
     matrices come from one stacked :func:`gram`, whose slices are the same BLAS call on the
     same shapes as the item's own (bit for bit :func:`cosine_matrix` of the item, as
-    explanations recompute it), and ``Div``'s means from one reduction along the last axis
-    (the same pairwise sum as :func:`diversity`'s of one item). Checked against the
-    item-by-item path in ``tests/test_geometry.py``.
+    explanations recompute it), and ``Div``'s sums from one reduction along the last axis
+    (the same pairwise sum as :func:`diversity`'s of one item). A group whose rows are one
+    run of ``unit`` (how :func:`~reward_server.core.scoring.prepare_batch` lays them out
+    when no text repeats) is read as a view of it, any other gathered by ``take``. The rest
+    runs once for the batch, over every group's upper triangles joined: the means, the
+    clamp, and which items have every pair allowed (``Uniq = m``, most items); the greedy
+    walk runs for the others only. ``unit`` holds finite rows (:func:`unit_rows` makes sure
+    of it). Checked against the item-by-item path in ``tests/test_geometry.py``.
 
     >>> unit = unit_rows(np.array([[1.0, 0.0], [0.99, 0.1], [0.0, 1.0]]))
     >>> [(round(g, 6), u, round(d, 6)) for g, u, d in gains_of_selections(
@@ -207,18 +213,54 @@ def gains_of_selections(
     by_size: dict[int, list[int]] = {}
     for i, selection in enumerate(selections):
         by_size.setdefault(len(selection), []).append(i)
+    groups: list[tuple[list[int], npt.NDArray[np.float64]]] = []  # (members, Gram stack)
+    sums, uppers = [], []
     for m, members in by_size.items():
         if m <= 1:
             for i in members:
                 out[i] = gain_of_cosines(np.ones((m, m)), threshold)
             continue
-        h = unit.take(np.array([selections[i] for i in members], dtype=np.intp), axis=0)
-        grams = gram(h)
+        grams = gram(_stack(unit, selections, members, m))
         # `take` gives C order, so each item's row is reduced as one contiguous run (pairwise
         # sum); fancy indexing along the second axis would not.
         upper = grams.reshape(len(members), m * m).take(_upper_flat(m), axis=1)
-        means = (np.add.reduce(upper, axis=1) / upper.shape[1]).tolist()
-        for i, uniq, mean in zip(members, _uniq_counts(grams, threshold), means, strict=True):
-            div = _clamped_div(mean)
-            out[i] = (uniq * div, uniq, div)
+        sums.append(np.add.reduce(upper, axis=1))
+        uppers.append(upper.ravel())
+        groups.append((members, grams))
+    if not groups:
+        return out
+    # Each item's pairs are a segment of the joined upper triangles.
+    m_of = [m for members, grams in groups for m in repeat(grams.shape[1], len(members))]
+    pairs = [m * (m - 1) // 2 for m in m_of]
+    means = np.concatenate(sums) / np.array(pairs, np.float64)
+    segments = np.array(list(accumulate(pairs[:-1], initial=0)), np.intp)
+    # Whether each item's pairs are all allowed (<= δ; NaN never is, as in the walk).
+    apart = np.logical_and.reduceat(np.concatenate(uppers) <= threshold, segments).tolist()
+    uniq = m_of
+    if not all(apart):
+        uniq, k = m_of.copy(), 0
+        for members, grams in groups:
+            walked = [j for j in range(len(members)) if not apart[k + j]]
+            if walked:
+                counts = _uniq_counts(grams[walked], threshold)
+                for j, count in zip(walked, counts, strict=True):
+                    uniq[k + j] = count
+            k += len(members)
+    div = np.clip(1.0 - means, 0.0, 1.0)  # _clamped_div of each mean
+    gain = (np.array(uniq, np.float64) * div).tolist()
+    items = chain.from_iterable(members for members, _ in groups)
+    for i, g, u, d in zip(items, gain, uniq, div.tolist(), strict=True):
+        out[i] = (g, u, d)
     return out
+
+
+def _stack(
+    unit: npt.NDArray[np.float64], selections: Sequence[Sequence[int]], members: list[int], m: int
+) -> npt.NDArray[np.float64]:
+    """The ``(len(members), m, d)`` stack of the members' rows of ``unit``: a view when they
+    are one run of rows, else gathered by ``take``."""
+    rows = list(chain.from_iterable(map(selections.__getitem__, members)))
+    first = rows[0]
+    if rows == list(range(first, first + len(rows))):
+        return unit[first : first + len(rows)].reshape(len(members), m, unit.shape[1])
+    return unit.take(np.array(rows, dtype=np.intp).reshape(len(members), m), axis=0)

@@ -17,8 +17,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from itertools import repeat
-from operator import itemgetter
+from itertools import chain, compress, repeat
+from operator import eq, itemgetter
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -26,12 +26,18 @@ import numpy.typing as npt
 from pydantic import ConfigDict, Field
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
-from reward_server.core.answers import MathJudge, make_matcher, math_equivalent
+from reward_server.core.answers import (
+    MathJudge,
+    make_matcher,
+    math_equivalent,
+    plain_whole_numbers,
+    whole_number_digits,
+)
 from reward_server.core.components import COMPONENTS
 from reward_server.core.geometry import gains_of_selections, unit_rows
 from reward_server.core.normalization import Aggregate, aggregate
 from reward_server.core.params import AnswerType, RewardParams
-from reward_server.core.parsing import ParsedCompletion, parse_completions
+from reward_server.core.parsing import ParsedCompletion, Strategy, parse_completions
 from reward_server.core.recipes import RECIPES, Recipe, RecipeSpec
 from reward_server.core.text import preprocess
 from reward_server.encoders.base import EMBEDDING_DIM, Encoder
@@ -113,7 +119,8 @@ class PreparedBatch:
     params: RewardParams
     analyses: list[ItemAnalysis]
     groups: list[str] | None
-    #: Distinct reasoning texts to embed, in first-seen order.
+    #: Distinct reasoning texts to embed, in first-seen order over the items that need ``g(H)``
+    #: taken by strategy count (then in item order).
     texts: list[str] = field(default_factory=list)
     #: For each item that needs ``g(H)``, in item order, the rows of ``texts`` that are its
     #: ``H`` (strategy order).
@@ -182,21 +189,64 @@ def recipe_spec(recipe: str) -> RecipeSpec:
         ) from None
 
 
-def analyze_item(
-    item: ScoreItem,
-    parsed: ParsedCompletion,
-    matches: Callable[[str], bool],
+def analyze_items(
+    items: Sequence[ScoreItem],
+    parsed: Sequence[ParsedCompletion],
+    answer_type: AnswerType,
+    math_judge: MathJudge,
     needs_encoder: bool,
     diagnostics: bool,
-) -> ItemAnalysis:
-    """Match one parsed completion's answers (``matches``: its gold answer's matcher) and decide
-    whether it needs the encoder (``needs_encoder``: its recipe's)."""
-    strategies, final = parsed
-    strategy_correct = any(map(matches, map(_OUTCOME, strategies)))
-    correct = final is not None and matches(final)
-    needs = len(strategies) >= 2 and (diagnostics or (needs_encoder and not strategy_correct))
-    fields = (parsed, correct, strategy_correct, needs, item.num_tokens, item.completion)
-    return tuple.__new__(ItemAnalysis, fields)  # in C: the named tuple's __new__ is Python
+) -> list[ItemAnalysis]:
+    """Match each parsed completion's answers against its item's gold and decide whether it
+    needs the encoder (``needs_encoder``: its recipe's)."""
+    strategies, finals = list(zip(*parsed, strict=True))
+    verdicts = _verdicts_as_strings(items, strategies, finals) if answer_type == "numeric" else None
+    if verdicts is None:
+        matchers: dict[str, Callable[[str], bool]] = {}
+        for gold in dict.fromkeys(it.answer for it in items):
+            matchers[gold] = make_matcher(answer_type, preprocess(gold), math_judge)
+        each = [matchers[it.answer] for it in items]
+        correct = [f is not None and matches(f) for f, matches in zip(finals, each, strict=True)]
+        chi = [
+            any(map(matches, map(_OUTCOME, s))) for s, matches in zip(strategies, each, strict=True)
+        ]
+    else:
+        correct, chi = verdicts
+    needs = [
+        len(s) >= 2 and (diagnostics or (needs_encoder and not c))
+        for s, c in zip(strategies, chi, strict=True)
+    ]
+    tokens = [it.num_tokens for it in items]
+    completions = [it.completion for it in items]
+    columns = zip(parsed, correct, chi, needs, tokens, completions, strict=True)
+    # In C: a named tuple's own __new__ is a Python function.
+    return list(map(tuple.__new__, repeat(ItemAnalysis), columns))
+
+
+def _verdicts_as_strings(
+    items: Sequence[ScoreItem],
+    strategies: Sequence[tuple[Strategy, ...]],
+    finals: Sequence[str | None],
+) -> tuple[list[bool], list[bool]] | None:
+    """``(correct, χ)`` of every item by string comparisons, when the numeric matchers reduce
+    to them (:func:`~reward_server.core.answers.plain_whole_numbers`: every gold a whole number
+    and every outcome and final answer in plain digits, the usual numeric batch), else ``None``.
+
+    The batch's outcomes are compared in one pass with their items' golds; the items holding a
+    match are collected by ``compress``: no Python call per outcome or item.
+    """
+    digits: dict[str, str | None] = {}
+    for gold in dict.fromkeys(it.answer for it in items):
+        digits[gold] = whole_number_digits(preprocess(gold))
+    golds = [digits[it.answer] for it in items]
+    outcomes = list(map(_OUTCOME, chain.from_iterable(strategies)))
+    if None in golds or not plain_whole_numbers([*outcomes, *filter(None, finals)]):
+        return None
+    counts = list(map(len, strategies))
+    owners = chain.from_iterable(map(repeat, range(len(items)), counts))
+    per_outcome = chain.from_iterable(map(repeat, golds, counts))
+    holding = set(compress(owners, map(eq, outcomes, per_outcome)))
+    return list(map(eq, finals, golds)), list(map(holding.__contains__, range(len(items))))
 
 
 def prepare_batch(
@@ -219,19 +269,15 @@ def prepare_batch(
         raise InvalidBatch(("items",), "the batch is empty: send at least one item")
     groups = _groups(items)
     parsed = parse_completions([preprocess(it.completion) for it in items], params.max_strategies)
-    matchers: dict[str, Callable[[str], bool]] = {}
-    for gold in dict.fromkeys(it.answer for it in items):
-        matchers[gold] = make_matcher(answer_type, preprocess(gold), math_judge)
-    analyses = [
-        analyze_item(it, p, matchers[it.answer], needs_encoder, diagnostics)
-        for it, p in zip(items, parsed, strict=True)
-    ]
+    analyses = analyze_items(items, parsed, answer_type, math_judge, needs_encoder, diagnostics)
+    needing = [a.parsed.strategies for a in analyses if a.needs_geometry]
+    counts = list(map(len, needing))
     rows: dict[str, int] = {}  # each distinct reasoning text to embed -> its row
-    selections = [
-        [rows.setdefault(s.reasoning, len(rows)) for s in a.parsed.strategies]
-        for a in analyses
-        if a.needs_geometry
-    ]
+    selections: list[list[int]] = [[]] * len(needing)
+    # Rows laid out by strategy count, so that the items of one count usually hold one run of
+    # rows (gains_of_selections then reads their H as a view, with no gather).
+    for k in sorted(range(len(needing)), key=counts.__getitem__):
+        selections[k] = [rows.setdefault(s.reasoning, len(rows)) for s in needing[k]]
     return PreparedBatch(recipe, answer_type, params, analyses, groups, list(rows), selections)
 
 
@@ -298,7 +344,7 @@ def finish_batch(
     values: dict[str, npt.NDArray[np.float64]] = {k: COMPONENTS[k].value(columns, p) for k in keys}
     agg = aggregate(values, p, normalize=normalize, groups=prepared.groups)
     fields = zip(n_strat, final, correct, chi, uniq, div, strict=True)
-    results = list(map(tuple.__new__, repeat(ItemResult), fields))  # in C, as analyze_item
+    results = list(map(tuple.__new__, repeat(ItemResult), fields))  # in C, as analyze_items
     components: dict[str, list[float]] = {k: v.tolist() for k, v in values.items()}
     return BatchScore(prepared.recipe, p, components, agg, results)
 
