@@ -25,13 +25,17 @@ def test_numeric_matcher_is_the_canonical_comparison(prediction: str, gold: str)
     assert make_matcher("numeric", gold)(prediction) is expected
 
 
+_GROUPED = st.sampled_from([0, 7, 1000, 1200, 850000, 1000000]).map(lambda n: f"{n:,}")
 _PREDICTION = st.one_of(
     st.integers(0, 400).map(str),
+    _GROUPED,
     st.sampled_from(["0", "00", "012", "7.0", "-7", "1,000", "1 2", "٣", "12 apples", "x", ""]),
+    st.sampled_from(["1,,000", "1,", ",5", "0,5", "12,3", "1,000\n", "1\n000", "01,000"]),
 )
 _GOLD = st.one_of(
     st.integers(0, 400).map(str),
-    st.sampled_from(["-7", "0.5", "#### 1,000", "3/1", "Paris", "012", "1e3"]),
+    _GROUPED,
+    st.sampled_from(["-7", "0.5", "#### 1,000", "3/1", "Paris", "012", "1e3", "12,3"]),
 )
 
 

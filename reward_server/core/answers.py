@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from fractions import Fraction
 
 from reward_server.core.params import AnswerType
@@ -84,11 +84,11 @@ def canonical_numeric(text: str) -> Canonical:
 
 
 def whole_number_digits(gold: str) -> str | None:
-    """The plain digits a prediction in plain digits must equal to match ``gold`` numerically
-    (the digits of ``N(gold)`` when it is a whole number, with its sign), else ``None``.
+    """The digits a prediction's digits must equal for it to match ``gold`` numerically (those
+    of ``N(gold)`` when it is a whole number, with its sign), else ``None``.
 
-    See :func:`plain_whole_numbers`: together they let a batch of such predictions be matched
-    by string comparisons, with no matcher call per prediction.
+    With :func:`plain_whole_numbers`, a batch of predictions in plain digits is matched by
+    string comparisons, with no matcher call per prediction.
 
     >>> whole_number_digits("#### 1,000.00"), whole_number_digits("-7"), whole_number_digits("0.5")
     ('1000', '-7', None)
@@ -99,31 +99,38 @@ def whole_number_digits(gold: str) -> str | None:
     return None
 
 
-#: A piece of :func:`plain_whole_numbers`'s joined text that starts with a redundant zero.
-_LEADING_ZERO = re.compile(",0[0-9]")
+#: In :func:`plain_whole_numbers`'s joined text: a text starting with a redundant zero.
+_LEADING_ZERO = re.compile("\n0[0-9]")
 
 
-def plain_whole_numbers(texts: Sequence[str]) -> bool:
-    """Whether every text is a whole number in canonical plain digits: ASCII digits only, no
-    redundant leading zero (most outcomes and final answers of numeric tasks).
+def plain_whole_numbers(texts: list[str]) -> list[str] | None:
+    """Each text's digits when every text is a whole number written in plain digits (ASCII,
+    no redundant leading zero), perhaps grouped by commas between digits (``850,000``), as
+    most outcomes and final answers of numeric tasks are; else ``None``. ``texts`` itself
+    when none holds a comma.
 
-    Such a text ``t`` canonicalizes to ``Fraction(int(t))``, and ``int(t)`` is written ``t``,
-    so it matches a gold iff ``t == whole_number_digits(gold)`` (a gold that is not a whole
-    number, ``None``, matches none of them). One scan of the texts joined, not one call each.
+    Such a text canonicalizes to ``Fraction(int(d))`` of its digits ``d`` (``N`` drops a
+    comma between digits), and ``int(d)`` is written ``d``, so it matches a gold iff
+    ``d == whole_number_digits(gold)`` (a gold that is not a whole number, ``None``, matches
+    none of them). One scan of the texts joined, not one call each.
 
-    >>> plain_whole_numbers(["18", "0", "250"]), plain_whole_numbers(["18", "018"])
-    (True, False)
-    >>> plain_whole_numbers(["1,000"]), plain_whole_numbers(["-3"]), plain_whole_numbers(["1 2"])
-    (False, False, False)
+    >>> plain_whole_numbers(["18", "0", "850,000"]), plain_whole_numbers(["18", "018"])
+    (['18', '0', '850000'], None)
+    >>> [plain_whole_numbers([t]) for t in ("1,,000", "1,", "-3", "1 2", "1.0", "\uff11")]
+    [None, None, None, None, None, None]
     """
-    joined = ",".join(texts)
-    return (
-        all(texts)
-        and joined.count(",") == len(texts) - 1  # no comma inside a text
-        and joined.isascii()
-        and joined.replace(",", "").isdigit()
-        and _LEADING_ZERO.search("," + joined) is None
-    )
+    joined = "\n".join(texts)
+    if not (all(texts) and joined.count("\n") == len(texts) - 1 and joined.isascii()):
+        return None  # an empty text, a line break inside one, or a character beyond ASCII
+    commas = "," in joined
+    if commas:
+        ends = joined[0] + joined[-1]
+        if ",," in joined or "\n," in joined or ",\n" in joined or "," in ends:
+            return None  # a comma that is not between two digits of one text
+        joined = joined.replace(",", "")
+    if not joined.replace("\n", "").isdigit() or _LEADING_ZERO.search("\n" + joined):
+        return None
+    return joined.split("\n") if commas else texts
 
 
 # Option-letter patterns of the `choice` matcher, in priority order.

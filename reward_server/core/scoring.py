@@ -230,7 +230,8 @@ def _verdicts_as_strings(
 ) -> tuple[list[bool], list[bool]] | None:
     """``(correct, χ)`` of every item by string comparisons, when the numeric matchers reduce
     to them (:func:`~reward_server.core.answers.plain_whole_numbers`: every gold a whole number
-    and every outcome and final answer in plain digits, the usual numeric batch), else ``None``.
+    and every outcome and final answer in plain digits, perhaps grouped by commas: the usual
+    numeric batch), else ``None``.
 
     The batch's outcomes are compared in one pass with their items' golds; the items holding a
     match are collected by ``compress``: no Python call per outcome or item.
@@ -239,9 +240,17 @@ def _verdicts_as_strings(
     for gold in dict.fromkeys(it.answer for it in items):
         digits[gold] = whole_number_digits(preprocess(gold))
     golds = [digits[it.answer] for it in items]
-    outcomes = list(map(_OUTCOME, chain.from_iterable(strategies)))
-    if None in golds or not plain_whole_numbers([*outcomes, *filter(None, finals)]):
+    if None in golds:
         return None
+    outcomes = list(map(_OUTCOME, chain.from_iterable(strategies)))
+    texts = [*outcomes, *filter(None, finals)]
+    canonical = plain_whole_numbers(texts)
+    if canonical is None:
+        return None
+    if canonical is not texts:  # digits grouped by commas: compare the digits
+        digits_of = dict(zip(texts, canonical, strict=True))
+        outcomes = list(map(digits_of.__getitem__, outcomes))
+        finals = list(map(digits_of.get, finals))
     counts = list(map(len, strategies))
     owners = chain.from_iterable(map(repeat, range(len(items)), counts))
     per_outcome = chain.from_iterable(map(repeat, golds, counts))
