@@ -186,11 +186,17 @@ _BODY = "<reasoning>x < 5</reasoning><strategy_outcome>1</strategy_outcome>"
         f"<strategy>{_BODY}<answer>2</answer></strategy>",  # an answer inside the block
         f"<strategy>{_BODY}",
         f"<strategy><reasoning>a <STRATEGY_OUTCOME></reasoning>{_BODY[-46:]}</strategy>",
+        f"<strategy>{_BODY}</strategy><final_answer>x < 5</Final_Answer >",  # read from the split
+        f"<strategy>{_BODY}</strategy><answer id=1>a<b</answer><answer>2</answer>",
+        "<final_answer>1<final_answer>2</final_answer>",  # the field holds the second opening
+        "</final_answer><final_answer>x < 5</final_answer>",  # a closing with no field open
+        "<final_answer>x < 5</answer></final_answer>",  # another name's closing in the field
+        f"<answer>x < 5<strategy>{_BODY}</strategy></answer>",  # a block in an open field
     ],
 )
 def test_a_block_with_a_lt_in_a_field_is_read_as_the_scan_reads_it(text: str) -> None:
-    """A block whose fields hold a ``<`` is read from the split only between its own opening
-    and closing; anywhere else the tag by tag scan decides."""
+    """A block or an answer field whose content holds a ``<`` is read from the split only
+    between its own opening and closing; anywhere else the tag by tag scan decides."""
     assert raw_fields(text) == _scan_fields(text)
     (parsed,) = parse_completions([text], 32)
     assert parsed.strategies == strategy_blocks(text, 32)

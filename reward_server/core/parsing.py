@@ -269,7 +269,8 @@ def parse_completion(text: str, max_strategies: int) -> ParsedCompletion:
 
 @cache
 def _event() -> re.Pattern[str]:
-    """Every tag the reward reads, in one left-to-right scan; ``lastindex`` tells them apart:
+    """Every tag the reward reads, in one left-to-right scan (:func:`_scan_fields`);
+    ``lastindex`` tells them apart:
 
     1. a strategy closing; ``None``: a strategy opening, alone;
     3. a strategy opening followed by a whole well-formed block, read at once: its reasoning
@@ -285,15 +286,9 @@ def _event() -> re.Pattern[str]:
     tag, so attempts from different openings scan disjoint stretches and the scan stays
     linear; the fields' ``[^<]*+`` never backtrack.
     """
-    s, r, o, f, a = map(
-        _ascii_caseless, ("strategy", "reasoning", "strategy_outcome", "final_answer", "answer")
-    )
-    body = (
-        rf"[^<]*+<{r}{_ATTRS}([^<]*+)</{r}\s*>"
-        rf"[^<]*+<{o}{_ATTRS}([^<]*+)</{o}\s*>[^<]*+</{s}\s*>"
-    )
+    s, f, a = map(_ascii_caseless, ("strategy", "final_answer", "answer"))
     return re.compile(
-        rf"<(?:(/{s}\s*>)|{s}{_ATTRS}(?:{body})?"
+        rf"<(?:(/{s}\s*>)|{s}{_ATTRS}(?:{_whole_block()})?"
         rf"|({f}{_ATTRS})|(/{f}\s*>)|({a}{_ATTRS})|(/{a}\s*>))"
     )
 
@@ -319,6 +314,37 @@ def _block_body() -> re.Pattern[str]:
     )
 
 
+@cache
+def _split_tags() -> re.Pattern[str]:
+    """What :func:`raw_fields` splits a completion on: :func:`_event`'s tags, with whole
+    fields read at once and fewer groups (each group is a list entry per tag in ``split``):
+
+    1. / 2. a whole well-formed strategy block's reasoning and outcome (:func:`_event`'s
+    groups 2 and 3); 3. / 4. a whole ``final_answer`` / ``answer`` field with no ``<`` in it;
+    5. any other tag the scan reads, as its text after the ``<`` (``strategy>``,
+    ``/final_answer >``...), told apart in Python where it occurs.
+
+    A whole field is what the scan records there when no field of its name is open: its
+    opening, then the first closing after it, the next ``<``. An open field began at an
+    opening that was not read whole (group 5), where :func:`raw_fields` reads tag by tag.
+    """
+    s, f, a = map(_ascii_caseless, ("strategy", "final_answer", "answer"))
+    others = rf"/{s}\s*>|{s}{_ATTRS}|/{f}\s*>|{f}{_ATTRS}|/{a}\s*>|{a}{_ATTRS}"
+    return re.compile(
+        rf"<(?:{s}{_ATTRS}{_whole_block()}|{f}{_ATTRS}([^<]*+)</{f}\s*>"
+        rf"|{a}{_ATTRS}([^<]*+)</{a}\s*>|({others}))"
+    )
+
+
+def _whole_block() -> str:
+    """A well-formed block's body and closing, its fields as groups (no ``<`` elsewhere)."""
+    r, o, s = map(_ascii_caseless, ("reasoning", "strategy_outcome", "strategy"))
+    return (
+        rf"[^<]*+<{r}{_ATTRS}([^<]*+)</{r}\s*>"
+        rf"[^<]*+<{o}{_ATTRS}([^<]*+)</{o}\s*>[^<]*+</{s}\s*>"
+    )
+
+
 class RawFields(NamedTuple):
     """A completion's fields as SPEC §1 reads them, before field cleaning."""
 
@@ -330,12 +356,10 @@ class RawFields(NamedTuple):
     answers: list[str]
 
 
-#: In ``_event().split(text)``: each tag's 7 groups then the text after it, per tag.
-_STRIDE = 8
-#: A strategy opening alone: none of its 7 groups matched.
-_OPENING_ALONE = [None] * (_STRIDE - 1)
+#: In ``_split_tags().split(text)``: each tag's 5 groups then the text after it, per tag.
+_STRIDE = 6
 #: Longer texts are scanned tag by tag (:func:`_scan_fields` streams its matches): ``split``
-#: holds eight list entries per tag at once, and a body of tag floods may hold millions of tags.
+#: holds six list entries per tag at once, and a body of tag floods may hold millions of tags.
 #: Completions are a few KB; the shortcut is for them.
 SPLIT_MAX_CHARS = 65536
 
@@ -343,57 +367,65 @@ SPLIT_MAX_CHARS = 65536
 def raw_fields(text: str) -> RawFields:
     """The strategy blocks' fields and the answer field lists of ``text``, in one scan.
 
-    ``_event().split`` hands back every tag's groups in one C call. In the usual completion
-    every strategy block is well formed and read whole, and whatever follows the last one is
-    answer fields, each opening followed by its closing: then the fields are slices of that
-    list, with no Python work per tag. Past the first tag that is not a whole block, the
-    list is read tag by tag: answer fields, whole blocks, and blocks whose fields hold a
-    ``<`` that is text (an opening alone, then its closing, the body between them read by
-    :func:`_block_body`). Any other completion, or one over :data:`SPLIT_MAX_CHARS`, is read
-    from the text tag by tag (:func:`_scan_fields`, the reference: this function returns
-    what it returns for every text).
+    ``_split_tags().split`` hands back every tag's groups in one C call. In the usual
+    completion every strategy block is well formed and read whole, and whatever follows the
+    last one is whole answer fields: then the fields are slices of that list, with no Python
+    work per tag. Past the first tag that is not a whole block, the list is read tag by tag:
+    whole blocks and fields, a field whose content holds a ``<`` that is text (its opening,
+    then its closing), and a block whose fields do (an opening alone, then its closing, the
+    body between them read by :func:`_block_body`). Any other completion, or one over
+    :data:`SPLIT_MAX_CHARS`, is read from the text tag by tag (:func:`_scan_fields`, the
+    reference: this function returns what it returns for every text).
     """
     if len(text) > SPLIT_MAX_CHARS:
         return _scan_fields(text)
-    parts = _event().split(text)
-    reasonings = parts[2::_STRIDE]
+    parts = _split_tags().split(text)
+    reasonings = parts[1::_STRIDE]
     try:
         whole = reasonings.index(None)  # the first tag that is not a whole block
     except ValueError:
         whole = len(reasonings)
     # Built by tuple.__new__: a named tuple's own __new__ is a Python function (one per text).
     fields = tuple.__new__(
-        RawFields, (reasonings[:whole], parts[3 : _STRIDE * whole : _STRIDE], [], [])
+        RawFields, (reasonings[:whole], parts[2 : _STRIDE * whole : _STRIDE], [], [])
     )
     tags = len(reasonings)
     tag = whole
-    # A tag's groups are parts[at + 1] to parts[at + 7]; parts[following] is the text up to
+    # A tag's groups are parts[at + 1] to parts[at + 5]; parts[following] is the text up to
     # the next tag, whose groups follow.
     while tag < tags:
         at = _STRIDE * tag
-        following = at + _STRIDE
-        if parts[at + 2] is not None:  # a whole block
-            fields.reasonings.append(parts[at + 2])
-            fields.outcomes.append(parts[at + 3])
+        if parts[at + 1] is not None:  # a whole block
+            fields.reasonings.append(parts[at + 1])
+            fields.outcomes.append(parts[at + 2])
+        elif parts[at + 3] is not None:
+            fields.final_answers.append(parts[at + 3])
+        elif parts[at + 4] is not None:
+            fields.answers.append(parts[at + 4])
+        else:  # a tag alone: an opening whose content holds a "<", closed by the next tag
+            following = at + _STRIDE
+            if tag + 1 == tags or not _closes(parts[at + 5], parts[following + 5]):
+                return _scan_fields(text)
+            name = parts[at + 5][0].lower()
+            if name == "f":
+                fields.final_answers.append(parts[following])
+            elif name == "a":
+                fields.answers.append(parts[following])
+            elif (body := _block_body().fullmatch(parts[following])) is not None:
+                fields.reasonings.append(body[1])
+                fields.outcomes.append(body[2])
+            else:
+                return _scan_fields(text)
             tag += 1
-            continue
-        if tag + 1 == tags:
-            return _scan_fields(text)
-        if parts[at + 4] is not None and parts[following + 5] is not None:
-            fields.final_answers.append(parts[following])
-        elif parts[at + 6] is not None and parts[following + 7] is not None:
-            fields.answers.append(parts[following])
-        elif (
-            parts[following + 1] is not None  # a strategy closing, after an opening alone:
-            and parts[at + 1 : following] == _OPENING_ALONE
-            and (body := _block_body().fullmatch(parts[following])) is not None
-        ):
-            fields.reasonings.append(body[1])
-            fields.outcomes.append(body[2])
-        else:
-            return _scan_fields(text)
-        tag += 2
+        tag += 1
     return fields
+
+
+def _closes(opening: str, closing: str | None) -> bool:
+    """Whether ``closing`` (a tag's text after ``<``, or ``None`` for a tag read whole) is the
+    closing of ``opening``'s name: their first letters tell the names apart (and an
+    ``opening`` that is itself a closing starts with ``/``, no name's first letter)."""
+    return closing is not None and closing[0] == "/" and closing[1].lower() == opening[0].lower()
 
 
 def _scan_fields(text: str) -> RawFields:
