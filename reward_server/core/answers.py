@@ -93,10 +93,13 @@ def whole_number_digits(gold: str) -> str | None:
     >>> whole_number_digits("#### 1,000.00"), whole_number_digits("-7"), whole_number_digits("0.5")
     ('1000', '-7', None)
     """
-    gold_numeric = canonical_numeric(gold)
-    if type(gold_numeric) is Fraction and gold_numeric.denominator == 1:
-        return str(gold_numeric.numerator)
-    return None
+    whole = _whole_number(canonical_numeric(gold))
+    return None if whole is None else str(whole)
+
+
+def _whole_number(value: Canonical) -> int | None:
+    """The integer a canonical numeric answer is, when it is a whole number."""
+    return value.numerator if type(value) is Fraction and value.denominator == 1 else None
 
 
 #: In :func:`plain_whole_numbers`'s joined text: a text starting with a redundant zero.
@@ -222,8 +225,7 @@ def make_matcher(
     """
     if answer_type == "numeric":
         gold_numeric = canonical_numeric(gold)
-        whole = type(gold_numeric) is Fraction and gold_numeric.denominator == 1
-        gold_int = gold_numeric.numerator if whole else None  # type: ignore[union-attr]
+        gold_int = _whole_number(gold_numeric)
 
         def numeric(prediction: str) -> bool:
             # A plain integer (most outcomes) canonicalizes to Fraction(int(prediction)), which

@@ -416,7 +416,7 @@ def raw_fields(text: str) -> RawFields:
                 fields.outcomes.append(body[2])
             else:
                 return _scan_fields(text)
-            tag += 1
+            tag += 1  # past the closing too
         tag += 1
     return fields
 

@@ -14,7 +14,7 @@ work of many concurrent requests into shared batches:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import chain, compress, repeat
@@ -200,11 +200,12 @@ def analyze_items(
     """Match each parsed completion's answers against its item's gold and decide whether it
     needs the encoder (``needs_encoder``: its recipe's)."""
     strategies, finals = list(zip(*parsed, strict=True))
-    verdicts = _verdicts_as_strings(items, strategies, finals) if answer_type == "numeric" else None
+    golds = {gold: preprocess(gold) for gold in dict.fromkeys(it.answer for it in items)}
+    verdicts = None
+    if answer_type == "numeric":
+        verdicts = _verdicts_as_strings(items, golds, strategies, finals)
     if verdicts is None:
-        matchers: dict[str, Callable[[str], bool]] = {}
-        for gold in dict.fromkeys(it.answer for it in items):
-            matchers[gold] = make_matcher(answer_type, preprocess(gold), math_judge)
+        matchers = {gold: make_matcher(answer_type, g, math_judge) for gold, g in golds.items()}
         each = [matchers[it.answer] for it in items]
         correct = [f is not None and matches(f) for f, matches in zip(finals, each, strict=True)]
         chi = [
@@ -225,6 +226,7 @@ def analyze_items(
 
 def _verdicts_as_strings(
     items: Sequence[ScoreItem],
+    golds: dict[str, str],
     strategies: Sequence[tuple[Strategy, ...]],
     finals: Sequence[str | None],
 ) -> tuple[list[bool], list[bool]] | None:
@@ -234,13 +236,12 @@ def _verdicts_as_strings(
     numeric batch), else ``None``.
 
     The batch's outcomes are compared in one pass with their items' golds; the items holding a
-    match are collected by ``compress``: no Python call per outcome or item.
+    match are collected by ``compress``: no Python call per outcome or item. ``golds``: each
+    distinct gold answer, preprocessed.
     """
-    digits: dict[str, str | None] = {}
-    for gold in dict.fromkeys(it.answer for it in items):
-        digits[gold] = whole_number_digits(preprocess(gold))
-    golds = [digits[it.answer] for it in items]
-    if None in golds:
+    digits = {gold: whole_number_digits(g) for gold, g in golds.items()}
+    item_digits = [digits[it.answer] for it in items]
+    if None in item_digits:
         return None
     outcomes = list(map(_OUTCOME, chain.from_iterable(strategies)))
     texts = [*outcomes, *filter(None, finals)]
@@ -253,9 +254,9 @@ def _verdicts_as_strings(
         finals = list(map(digits_of.get, finals))
     counts = list(map(len, strategies))
     owners = chain.from_iterable(map(repeat, range(len(items)), counts))
-    per_outcome = chain.from_iterable(map(repeat, golds, counts))
+    per_outcome = chain.from_iterable(map(repeat, item_digits, counts))
     holding = set(compress(owners, map(eq, outcomes, per_outcome)))
-    return list(map(eq, finals, golds)), list(map(holding.__contains__, range(len(items))))
+    return list(map(eq, finals, item_digits)), list(map(holding.__contains__, range(len(items))))
 
 
 def prepare_batch(
