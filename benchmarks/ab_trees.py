@@ -64,15 +64,10 @@ STANDARD = "standard"
 def _save_table(steps: list[list[dict[str, Any]]], path: Path) -> None:
     """The steps' needed texts embedded by the embedded model, saved as a table at ``path``."""
     from benchmarks.table_server import TableEncoder
-    from reward_server.core import ScoreItem, prepare_batch
     from reward_server.encoders.loading import export_engine
     from reward_server.encoders.model_store import resolve_model
 
-    texts = list(
-        dict.fromkeys(t for st in steps for t in prepare_batch([ScoreItem(**i) for i in st]).texts)
-    )
-    encoder = export_engine("onnx")(resolve_model(None))
-    TableEncoder(texts, encoder.encode(texts)).save(path)
+    TableEncoder.of_steps(steps, export_engine("onnx")(resolve_model(None))).save(path)
 
 
 def worker(steps_file: Path, table_file: Path) -> None:

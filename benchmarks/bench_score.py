@@ -297,9 +297,7 @@ def measure_overhead(
     from benchmarks.table_server import TableEncoder
 
     shaped = {shape: [reshape(st, shape) for st in steps] for shape in SHAPES}
-    every_step = [*steps, *(st for sts in shaped.values() for st in sts)]
-    texts = list(dict.fromkeys(t for st in every_step for t in prepare_batch(_items(st)).texts))
-    table = TableEncoder(texts, encoder.encode(texts))
+    table = TableEncoder.of_steps([*steps, *(st for sts in shaped.values() for st in sts)], encoder)
     bodies = [json.dumps({"items": st}).encode() for st in steps]
     out = Overhead()
     with tempfile.TemporaryDirectory() as tmp:

@@ -18,13 +18,19 @@ import asyncio
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from reward_server.encoders.base import EMBEDDING_DIM, EncoderDescription, EncoderStats
+from reward_server.encoders.base import (
+    EMBEDDING_DIM,
+    Encoder,
+    EncoderDescription,
+    EncoderStats,
+)
 
 
 class TableEncoder:
@@ -73,6 +79,16 @@ class TableEncoder:
         """Write the table as ``.npz`` (texts and rows)."""
         texts = np.array(list(self._index), dtype=object)
         np.savez(path, texts=texts, rows=self._rows)
+
+    @classmethod
+    def of_steps(cls, steps: Sequence[Sequence[dict[str, Any]]], encoder: Encoder) -> TableEncoder:
+        """The texts that scoring ``steps`` (lists of request items) needs, embedded once by
+        ``encoder``."""
+        from reward_server.core import ScoreItem, prepare_batch
+
+        needed = (prepare_batch([ScoreItem(**i) for i in step]).texts for step in steps)
+        texts = list(dict.fromkeys(t for step_texts in needed for t in step_texts))
+        return cls(texts, encoder.encode(texts))
 
     @classmethod
     def load(cls, path: Path) -> TableEncoder:
