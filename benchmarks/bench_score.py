@@ -28,6 +28,7 @@ cosines are real), (D) in process and (E) through the standard app over HTTP, al
     python benchmarks/bench_score.py --overhead-only [--overhead-steps 500]   # (D) and (E) only
     python benchmarks/bench_score.py --provider cuda --model DIR_FP16 --rounds 50   # on a GPU
     python benchmarks/bench_score.py --backend openvino   # (B) and (C) on OpenVINO (its extra)
+    python benchmarks/bench_score.py --backend ctranslate2   # (B), (C) on CTranslate2 (its extra)
 
 With ``--provider cuda`` (A) runs sentence-transformers on the GPU, (B) and (C) onnxruntime's CUDA
 provider; the agreement gate (≤ 1e-5) applies to the fp32 graph only (fp16 differences are printed),
@@ -56,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.workload import SHAPES, grpo_step, load_gsm8k, reshape
 from reward_server.core import PreparedBatch, ScoreItem, finish_batch, prepare_batch
-from reward_server.encoders.loading import export_engine
+from reward_server.encoders.loading import BACKENDS, export_engine, runs_export
 from reward_server.encoders.tokenization import encode_ids
 
 #: FLOPs of all-MiniLM-L6-v2 per token, plus per token per padded position (attention).
@@ -450,7 +451,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=18731)
     parser.add_argument("--provider", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument(
-        "--backend", choices=("onnx", "openvino"), default="onnx", help="engine of (B) and (C)"
+        "--backend",
+        choices=[b for b in BACKENDS if runs_export(b)],
+        default="onnx",
+        help="engine of (B) and (C)",
     )
     parser.add_argument(
         "--prompts", type=int, default=8, help="prompts per step (the standard step has 8)"

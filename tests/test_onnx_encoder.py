@@ -15,6 +15,7 @@ import pytest
 from reward_server.encoders import fidelity
 from reward_server.encoders.base import EMBEDDING_DIM, MAX_SEQ_LENGTH, Encoder
 from reward_server.encoders.batched import BatchedEncoder, available_cpus, plan_batches
+from reward_server.encoders.ctranslate2_runtime import CTranslate2Encoder
 from reward_server.encoders.onnx_runtime import (
     OnnxEncoder,
     ProviderUnavailableError,
@@ -43,7 +44,7 @@ def encoder(fp32_export: Path) -> OnnxEncoder:  # noqa: F811
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", [OnnxEncoder, OpenVinoEncoder])
+@pytest.mark.parametrize("engine", [OnnxEncoder, OpenVinoEncoder, CTranslate2Encoder])
 @pytest.mark.parametrize("budget", [1, None, 1_000_000])
 def test_fp32_matches_sentence_transformers_on_every_text(
     encoder: OnnxEncoder,
@@ -52,8 +53,8 @@ def test_fp32_matches_sentence_transformers_on_every_text(
     engine: type[BatchedEncoder],
     budget: int | None,
 ) -> None:
-    """Each engine that runs the export (onnxruntime, OpenVINO). budget 1: one text per batch;
-    None: the engine's default runs; 1e6: everything padded to 256."""
+    """Each engine that runs the export (onnxruntime, OpenVINO, CTranslate2). budget 1: one
+    text per batch; None: the engine's default runs; 1e6: everything padded to 256."""
     texts, ref = fidelity_texts, reference_embeddings
     if budget == 1:  # one run per text: a 100-text slice is enough to check batch-size 1
         texts, ref = texts[:100], ref[:100]

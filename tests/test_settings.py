@@ -29,7 +29,7 @@ def choices(flag: str) -> tuple[str, ...]:
 
 
 def test_choices_come_from_the_types_that_define_them() -> None:
-    assert choices("--backend") == BACKENDS == ("onnx", "openvino", "torch")
+    assert choices("--backend") == BACKENDS == ("onnx", "openvino", "ctranslate2", "torch")
     assert choices("--variant") == VARIANTS == ("fp32", "fp16", "int8")
     assert choices("--provider") == PROVIDERS == ("cpu", "cuda")
     assert choices("--log-level") == typing.get_args(typing.get_type_hints(Settings)["log_level"])

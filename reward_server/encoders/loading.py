@@ -2,7 +2,8 @@
 
 ``onnx`` (the default) resolves ``model`` through the model store (an export folder, a Hugging
 Face folder or hub id, or the embedded default) and runs it on onnxruntime; ``openvino`` runs the
-same export on OpenVINO's CPU runtime (the ``openvino`` extra); ``torch`` is the
+same export on OpenVINO's CPU runtime (the ``openvino`` extra), ``ctranslate2`` on CTranslate2's
+(the ``ctranslate2`` extra; its model converted once from the export); ``torch`` is the
 sentence-transformers reference. Any may run behind the LRU embedding cache. Imports are lazy so
 that choosing an export never imports torch.
 """
@@ -14,10 +15,9 @@ from typing import TYPE_CHECKING, Literal, get_args
 from reward_server.encoders.base import Encoder, Provider
 
 if TYPE_CHECKING:
-    from reward_server.encoders.onnx_runtime import OnnxEncoder
-    from reward_server.encoders.openvino_runtime import OpenVinoEncoder
+    from reward_server.encoders.batched import BatchedEncoder
 
-Backend = Literal["onnx", "openvino", "torch"]
+Backend = Literal["onnx", "openvino", "ctranslate2", "torch"]
 #: The backends :func:`load_encoder` offers (the server's ``--backend`` choices).
 BACKENDS: tuple[Backend, ...] = get_args(Backend)
 
@@ -66,13 +66,17 @@ def load_encoder(
     return encoder
 
 
-def export_engine(backend: Backend) -> type[OnnxEncoder] | type[OpenVinoEncoder]:
+def export_engine(backend: Backend) -> type[BatchedEncoder]:
     """The class that runs the export for ``backend`` (imported only when chosen); a
     :class:`ValueError` for a backend that does not run the export (see :func:`runs_export`)."""
     if backend == "openvino":
         from reward_server.encoders.openvino_runtime import OpenVinoEncoder
 
         return OpenVinoEncoder
+    if backend == "ctranslate2":
+        from reward_server.encoders.ctranslate2_runtime import CTranslate2Encoder
+
+        return CTranslate2Encoder
     if backend == "onnx":
         from reward_server.encoders.onnx_runtime import OnnxEncoder
 

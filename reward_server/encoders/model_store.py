@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -148,20 +149,29 @@ def export_in_subprocess(
     if source is not None:
         cmd += ["--source", source]
     cmd += list(export_args)
+    proc = _run_child(cmd, timeout_s)
+    if proc.returncode != 0 or not is_export(out_dir):
+        raise ModelExportError(
+            f"exporting {source or DEFAULT_MODEL_NAME} ({variant}) failed with exit code "
+            f"{proc.returncode}:\n{_tail(proc)}"
+        )
+    return out_dir
+
+
+def _run_child(cmd: Sequence[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """Run one of the package's modules in a child Python, its output captured."""
     env = dict(os.environ)
     # The package may be used from a source checkout rather than installed: make it importable.
     pkg_root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
-    proc = subprocess.run(
-        cmd, env=env, capture_output=True, text=True, timeout=timeout_s, check=False
+    return subprocess.run(
+        list(cmd), env=env, capture_output=True, text=True, timeout=timeout_s, check=False
     )
-    if proc.returncode != 0 or not is_export(out_dir):
-        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
-        raise ModelExportError(
-            f"exporting {source or DEFAULT_MODEL_NAME} ({variant}) failed with exit code "
-            f"{proc.returncode}:\n{tail}"
-        )
-    return out_dir
+
+
+def _tail(proc: subprocess.CompletedProcess[str]) -> str:
+    """The last lines a failed child wrote (its error, usually)."""
+    return "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
 
 
 def _ensure(
@@ -236,3 +246,50 @@ def resolve_model(
     if path.exists() or model.startswith((".", "/", "~")):
         raise FileNotFoundError(f"model {model!r} is not a folder")
     return _ensure(model, _safe_name(model), variant, root, export_args)
+
+
+#: Where the ``ctranslate2`` backend's models live in the cache (one per export's graph).
+CTRANSLATE2_DIR = "ctranslate2"
+
+
+def graph_digest(export_dir: Path) -> str:
+    """Short sha256 of the export's ``model.onnx`` (from its manifest when recorded there)."""
+    recorded = read_manifest(export_dir).get("files", {}).get(MODEL_FILE)
+    if isinstance(recorded, str) and recorded:
+        return recorded[:16]
+    h = hashlib.sha256()
+    with (export_dir / MODEL_FILE).open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def ensure_ctranslate2_model(
+    export_dir: Path, *, root: Path | None = None, timeout_s: float = DEFAULT_LOCK_TIMEOUT_S
+) -> Path:
+    """The CTranslate2 model of an fp32 export, converted once into the cache.
+
+    Keyed by the graph's digest, so an export given by path (perhaps read-only) converts once
+    too. The conversion (:mod:`ctranslate2_convert`) runs in a child process under the entry's
+    lock and is renamed into place when complete, like an export.
+    """
+    root = root or cache_dir()
+    target = root / CTRANSLATE2_DIR / graph_digest(export_dir)
+    if (target / "model.bin").is_file():
+        return target
+    with file_lock(root / "locks" / f"{CTRANSLATE2_DIR}-{target.name}.lock", timeout_s):
+        if (target / "model.bin").is_file():
+            return target
+        partial = target.with_name(f"{target.name}.partial")
+        if partial.exists():  # a conversion that died half-way
+            shutil.rmtree(partial)
+        module = "reward_server.encoders.ctranslate2_convert"
+        cmd = [sys.executable, "-m", module, str(export_dir), str(partial)]
+        proc = _run_child(cmd, timeout_s)
+        if proc.returncode != 0:
+            raise ModelExportError(
+                f"converting {export_dir} for ctranslate2 failed with exit code "
+                f"{proc.returncode}:\n{_tail(proc)}"
+            )
+        partial.rename(target)
+    return target

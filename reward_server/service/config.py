@@ -49,8 +49,8 @@ class Settings:
     backend: Backend = field(
         default="onnx",
         metadata={
-            "help": "encoder backend: onnxruntime; OpenVINO on the same export (CPU, fp32; "
-            "needs the openvino extra); or the sentence-transformers reference "
+            "help": "encoder backend: onnxruntime; OpenVINO or CTranslate2 on the same export "
+            "(CPU, fp32; each needs its extra); or the sentence-transformers reference "
             "(torch: exact, slower; needs the export extra)"
         },
     )

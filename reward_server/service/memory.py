@@ -18,6 +18,12 @@ stays), so the heap's top was given back to the kernel and faulted in again at e
 reward's arrays of a few hundred KB (a step's embeddings are 0.5 MB) cost ~1 ms a standard step
 on a loaded 2-core machine. The trim threshold is set to twice the mmap threshold, as glibc's
 own dynamic rule does: at most 2 MiB of free heap kept per arena.
+
+CTranslate2 (``--backend ctranslate2``) has no arena: it takes each operator's buffers from
+malloc and frees them. At its default runs of 192 tokens the largest are 1-3 MB (the
+feed-forward's 1536 columns, the attention scores), so with a 1 MiB threshold a standard step
+cost ~98k page faults and encoded 5 % slower; with 4 MiB, 20-35 faults and no slowdown
+(benchmarks/README.md, twelfth pass). :func:`mmap_threshold_for` picks the threshold by backend.
 """
 
 from __future__ import annotations
@@ -34,7 +40,23 @@ _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
 
 
-def tune_malloc(arena_max: int = 2, mmap_threshold: int = 1 << 20) -> bool:
+#: The fixed mmap threshold: 1 MiB, where the engine keeps its buffers in an arena of its own.
+DEFAULT_MMAP_THRESHOLD = 1 << 20
+#: Backends that take each operator's buffers from malloc, and the threshold that keeps them
+#: in the heap at their default run size.
+_MMAP_THRESHOLD_BY_BACKEND = {"ctranslate2": 4 << 20}
+
+
+def mmap_threshold_for(backend: str) -> int:
+    """The mmap threshold for the server's encoder backend (see the module docstring).
+
+    >>> mmap_threshold_for("onnx") >> 20, mmap_threshold_for("ctranslate2") >> 20
+    (1, 4)
+    """
+    return _MMAP_THRESHOLD_BY_BACKEND.get(backend, DEFAULT_MMAP_THRESHOLD)
+
+
+def tune_malloc(arena_max: int = 2, mmap_threshold: int = DEFAULT_MMAP_THRESHOLD) -> bool:
     """Apply the tuning above; ``False`` (and nothing changed) where glibc is not the allocator."""
     if not sys.platform.startswith("linux"):
         return False

@@ -1,0 +1,113 @@
+"""The CTranslate2 model of an export: read from the export's graph, converted once, refused
+when the graph is not the BERT it knows (``reward_server/encoders/ctranslate2_convert.py``)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from reward_server.encoders import model_store
+from reward_server.encoders.ctranslate2_convert import (
+    UnsupportedGraphError,
+    read_bert_weights,
+)
+from reward_server.encoders.ctranslate2_runtime import CTranslate2Encoder, mean_pooled_units
+from reward_server.encoders.model_store import MODEL_FILE, ensure_ctranslate2_model
+from tests.encoder_fixtures import fp32_export  # noqa: F401  (fixture)
+
+
+def test_reads_every_weight_of_the_export(fp32_export: Path) -> None:  # noqa: F811
+    """Six layers of all-MiniLM-L6-v2, each projection (out, in) as CTranslate2 stores it, and
+    the values the graph holds (the first layer's Q, K, V are the packed Attention weight)."""
+    w = read_bert_weights(fp32_export / MODEL_FILE)
+    assert (len(w.layers), w.num_heads, w.epsilon) == (6, 12, pytest.approx(1e-12))
+    assert w.word_embeddings.shape == (30522, 384) and w.position_embeddings.shape == (512, 384)
+    layer = w.layers[0]
+    assert layer.qkv.weight.shape == (1152, 384) and layer.qkv.bias.shape == (1152,)
+    assert layer.ffn_in.weight.shape == (1536, 384) and layer.ffn_out.weight.shape == (384, 1536)
+    graph = onnx.load(str(fp32_export / MODEL_FILE)).graph
+    packed = {i.name: onnx.numpy_helper.to_array(i) for i in graph.initializer}
+    np.testing.assert_array_equal(layer.qkv.weight, packed["Attention_0_qkv_weight"].T)
+    # The layers are distinct (the walk moved from one layer to the next).
+    assert not np.array_equal(w.layers[0].ffn_in.weight, w.layers[1].ffn_in.weight)
+
+
+def _edited(export: Path, tmp_path: Path, edit: str) -> Path:
+    """A copy of the export's graph with one change: ``skip``, the first layer norm as the
+    fused residual (an older recipe); ``no-embed``, no embedding layer (not BERT)."""
+    model = onnx.load(str(export / MODEL_FILE))
+    nodes = list(model.graph.node)
+    if edit == "skip":
+        first = next(n for n in nodes if n.op_type == "LayerNormalization")
+        first.op_type = "SkipLayerNormalization"
+        first.domain = "com.microsoft"
+    else:
+        model.graph.node.remove(next(n for n in nodes if n.op_type == "EmbedLayerNormalization"))
+    path = tmp_path / f"{edit}.onnx"
+    onnx.save(model, str(path))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [("skip", r"fuses each residual.*export it again"), ("no-embed", "EmbedLayerNormalization")],
+)
+def test_refuses_a_graph_it_does_not_know(
+    fp32_export: Path,  # noqa: F811
+    tmp_path: Path,
+    edit: str,
+    message: str,
+) -> None:
+    with pytest.raises(UnsupportedGraphError, match=message):
+        read_bert_weights(_edited(fp32_export, tmp_path, edit))
+
+
+def test_converts_once_into_the_cache(
+    fp32_export: Path,  # noqa: F811
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Keyed by the graph's digest; a second encoder reuses the model; a folder left by a
+    conversion that died half-way is replaced, never loaded."""
+    root = tmp_path / "cache"
+    digest = model_store.graph_digest(fp32_export)
+    partial = root / model_store.CTRANSLATE2_DIR / f"{digest}.partial"
+    partial.mkdir(parents=True)
+    (partial / "model.bin").write_bytes(b"half")
+    target = ensure_ctranslate2_model(fp32_export, root=root)
+    assert target == root / model_store.CTRANSLATE2_DIR / digest
+    assert not partial.exists() and (target / "model.bin").stat().st_size > 80e6
+    stamp = os.stat(target / "model.bin").st_mtime_ns
+    calls: list[object] = []
+    monkeypatch.setattr(model_store, "_run_child", lambda *a: calls.append(a))
+    assert ensure_ctranslate2_model(fp32_export, root=root) == target
+    assert calls == [] and os.stat(target / "model.bin").st_mtime_ns == stamp
+    monkeypatch.setenv("SDE2_CACHE_DIR", str(root))
+    assert CTranslate2Encoder(fp32_export).encode(["x"]).shape == (1, 384) and calls == []
+
+
+def test_a_failed_conversion_says_why(fp32_export: Path, tmp_path: Path) -> None:  # noqa: F811
+    """An export whose graph cannot be converted fails with the converter's reason."""
+    folder = tmp_path / "old"
+    folder.mkdir()
+    for f in fp32_export.iterdir():
+        if f.name != MODEL_FILE:
+            (folder / f.name).write_bytes(f.read_bytes())
+    _edited(fp32_export, tmp_path, "skip").rename(folder / MODEL_FILE)
+    (folder / "manifest.json").write_text("{}")
+    with pytest.raises(model_store.ModelExportError, match=r"fuses each residual"):
+        ensure_ctranslate2_model(folder, root=tmp_path / "cache")
+    assert not (tmp_path / "cache" / model_store.CTRANSLATE2_DIR / "x").exists()
+
+
+def test_mean_pooling_never_reads_padding() -> None:
+    """Positions past a text's length do not count, even where an engine left NaN there."""
+    hidden = np.full((2, 3, 2), np.nan, dtype=np.float32)
+    hidden[0, :2] = [[3.0, 0.0], [0.0, 4.0]]
+    hidden[1, :3] = [[1.0, 0.0], [1.0, 0.0], [1.0, 0.0]]
+    out = mean_pooled_units(hidden, np.array([2, 3]))
+    np.testing.assert_allclose(out, [[0.6, 0.8], [1.0, 0.0]], rtol=1e-6)
