@@ -101,7 +101,7 @@ def test_a_failed_conversion_says_why(fp32_export: Path, tmp_path: Path) -> None
     (folder / "manifest.json").write_text("{}")
     with pytest.raises(model_store.ModelExportError, match=r"fuses each residual"):
         ensure_ctranslate2_model(folder, root=tmp_path / "cache")
-    assert not (tmp_path / "cache" / model_store.CTRANSLATE2_DIR / "x").exists()
+    assert not list((tmp_path / "cache").rglob("model.bin"))  # nothing to load by mistake
 
 
 def test_mean_pooling_never_reads_padding() -> None:
@@ -111,3 +111,11 @@ def test_mean_pooling_never_reads_padding() -> None:
     hidden[1, :3] = [[1.0, 0.0], [1.0, 0.0], [1.0, 0.0]]
     out = mean_pooled_units(hidden, np.array([2, 3]))
     np.testing.assert_allclose(out, [[0.6, 0.8], [1.0, 0.0]], rtol=1e-6)
+
+
+def test_an_unwritable_cache_says_what_to_set(fp32_export: Path, tmp_path: Path) -> None:  # noqa: F811
+    """No model yet and a cache it cannot write: the error names SDE2_CACHE_DIR."""
+    root = tmp_path / "read-only"
+    root.write_text("a file where the cache folder should be")
+    with pytest.raises(model_store.ModelExportError, match=r"SDE2_CACHE_DIR"):
+        ensure_ctranslate2_model(fp32_export, root=root)

@@ -277,19 +277,28 @@ def ensure_ctranslate2_model(
     target = root / CTRANSLATE2_DIR / graph_digest(export_dir)
     if (target / "model.bin").is_file():
         return target
-    with file_lock(root / "locks" / f"{CTRANSLATE2_DIR}-{target.name}.lock", timeout_s):
-        if (target / "model.bin").is_file():
-            return target
-        partial = target.with_name(f"{target.name}.partial")
-        if partial.exists():  # a conversion that died half-way
-            shutil.rmtree(partial)
-        module = "reward_server.encoders.ctranslate2_convert"
-        cmd = [sys.executable, "-m", module, str(export_dir), str(partial)]
-        proc = _run_child(cmd, timeout_s)
-        if proc.returncode != 0:
-            raise ModelExportError(
-                f"converting {export_dir} for ctranslate2 failed with exit code "
-                f"{proc.returncode}:\n{_tail(proc)}"
-            )
-        partial.rename(target)
+    try:
+        with file_lock(root / "locks" / f"{CTRANSLATE2_DIR}-{target.name}.lock", timeout_s):
+            if not (target / "model.bin").is_file():  # another process may have made it
+                _convert_for_ctranslate2(export_dir, target, timeout_s)
+    except OSError as exc:
+        raise ModelExportError(
+            f"the ctranslate2 model of {export_dir} is converted once into the cache, and "
+            f"writing it into {root} failed ({exc}): set SDE2_CACHE_DIR to a writable folder"
+        ) from exc
     return target
+
+
+def _convert_for_ctranslate2(export_dir: Path, target: Path, timeout_s: float) -> None:
+    """Convert into ``target.partial`` in a child process, then rename it into place."""
+    partial = target.with_name(f"{target.name}.partial")
+    if partial.exists():  # a conversion that died half-way
+        shutil.rmtree(partial)
+    module = "reward_server.encoders.ctranslate2_convert"
+    proc = _run_child([sys.executable, "-m", module, str(export_dir), str(partial)], timeout_s)
+    if proc.returncode != 0:
+        raise ModelExportError(
+            f"converting {export_dir} for ctranslate2 failed with exit code "
+            f"{proc.returncode}:\n{_tail(proc)}"
+        )
+    partial.rename(target)
