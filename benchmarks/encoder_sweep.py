@@ -10,10 +10,12 @@ Settings: ``default`` (what the server runs), ``threads1`` (one intra-op thread)
 thread), ``spin`` (spinning intra-op threads), ``tokensN`` (``max_batch_tokens=N``),
 ``noarena`` (no CPU memory arena): onnxruntime's encoder with one setting changed.
 ``openvino`` is the OpenVINO backend (``--backend openvino``, the ``openvino`` extra) with its
-defaults, and ``openvino-<change>`` it with one of the changes above (``openvino-tokens2048``).
+defaults, and ``openvino-<change>`` it with one of the changes above (``openvino-tokens2048``);
+``ctranslate2`` and ``ctranslate2-<change>`` the same for CTranslate2 (``--backend ctranslate2``).
 
     python benchmarks/encoder_sweep.py --rounds 5 --settings default,streams1,threads1
     python benchmarks/encoder_sweep.py --rounds 6 --steps 2 --settings default,openvino
+    python benchmarks/encoder_sweep.py --rounds 6 --steps 2 --settings default,ctranslate2
 """
 
 from __future__ import annotations
@@ -34,22 +36,24 @@ from benchmarks.bench_score import every_reasoning, ideal_flops, matmul_floor_gf
 from benchmarks.workload import grpo_step, load_gsm8k
 from reward_server.core import ScoreItem, prepare_batch
 from reward_server.encoders.batched import BatchedEncoder
+from reward_server.encoders.loading import export_engine
 from reward_server.encoders.model_store import resolve_model
-from reward_server.encoders.onnx_runtime import OnnxEncoder
-from reward_server.encoders.openvino_runtime import OpenVinoEncoder
+
+#: The engines a setting may name before its change (``openvino-tokens2048``).
+OTHER_ENGINES = ("openvino", "ctranslate2")
 
 
 def make_encoder(setting: str, model: Path) -> BatchedEncoder:
     """The encoder of one setting (see the module docstring), warmed up."""
-    engine, change = "", setting
-    if setting.startswith("openvino"):
+    engine, change = "onnx", setting
+    if setting.startswith(OTHER_ENGINES):
         engine, _, change = setting.partition("-")
     kwargs: dict[str, Any] = {}
     if change == "threads1":
         kwargs["intra_op_threads"] = 1
-    elif change == "spin" and not engine:
+    elif change == "spin" and engine == "onnx":
         kwargs["allow_spinning"] = True
-    elif change == "noarena" and not engine:
+    elif change == "noarena" and engine == "onnx":
         kwargs["memory_arena"] = False
     elif change.startswith("tokens"):
         kwargs["max_batch_tokens"] = int(change.removeprefix("tokens"))
@@ -57,9 +61,7 @@ def make_encoder(setting: str, model: Path) -> BatchedEncoder:
         kwargs["streams"] = int(change.removeprefix("streams"))
     elif change not in ("default", ""):
         raise SystemExit(f"unknown setting {setting!r}")
-    encoder: BatchedEncoder = (
-        OpenVinoEncoder(model, **kwargs) if engine else OnnxEncoder(model, **kwargs)
-    )
+    encoder = export_engine(engine)(model, **kwargs)  # type: ignore[arg-type]
     encoder.warmup()
     return encoder
 
@@ -70,18 +72,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--settings", default="default,threads1")
     parser.add_argument("--steps", type=int, default=1, help="standard steps whose texts to encode")
     parser.add_argument("--model", default=None, help="exported ONNX folder (default: embedded)")
+    parser.add_argument(
+        "--texts",
+        choices=("all", "needed"),
+        default="all",
+        help="every reasoning text of the steps, or only those the reward needs (what the "
+        "server encodes: the step's distinct texts of items with chi = 0 and m >= 2)",
+    )
     args = parser.parse_args(argv)
     names = args.settings.split(",")
     model = resolve_model(args.model)
     rows = load_gsm8k()
+    # Without diagnostics, the prepared texts are those the reward needs (the server's work).
+    steps = [
+        prepare_batch([ScoreItem(**i) for i in grpo_step(seed=100 + seed, rows=rows)])
+        for seed in range(args.steps)
+    ]
     texts = [
         text
-        for seed in range(args.steps)
-        for text in every_reasoning(
-            prepare_batch(
-                [ScoreItem(**i) for i in grpo_step(seed=100 + seed, rows=rows)], diagnostics=True
-            )
-        )
+        for prepared in steps
+        for text in (prepared.texts if args.texts == "needed" else every_reasoning(prepared))
     ]
     encoders = {name: make_encoder(name, model) for name in names}
     reference = encoders[names[0]].encode(texts)
