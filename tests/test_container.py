@@ -38,6 +38,7 @@ pytestmark = [pytest.mark.container, pytest.mark.timeout(3600)]
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_IMAGE = "localhost/sde2-reward-server:latest"
 MATH_IMAGE = "localhost/sde2-reward-server:math"
+CTRANSLATE2_IMAGE = "localhost/sde2-reward-server:ctranslate2"
 CONTAINERS_CONF = Path(
     os.environ.get("CONTAINERS_CONF", ROOT / "docker" / ".podman" / "containers.conf")
 )
@@ -106,8 +107,9 @@ class Running:
     cold_start_s: float
 
 
-def start_container(image: str) -> Running:
-    """`podman run` on the host network with fresh ports; wait (bounded) for /readyz."""
+def start_container(image: str, *env: str) -> Running:
+    """`podman run` on the host network with fresh ports (``env``: more ``NAME=value``); wait
+    (bounded) for /readyz."""
     http_port, grpc_port = free_port(), free_port()
     name = f"sde2-test-{uuid.uuid4().hex[:10]}"
     t0 = time.monotonic()
@@ -116,6 +118,7 @@ def start_container(image: str) -> Running:
         "-e", f"SDE2_PORT={http_port}",
         "-e", f"SDE2_GRPC_PORT={grpc_port}",
         "-e", "SDE2_HOST=127.0.0.1",
+        *(a for e in env for a in ("-e", e)),
         image,
     )  # fmt: skip
     url = f"http://127.0.0.1:{http_port}"
@@ -508,6 +511,23 @@ def test_math_variant_survives_pathological_answers() -> None:
         assert [it["strategy_correct"] for it in r.json()["items"]] == [True] * len(items)
         assert [it["correct"] for it in r.json()["items"]] == [False] * len(items)
         assert httpx.get(f"{running.http}/healthz", timeout=5).status_code == 200
+    finally:
+        remove_container(running.name)
+
+
+def test_ctranslate2_variant_serves_its_backend(exported_model: Path) -> None:
+    """``SERVER_EXTRAS="server ctranslate2"`` and ``SDE2_BACKEND=ctranslate2``: the image's
+    model is converted at the first start, as the non-root user, into its cache, and the batch
+    is scored as onnxruntime scores it in this process on the same export (within 1e-5)."""
+    from reward_server.encoders.onnx_runtime import OnnxEncoder
+
+    image = build_image(CTRANSLATE2_IMAGE, SERVER_EXTRAS="server ctranslate2")
+    running = start_container(image, "SDE2_BACKEND=ctranslate2")
+    print(f"\ncold start to /readyz, the conversion included: {running.cold_start_s:.2f}s")
+    try:
+        got = _score_over_http(running)
+        assert got.pop("encoder") == "all-MiniLM-L6-v2 ctranslate2 fp32"
+        assert_same(got, in_process(OnnxEncoder(exported_model)), TOL_SAME_MODEL)
     finally:
         remove_container(running.name)
 
