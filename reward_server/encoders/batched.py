@@ -176,6 +176,20 @@ class BatchedEncoder(ABC):
     def _open(self) -> None:
         """Check that the engine can run this export here (raising why not) and load it."""
 
+    def _require_cpu_fp32(self, error: type[Exception]) -> None:
+        """Raise ``error`` unless this is the fp32 export on the CPU: what the engines other
+        than onnxruntime run (the fidelity gate was passed by that graph on onnxruntime)."""
+        if self.provider != "cpu":
+            raise error(
+                f"the {self.backend} backend runs on the CPU only, not {self.provider!r}: "
+                "use --backend onnx for CUDA"
+            )
+        if self.variant != "fp32":
+            raise error(
+                f"{self.model_dir} holds the {self.variant} export; the {self.backend} backend "
+                "runs the fp32 export (--variant fp32)"
+            )
+
     @property
     def name(self) -> str:
         """E.g. ``"all-MiniLM-L6-v2 onnx fp32"`` (what the response's ``encoder`` field shows)."""

@@ -68,16 +68,7 @@ class CTranslate2Encoder(BatchedEncoder):
         return DEFAULT_MAX_BATCH_TOKENS
 
     def _open(self) -> None:
-        if self.provider != "cpu":
-            raise CTranslate2UnavailableError(
-                f"the ctranslate2 backend runs on the CPU only, not {self.provider!r}: "
-                "use --backend onnx for CUDA"
-            )
-        if self.variant != "fp32":
-            raise CTranslate2UnavailableError(
-                f"{self.model_dir} holds the {self.variant} export; the ctranslate2 backend "
-                "runs the fp32 export (--variant fp32)"
-            )
+        self._require_cpu_fp32(CTranslate2UnavailableError)
         try:
             import ctranslate2
         except ImportError as exc:

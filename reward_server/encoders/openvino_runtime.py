@@ -54,16 +54,7 @@ class OpenVinoEncoder(BatchedEncoder):
         return DEFAULT_MAX_BATCH_TOKENS
 
     def _open(self) -> None:
-        if self.provider != "cpu":
-            raise OpenVinoUnavailableError(
-                f"the openvino backend runs on the CPU only, not {self.provider!r}: "
-                "use --backend onnx for CUDA"
-            )
-        if self.variant != "fp32":
-            raise OpenVinoUnavailableError(
-                f"{self.model_dir} holds the {self.variant} export; the openvino backend runs "
-                "the fp32 export (--variant fp32)"
-            )
+        self._require_cpu_fp32(OpenVinoUnavailableError)
         self._compiled = self._compile()
         self._input_names = {port.get_any_name() for port in self._compiled.inputs}
         self._requests = threading.local()
