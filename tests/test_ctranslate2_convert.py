@@ -38,13 +38,16 @@ def test_reads_every_weight_of_the_export(fp32_export: Path) -> None:  # noqa: F
 
 def _edited(export: Path, tmp_path: Path, edit: str) -> Path:
     """A copy of the export's graph with one change: ``skip``, the first layer norm as the
-    fused residual (an older recipe); ``no-embed``, no embedding layer (not BERT)."""
+    fused residual (an older recipe); ``eps``, a layer norm with its own epsilon (CTranslate2
+    has one); ``no-embed``, no embedding layer (not BERT)."""
     model = onnx.load(str(export / MODEL_FILE))
     nodes = list(model.graph.node)
+    first = next(n for n in nodes if n.op_type == "LayerNormalization")
     if edit == "skip":
-        first = next(n for n in nodes if n.op_type == "LayerNormalization")
         first.op_type = "SkipLayerNormalization"
         first.domain = "com.microsoft"
+    elif edit == "eps":
+        next(a for a in first.attribute if a.name == "epsilon").f = 1e-5
     else:
         model.graph.node.remove(next(n for n in nodes if n.op_type == "EmbedLayerNormalization"))
     path = tmp_path / f"{edit}.onnx"
@@ -54,7 +57,11 @@ def _edited(export: Path, tmp_path: Path, edit: str) -> Path:
 
 @pytest.mark.parametrize(
     ("edit", "message"),
-    [("skip", r"fuses each residual.*export it again"), ("no-embed", "EmbedLayerNormalization")],
+    [
+        ("skip", r"fuses each residual.*export it again"),
+        ("eps", "an epsilon other than the embeddings'"),
+        ("no-embed", "EmbedLayerNormalization"),
+    ],
 )
 def test_refuses_a_graph_it_does_not_know(
     fp32_export: Path,  # noqa: F811

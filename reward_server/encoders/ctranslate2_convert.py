@@ -138,11 +138,15 @@ def _matmul_linear(g: _Graph, matmul: Any, bias: Array) -> Linear:
     return Linear(np.ascontiguousarray(g.weight(matmul, 1).T), bias)
 
 
-def _layer(g: _Graph, x: str, attention: Any) -> tuple[BertLayer, str]:
-    """One encoder layer from its ``Attention`` node; returns it and the layer's output."""
+def _layer(g: _Graph, x: str, attention: Any, epsilon: float) -> tuple[BertLayer, str]:
+    """One encoder layer from its ``Attention`` node; returns it and the layer's output.
+    ``epsilon`` is the embeddings' layer norm's: CTranslate2 has one for every layer norm."""
     if _attr(attention, "unidirectional", 0) or _attr(attention, "scale", 0.0):
         raise UnsupportedGraphError(f"{attention.name!r}: not BERT's bidirectional attention")
     qkv = Linear(np.ascontiguousarray(g.weight(attention, 1).T), g.weight(attention, 2))
+    width = qkv.weight.shape[1]
+    if qkv.weight.shape != (3 * width, width):  # Q, K and V of the model's width each
+        raise UnsupportedGraphError(f"{attention.name!r}: Q, K, V of unequal widths")
     out_mm = g.next(attention.output[0], ["MatMul"])
     out_bias = g.next(out_mm.output[0], ["Add"])
     residual = g.next(out_bias.output[0], ["Add"])
@@ -169,6 +173,9 @@ def _layer(g: _Graph, x: str, attention: Any) -> tuple[BertLayer, str]:
     if norm1.output[0] not in residual2.input:
         raise UnsupportedGraphError(f"{residual2.name!r} does not add the attention block back")
     norm2 = g.next(residual2.output[0], ["LayerNormalization"])
+    for norm in (norm1, norm2):
+        if not np.isclose(float(_attr(norm, "epsilon", 1e-5)), epsilon, rtol=1e-6, atol=0.0):
+            raise UnsupportedGraphError(f"{norm.name!r}: an epsilon other than the embeddings'")
     layer = BertLayer(
         qkv=qkv,
         attention_out=_matmul_linear(g, out_mm, g.bias_of(out_bias)),
@@ -195,7 +202,7 @@ def read_bert_weights(model_path: str | Path) -> BertWeights:
     num_heads = 0
     while (attention := g.next(x, ["Attention"], optional=True)) is not None:
         num_heads = int(_attr(attention, "num_heads"))
-        layer, x = _layer(g, x, attention)
+        layer, x = _layer(g, x, attention, epsilon)
         layers.append(layer)
     if not layers:
         raise UnsupportedGraphError("no Attention node reads the embeddings")
