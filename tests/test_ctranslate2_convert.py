@@ -4,6 +4,7 @@ when the graph is not the BERT it knows (``reward_server/encoders/ctranslate2_co
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,7 @@ from reward_server.encoders.ctranslate2_convert import (
 )
 from reward_server.encoders.ctranslate2_runtime import CTranslate2Encoder, mean_pooled_units
 from reward_server.encoders.model_store import MODEL_FILE, ensure_ctranslate2_model
+from reward_server.encoders.onnx_runtime import OnnxEncoder
 from tests.encoder_fixtures import fp32_export  # noqa: F401  (fixture)
 
 
@@ -78,15 +80,21 @@ def test_converts_once_into_the_cache(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Keyed by the graph's digest; a second encoder reuses the model; a folder left by a
-    conversion that died half-way is replaced, never loaded."""
+    """Keyed by the graph's digest, the conversion's recipe and CTranslate2's release; folders
+    left by a conversion that died half-way (or an entry emptied by hand) are replaced, never
+    loaded; a second encoder reuses the model, and it encodes as onnxruntime does."""
     root = tmp_path / "cache"
     digest = model_store.graph_digest(fp32_export)
-    partial = root / model_store.CTRANSLATE2_DIR / f"{digest}.partial"
-    partial.mkdir(parents=True)
-    (partial / "model.bin").write_bytes(b"half")
+    folder = root / model_store.CTRANSLATE2_DIR
     target = ensure_ctranslate2_model(fp32_export, root=root)
-    assert target == root / model_store.CTRANSLATE2_DIR / digest
+    assert target.parent == folder and target.name.startswith(f"{digest}-r1-ct")
+    partial = target.with_name(f"{target.name}.partial")
+    assert not partial.exists() and (target / "model.bin").stat().st_size > 80e6
+    shutil.rmtree(target)  # what a dead conversion leaves, and an entry pruned by hand
+    for leftover in (partial, target):
+        leftover.mkdir()
+        (leftover / "config.json").write_text("{}")
+    assert ensure_ctranslate2_model(fp32_export, root=root) == target
     assert not partial.exists() and (target / "model.bin").stat().st_size > 80e6
     stamp = os.stat(target / "model.bin").st_mtime_ns
     calls: list[object] = []
@@ -94,7 +102,11 @@ def test_converts_once_into_the_cache(
     assert ensure_ctranslate2_model(fp32_export, root=root) == target
     assert calls == [] and os.stat(target / "model.bin").st_mtime_ns == stamp
     monkeypatch.setenv("SDE2_CACHE_DIR", str(root))
-    assert CTranslate2Encoder(fp32_export).encode(["x"]).shape == (1, 384) and calls == []
+    texts = ["x", "Multiply the 3 boxes by the 6 apples in each box: 3 * 6 = 18 apples."]
+    got = CTranslate2Encoder(fp32_export).encode(texts)
+    assert calls == []  # the cached model, not a second conversion
+    # The same encoder as onnxruntime's (a Q, K, V or transpose mistake is far off).
+    np.testing.assert_allclose(got, OnnxEncoder(fp32_export).encode(texts), atol=1e-5)
 
 
 def test_a_failed_conversion_says_why(fp32_export: Path, tmp_path: Path) -> None:  # noqa: F811

@@ -1,7 +1,8 @@
 """Length-sorted, token-budgeted batches of the exported graph, for any engine that runs it.
 
-The export (:mod:`onnx_export`) is one graph: BERT, mean pooling and normalization. Two engines
-run it on CPU (onnxruntime, :mod:`onnx_runtime`; OpenVINO, :mod:`openvino_runtime`) and one on
+The export (:mod:`onnx_export`) is one graph: BERT, mean pooling and normalization. Three engines
+run it on CPU (onnxruntime, :mod:`onnx_runtime`; OpenVINO, :mod:`openvino_runtime`;
+CTranslate2, :mod:`ctranslate2_runtime`, from a model converted out of the graph) and one on
 CUDA (onnxruntime). What they share is here, in :class:`BatchedEncoder`; each engine supplies
 only the run of one padded batch. Where the speed comes from (figures in
 ``benchmarks/README.md``):
@@ -127,7 +128,7 @@ class BatchedEncoder(ABC):
     """An :class:`~reward_server.encoders.base.Encoder` over an export folder: tokenization,
     batches, streams and counters; a subclass runs one padded batch (:meth:`_run`).
 
-    Thread-safe when the engine's runs are (both engines' are); the counters have a lock.
+    Thread-safe when the engine's runs are (every engine's are); the counters have a lock.
     """
 
     #: ``EncoderDescription.backend`` and the word in :attr:`name`.

@@ -199,20 +199,26 @@ def read_bert_weights(model_path: str | Path) -> BertWeights:
     epsilon = float(_attr(embed, "epsilon", 1e-12))
     layers: list[BertLayer] = []
     x = embed.output[0]
-    num_heads = 0
+    heads: set[int] = set()
     while (attention := g.next(x, ["Attention"], optional=True)) is not None:
-        num_heads = int(_attr(attention, "num_heads"))
+        heads.add(int(_attr(attention, "num_heads")))
         layer, x = _layer(g, x, attention, epsilon)
         layers.append(layer)
     if not layers:
         raise UnsupportedGraphError("no Attention node reads the embeddings")
+    attentions = sum(n.op_type == "Attention" for n in g.nodes)
+    if attentions != len(layers) or len(heads) != 1:
+        raise UnsupportedGraphError(
+            f"{attentions} Attention nodes, {len(layers)} of them one layer after another, "
+            f"with {sorted(heads)} heads: not one stack of equal layers"
+        )
     return BertWeights(
         word_embeddings=g.weight(embed, 2),
         position_embeddings=g.weight(embed, 3),
         token_type_embeddings=g.weight(embed, 4),
         embedding_norm=LayerNorm(g.weight(embed, 5), g.weight(embed, 6)),
         layers=tuple(layers),
-        num_heads=num_heads,
+        num_heads=heads.pop(),
         epsilon=epsilon,
     )
 
@@ -269,7 +275,8 @@ def convert_export(export_dir: str | Path, out_dir: str | Path) -> Path:
         raise UnsupportedGraphError(f"no {VOCAB_FILE} in {export_dir} (not a BERT export)")
     spec = build_spec(
         read_bert_weights(export_dir / MODEL_FILE),
-        vocab.read_text(encoding="utf-8").splitlines(),
+        # One token a line; str.splitlines would also split at U+0085, U+2028 and the like.
+        vocab.read_text(encoding="utf-8").rstrip("\n").split("\n"),
     )
     spec.validate()
     spec.optimize(quantization="float32")

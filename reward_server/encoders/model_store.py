@@ -250,6 +250,10 @@ def resolve_model(
 
 #: Where the ``ctranslate2`` backend's models live in the cache (one per export's graph).
 CTRANSLATE2_DIR = "ctranslate2"
+#: How :mod:`ctranslate2_convert` builds the model: part of the cache entry's name, with
+#: CTranslate2's major.minor version, so that a changed conversion or a model file of another
+#: CTranslate2 release is never loaded from the cache.
+CTRANSLATE2_RECIPE = 1
 
 
 def graph_digest(export_dir: Path) -> str:
@@ -273,14 +277,24 @@ def ensure_ctranslate2_model(
     too. The conversion (:mod:`ctranslate2_convert`) runs in a child process under the entry's
     lock and is renamed into place when complete, like an export.
     """
+    from importlib.metadata import version
+
     root = root or cache_dir()
-    target = root / CTRANSLATE2_DIR / graph_digest(export_dir)
+    release = ".".join(version("ctranslate2").split(".")[:2])
+    entry = f"{graph_digest(export_dir)}-r{CTRANSLATE2_RECIPE}-ct{release}"
+    target = root / CTRANSLATE2_DIR / entry
     if (target / "model.bin").is_file():
         return target
     try:
-        with file_lock(root / "locks" / f"{CTRANSLATE2_DIR}-{target.name}.lock", timeout_s):
+        with file_lock(root / "locks" / f"{CTRANSLATE2_DIR}-{entry}.lock", timeout_s):
             if not (target / "model.bin").is_file():  # another process may have made it
                 _convert_for_ctranslate2(export_dir, target, timeout_s)
+    except TimeoutError:  # the lock's own message says who and how long
+        raise
+    except subprocess.TimeoutExpired as exc:
+        raise ModelExportError(
+            f"converting {export_dir} for ctranslate2 took longer than {timeout_s:.0f} s"
+        ) from exc
     except OSError as exc:
         raise ModelExportError(
             f"the ctranslate2 model of {export_dir} is converted once into the cache, and "
@@ -290,10 +304,12 @@ def ensure_ctranslate2_model(
 
 
 def _convert_for_ctranslate2(export_dir: Path, target: Path, timeout_s: float) -> None:
-    """Convert into ``target.partial`` in a child process, then rename it into place."""
+    """Convert into ``target.partial`` in a child process, then rename it into place (over
+    what a conversion that died half-way, or a cache pruned by hand, left there)."""
     partial = target.with_name(f"{target.name}.partial")
-    if partial.exists():  # a conversion that died half-way
-        shutil.rmtree(partial)
+    for leftover in (partial, target):
+        if leftover.exists():
+            shutil.rmtree(leftover)
     module = "reward_server.encoders.ctranslate2_convert"
     proc = _run_child([sys.executable, "-m", module, str(export_dir), str(partial)], timeout_s)
     if proc.returncode != 0:

@@ -17,7 +17,8 @@ Fixing the mmap threshold also stops glibc from raising its *trim* threshold wit
 stays), so the heap's top was given back to the kernel and faulted in again at every step: the
 reward's arrays of a few hundred KB (a step's embeddings are 0.5 MB) cost ~1 ms a standard step
 on a loaded 2-core machine. The trim threshold is set to twice the mmap threshold, as glibc's
-own dynamic rule does: at most 2 MiB of free heap kept per arena.
+own dynamic rule does: at most 2 MiB of free heap kept per arena (8 MiB under CTranslate2's
+threshold, below).
 
 CTranslate2 (``--backend ctranslate2``) has no arena: it takes each operator's buffers from
 malloc and frees them. At its default runs of 192 tokens the largest are 1-3 MB (the
