@@ -273,8 +273,8 @@ def ensure_ctranslate2_model(
 ) -> Path:
     """The CTranslate2 model of an fp32 export, converted once into the cache.
 
-    Keyed by the graph's digest, so an export given by path (perhaps read-only) converts once
-    too. The conversion (:mod:`ctranslate2_convert`) runs in a child process under the entry's
+    Keyed by the graph's digest (so an export given by path, perhaps read-only, converts once
+    too), :data:`CTRANSLATE2_RECIPE` and CTranslate2's release. The conversion (:mod:`ctranslate2_convert`) runs in a child process under the entry's
     lock and is renamed into place when complete, like an export.
     """
     from importlib.metadata import version
