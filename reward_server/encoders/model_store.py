@@ -126,10 +126,22 @@ def folder_fingerprint(folder: Path) -> str:
             or path.parent.name.endswith("Pooling")
         ):
             h.update(str(path.relative_to(folder)).encode())
-            with path.open("rb") as fh:
-                for chunk in iter(lambda: fh.read(1 << 20), b""):
-                    h.update(chunk)
+            _hash_into(h, path)
     return h.hexdigest()[:16]
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, streamed (model files are ~90 MB)."""
+    h = hashlib.sha256()
+    _hash_into(h, path)
+    return h.hexdigest()
+
+
+def _hash_into(h: hashlib._Hash, path: Path) -> None:
+    """Feed ``path``'s bytes to ``h`` a MiB at a time."""
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
 
 
 def export_in_subprocess(
@@ -261,11 +273,7 @@ def graph_digest(export_dir: Path) -> str:
     recorded = read_manifest(export_dir).get("files", {}).get(MODEL_FILE)
     if isinstance(recorded, str) and recorded:
         return recorded[:16]
-    h = hashlib.sha256()
-    with (export_dir / MODEL_FILE).open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()[:16]
+    return sha256_file(export_dir / MODEL_FILE)[:16]
 
 
 def ensure_ctranslate2_model(
@@ -274,8 +282,9 @@ def ensure_ctranslate2_model(
     """The CTranslate2 model of an fp32 export, converted once into the cache.
 
     Keyed by the graph's digest (so an export given by path, perhaps read-only, converts once
-    too), :data:`CTRANSLATE2_RECIPE` and CTranslate2's release. The conversion (:mod:`ctranslate2_convert`) runs in a child process under the entry's
-    lock and is renamed into place when complete, like an export.
+    too), :data:`CTRANSLATE2_RECIPE` and CTranslate2's release. The conversion
+    (:mod:`ctranslate2_convert`) runs in a child process under the entry's lock and is renamed
+    into place when complete, like an export.
     """
     from importlib.metadata import version
 

@@ -25,7 +25,6 @@ parser, and the server process must stay torch-free.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import os
@@ -45,7 +44,13 @@ import numpy.typing as npt
 
 from reward_server.encoders import fidelity
 from reward_server.encoders.base import EMBEDDING_DIM, MAX_SEQ_LENGTH
-from reward_server.encoders.model_store import GRAPH_RECIPE, MANIFEST_FILE, MODEL_FILE, VARIANTS
+from reward_server.encoders.model_store import (
+    GRAPH_RECIPE,
+    MANIFEST_FILE,
+    MODEL_FILE,
+    VARIANTS,
+    sha256_file,
+)
 from reward_server.encoders.tokenization import save_configured_tokenizer
 
 if TYPE_CHECKING:
@@ -101,15 +106,6 @@ def resolve_source(source: str | None) -> SourceModel:
     from huggingface_hub import snapshot_download  # only for hub ids; may need network
 
     return SourceModel(Path(snapshot_download(source)), source)
-
-
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file, streamed (model files are ~90 MB)."""
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # --------------------------------------------------------------------------------------------
