@@ -111,14 +111,17 @@ class _Graph:
             raise UnsupportedGraphError(
                 f"{node.op_type} {node.name!r}: input {name!r} is not a weight"
             )
-        return np.ascontiguousarray(self.initializers[name], dtype=np.float32)
+        return self._array(name)
 
     def bias_of(self, add: Any) -> Array:
         """The constant operand of a bias ``Add`` (the other is the activation)."""
         constants = [name for name in add.input if name in self.initializers]
         if len(constants) != 1:
             raise UnsupportedGraphError(f"Add {add.name!r} is not a bias addition")
-        return np.ascontiguousarray(self.initializers[constants[0]], dtype=np.float32)
+        return self._array(constants[0])
+
+    def _array(self, name: str) -> Array:
+        return np.ascontiguousarray(self.initializers[name], dtype=np.float32)
 
     def norm(self, node: Any) -> LayerNorm:
         return LayerNorm(self.weight(node, 1), self.weight(node, 2))
@@ -133,9 +136,10 @@ def _attr(node: Any, name: str, default: Any = None) -> Any:
     return default
 
 
-def _matmul_linear(g: _Graph, matmul: Any, bias: Array) -> Linear:
-    """ONNX's ``MatMul`` weight is (in, out); CTranslate2 stores (out, in)."""
-    return Linear(np.ascontiguousarray(g.weight(matmul, 1).T), bias)
+def _linear(g: _Graph, node: Any, bias: Array) -> Linear:
+    """The projection whose weight is ``node``'s second input: ONNX's ``MatMul`` and
+    ``Attention`` hold it (in, out); CTranslate2 stores (out, in)."""
+    return Linear(np.ascontiguousarray(g.weight(node, 1).T), bias)
 
 
 def _layer(g: _Graph, x: str, attention: Any, epsilon: float) -> tuple[BertLayer, str]:
@@ -143,7 +147,7 @@ def _layer(g: _Graph, x: str, attention: Any, epsilon: float) -> tuple[BertLayer
     ``epsilon`` is the embeddings' layer norm's: CTranslate2 has one for every layer norm."""
     if _attr(attention, "unidirectional", 0) or _attr(attention, "scale", 0.0):
         raise UnsupportedGraphError(f"{attention.name!r}: not BERT's bidirectional attention")
-    qkv = Linear(np.ascontiguousarray(g.weight(attention, 1).T), g.weight(attention, 2))
+    qkv = _linear(g, attention, g.weight(attention, 2))
     width = qkv.weight.shape[1]
     if qkv.weight.shape != (3 * width, width):  # Q, K and V of the model's width each
         raise UnsupportedGraphError(f"{attention.name!r}: Q, K, V of unequal widths")
@@ -178,10 +182,10 @@ def _layer(g: _Graph, x: str, attention: Any, epsilon: float) -> tuple[BertLayer
             raise UnsupportedGraphError(f"{norm.name!r}: an epsilon other than the embeddings'")
     layer = BertLayer(
         qkv=qkv,
-        attention_out=_matmul_linear(g, out_mm, g.bias_of(out_bias)),
+        attention_out=_linear(g, out_mm, g.bias_of(out_bias)),
         attention_norm=g.norm(norm1),
-        ffn_in=_matmul_linear(g, ffn_mm, ffn_bias),
-        ffn_out=_matmul_linear(g, down_mm, g.bias_of(down_bias)),
+        ffn_in=_linear(g, ffn_mm, ffn_bias),
+        ffn_out=_linear(g, down_mm, g.bias_of(down_bias)),
         ffn_norm=g.norm(norm2),
     )
     return layer, norm2.output[0]
