@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_score import start_server
 from benchmarks.workload import grpo_step, load_gsm8k
-from reward_server.encoders.loading import BACKENDS, runs_export
+from reward_server.encoders.loading import EXPORT_BACKENDS
 from reward_server.encoders.model_store import resolve_model
 
 
@@ -36,9 +36,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=18850)
     args = parser.parse_args(argv)
     backends = args.backends.split(",")
-    choices = [b for b in BACKENDS if runs_export(b)]
-    if len(backends) != 2 or not set(backends) <= set(choices):
-        parser.error(f"--backends takes two of {', '.join(choices)}")
+    if len(backends) != 2 or not set(backends) <= set(EXPORT_BACKENDS):
+        parser.error(f"--backends takes two of {', '.join(EXPORT_BACKENDS)}")
     model_dir = resolve_model(args.model)
     rows = load_gsm8k()
     steps = [grpo_step(seed=700 + r, rows=rows) for r in range(args.steps + 1)]

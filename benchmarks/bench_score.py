@@ -57,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.workload import SHAPES, grpo_step, load_gsm8k, reshape
 from reward_server.core import PreparedBatch, ScoreItem, finish_batch, prepare_batch
-from reward_server.encoders.loading import BACKENDS, export_engine, runs_export
+from reward_server.encoders.loading import EXPORT_BACKENDS, export_engine
 from reward_server.encoders.tokenization import encode_ids
 
 #: FLOPs of all-MiniLM-L6-v2 per token, plus per token per padded position (attention).
@@ -452,7 +452,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--provider", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument(
         "--backend",
-        choices=[b for b in BACKENDS if runs_export(b)],
+        choices=EXPORT_BACKENDS,
         default="onnx",
         help="engine of (B) and (C)",
     )

@@ -36,11 +36,11 @@ from benchmarks.bench_score import every_reasoning, ideal_flops, matmul_floor_gf
 from benchmarks.workload import grpo_step, load_gsm8k
 from reward_server.core import ScoreItem, prepare_batch
 from reward_server.encoders.batched import BatchedEncoder
-from reward_server.encoders.loading import export_engine
+from reward_server.encoders.loading import EXPORT_BACKENDS, export_engine
 from reward_server.encoders.model_store import resolve_model
 
 #: The engines a setting may name before its change (``openvino-tokens2048``).
-OTHER_ENGINES = ("openvino", "ctranslate2")
+OTHER_ENGINES = tuple(b for b in EXPORT_BACKENDS if b != "onnx")
 
 
 def make_encoder(setting: str, model: Path) -> BatchedEncoder:

@@ -92,3 +92,7 @@ def runs_export(backend: Backend) -> bool:
     (True, False)
     """
     return backend != "torch"
+
+
+#: The backends that run the ONNX export (``--backend`` choices of the encoder benchmarks).
+EXPORT_BACKENDS: tuple[Backend, ...] = tuple(b for b in BACKENDS if runs_export(b))
