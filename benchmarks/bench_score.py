@@ -45,7 +45,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -221,15 +221,33 @@ def in_process_ours(items: Sequence[ScoreItem], encoder: Any) -> list[float]:
 
 
 def start_server(
-    model_dir: Path, port: int, provider: str = "cpu", backend: str = "onnx"
+    model_dir: Path,
+    port: int,
+    provider: str = "cpu",
+    backend: str = "onnx",
+    *,
+    tree: Path | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> tuple[subprocess.Popen[bytes], float]:
-    """Start ``sde2-reward serve`` and return it with its cold start to ``/readyz`` in seconds."""
-    env = {**os.environ, "SDE2_CACHE_SIZE": "0", "SDE2_PROVIDER": provider, "SDE2_BACKEND": backend}
+    """Start ``sde2-reward serve`` and return it with its cold start to ``/readyz`` in seconds.
+
+    ``tree`` runs another checkout's server (its code on ``PYTHONPATH``, this interpreter);
+    ``env`` adds variables to the server's environment.
+    """
+    server_env = {
+        **os.environ,
+        "SDE2_CACHE_SIZE": "0",
+        "SDE2_PROVIDER": provider,
+        "SDE2_BACKEND": backend,
+        **(env or {}),
+    }
+    if tree is not None:
+        server_env["PYTHONPATH"] = str(tree)
     start = time.perf_counter()
     proc = subprocess.Popen(
         [sys.executable, "-m", "reward_server.cli", "serve", "--port", str(port),
          "--model", str(model_dir)],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env=server_env, cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     return proc, _wait_ready(proc, port, start)
 
