@@ -225,3 +225,53 @@ def test_score_benchmark_runs_end_to_end(
     assert re.search(r"\(E\), a '<' in the reasoning +[0-9.]+ +[0-9.]+", out), out
     assert re.search(r"\(D\), Markdown in the reasoning +[0-9.]+ +[0-9.]+", out), out
     assert "line breaks leave the rewards as they were: yes" in out
+
+
+def test_servers_benchmark_compares_sides_end_to_end(
+    onnx_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A short run of ``benchmarks/ab_servers.py``: a server from another tree, one on another
+    export folder (the ``mha`` form of ``graph_variants.py``) and one with an extra variable,
+    each step to every server; the attention's other form gives the same rewards."""
+    from benchmarks import ab_servers, graph_variants
+
+    repo = Path(__file__).resolve().parents[1]
+    mha = tmp_path / "mha"
+    ops = graph_variants.write_mha(onnx_model_dir, mha)
+    assert ops["MultiHeadAttention"] == 6 and "Attention" not in ops
+    sides = ["onnx", f"onnx tree={repo}", f"onnx model={mha}", "onnx env=SDE2_LOG_LEVEL=warning"]
+    status = ab_servers.main(
+        ["--steps", "1", "--port", "18861", "--model", str(onnx_model_dir), *sides]
+    )
+    out = capsys.readouterr().out
+    assert status == 0, out
+    for side in sides:
+        row = next(line for line in out.splitlines() if line.startswith(f"{side}  "))
+        median, encode, speed, diff = row[len(side) :].split()
+        assert float(median) >= float(encode) > 0 and speed.endswith("x"), row
+        assert float(diff) <= 1e-5, row
+    assert "rewards agree with the first side (<= 1e-05): yes" in out
+
+
+def test_servers_benchmark_refuses_a_side_it_cannot_read(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from benchmarks import ab_servers
+
+    with pytest.raises(SystemExit):
+        ab_servers.main(["onnx", "onnx colour=red"])
+    assert "'colour=red': a side's words are model=DIR, tree=DIR or env=NAME=VALUE" in (
+        capsys.readouterr().err
+    )
+    with pytest.raises(SystemExit):
+        ab_servers.main(["onnx"])
+    assert "give two sides or more" in capsys.readouterr().err
+
+
+def test_servers_benchmark_hands_a_side_its_variables(onnx_model_dir: Path) -> None:
+    """A side's ``env=`` reaches its server: one the server refuses stops the benchmark."""
+    from benchmarks import ab_servers
+
+    argv = ["--steps", "1", "--port", "18871", "--model", str(onnx_model_dir), "onnx"]
+    with pytest.raises(RuntimeError, match="server exited"):
+        ab_servers.main([*argv, "onnx env=SDE2_LOG_LEVEL=nonsense"])
