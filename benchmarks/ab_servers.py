@@ -21,11 +21,14 @@ from __future__ import annotations
 import argparse
 import shlex
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -81,6 +84,33 @@ def parse_side(text: str) -> Side:
     return side
 
 
+def _serve_in_turn(
+    clients: Sequence[httpx.Client], steps: Sequence[list[dict[str, Any]]]
+) -> tuple[list[list[float]], list[list[float]], list[float]]:
+    """Each step to every server, the order rotating step by step; per server, each timed
+    step's seconds and ``x-encode-time`` (the first step warms up, untimed), and its largest
+    reward difference from the first server's."""
+    seconds: list[list[float]] = [[] for _ in clients]
+    encode: list[list[float]] = [[] for _ in clients]
+    worst = [0.0 for _ in clients]
+    order = list(range(len(clients)))
+    for k, step in enumerate(steps):
+        rewards: dict[int, list[float]] = {}
+        for i in order[k % len(order) :] + order[: k % len(order)]:
+            start = time.perf_counter()
+            response = clients[i].post("/v1/score", json={"items": step})
+            elapsed = time.perf_counter() - start
+            response.raise_for_status()
+            rewards[i] = response.json()["rewards"]
+            if k:
+                seconds[i].append(elapsed)
+                encode[i].append(float(response.headers["x-encode-time"]) / 1000)
+        for i in order:
+            diff = float(np.max(np.abs(np.subtract(rewards[0], rewards[i]))))
+            worst[i] = max(worst[i], diff)
+    return seconds, encode, worst
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sides", nargs="+", help="two or more, each 'BACKEND [key=value ...]'")
@@ -97,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     default_model = resolve_model(args.model)
     rows = load_gsm8k()
     steps = [grpo_step(seed=700 + r, rows=rows) for r in range(args.steps + 1)]
-    servers = []
+    servers: list[subprocess.Popen[bytes]] = []
     try:
         for i, side in enumerate(sides):
             server, _ = start_server(
@@ -109,28 +139,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 env=side.env,
             )
             servers.append(server)
-        seconds: list[list[float]] = [[] for _ in sides]
-        encode: list[list[float]] = [[] for _ in sides]
-        worst = [0.0 for _ in sides]
-        clients = [
-            httpx.Client(base_url=f"http://127.0.0.1:{args.port + i}", timeout=300)
-            for i in range(len(sides))
-        ]
-        for k, step in enumerate(steps):
-            rewards: dict[int, list[float]] = {}
-            order = list(range(len(sides)))
-            for i in order[k % len(order) :] + order[: k % len(order)]:
-                start = time.perf_counter()
-                response = clients[i].post("/v1/score", json={"items": step})
-                elapsed = time.perf_counter() - start
-                response.raise_for_status()
-                rewards[i] = response.json()["rewards"]
-                if k:  # step 0 warms every server up
-                    seconds[i].append(elapsed)
-                    encode[i].append(float(response.headers["x-encode-time"]) / 1000)
-            for i in order:
-                diff = float(np.max(np.abs(np.subtract(rewards[0], rewards[i]))))
-                worst[i] = max(worst[i], diff)
+        with ExitStack() as stack:
+            clients = [
+                stack.enter_context(httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300))
+                for port in range(args.port, args.port + len(sides))
+            ]
+            seconds, encode, worst = _serve_in_turn(clients, steps)
     finally:
         for server in servers:
             server.terminate()
