@@ -24,7 +24,8 @@ CTranslate2 (``--backend ctranslate2``) has no arena: it takes each operator's b
 malloc and frees them. At its default runs of 192 tokens the largest are 1-3 MB (the
 feed-forward's 1536 columns, the attention scores), so with a 1 MiB threshold a standard step
 cost ~98k page faults and encoded 5 % slower; with 4 MiB, 20-35 faults and no slowdown
-(benchmarks/README.md, twelfth pass). :func:`mmap_threshold_for` picks the threshold by backend.
+(benchmarks/README.md, twelfth pass). :func:`mmap_threshold_for` picks the threshold by backend,
+and :func:`tune_malloc_for` applies the tuning with it (what every server process runs).
 """
 
 from __future__ import annotations
@@ -75,3 +76,8 @@ def tune_malloc(arena_max: int = 2, mmap_threshold: int = DEFAULT_MMAP_THRESHOLD
     if not ok:
         log.warning("mallopt refused the memory tuning; resident memory may grow under load")
     return bool(ok)
+
+
+def tune_malloc_for(backend: str) -> bool:
+    """:func:`tune_malloc` with the mmap threshold of the server's encoder ``backend``."""
+    return tune_malloc(mmap_threshold=mmap_threshold_for(backend))

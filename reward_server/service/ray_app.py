@@ -366,12 +366,12 @@ class Scorer:
         self, setting_args: dict[str, str], options: RayOptions
     ) -> None:
         from reward_server.service.http_app import create_app
-        from reward_server.service.memory import mmap_threshold_for, tune_malloc
+        from reward_server.service.memory import tune_malloc_for
         from reward_server.service.pipeline import ScoringService
         from reward_server.service.serve import build_encoder
 
         settings = settings_from_args(setting_args, options)
-        tune_malloc(mmap_threshold=mmap_threshold_for(settings.backend))
+        tune_malloc_for(settings.backend)
         self.settings = settings
         self.service = ScoringService(settings, loader=lambda: build_encoder(settings))
         t0 = time.monotonic()

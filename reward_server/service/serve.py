@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from reward_server.service.config import Settings, load_settings
 from reward_server.service.config import add_arguments as add_settings_arguments
-from reward_server.service.memory import mmap_threshold_for, tune_malloc
+from reward_server.service.memory import tune_malloc_for
 
 if TYPE_CHECKING:
     import uvicorn
@@ -229,7 +229,7 @@ async def _serve_until_stopped(
 
 
 def _worker_main(settings: Settings, index: int) -> None:
-    tune_malloc(mmap_threshold=mmap_threshold_for(settings.backend))
+    tune_malloc_for(settings.backend)
     logging.basicConfig(
         level=settings.log_level.upper(), format=f"%(levelname)s w{index} %(name)s: %(message)s"
     )
@@ -294,7 +294,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"sde2-reward serve: {exc}", file=sys.stderr)
         return 2
-    tune_malloc(mmap_threshold=mmap_threshold_for(settings.backend))
+    tune_malloc_for(settings.backend)
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
