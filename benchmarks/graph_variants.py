@@ -1,18 +1,21 @@
-"""Two other forms of the fp32 export's attention, written as export folders for ``ab_servers.py``.
+"""Other forms of the fp32 export's attention, written as export folders for ``ab_servers.py``.
 
 - ``mha``: each fused ``Attention`` node (whose CPU kernel projects Q, K and V head by head,
   36 products of 32 columns a batch row) becomes one ``MatMul`` of 1152 columns, a ``Split``
   and ``MultiHeadAttention`` with the bias and the key-length mask;
+- ``onnx24``: the same product, bias and ``Split``, then the ONNX standard ``Attention``
+  (opset 24), whose ``nonpad_kv_seqlen`` input (each row's token count) stands for the mask;
+  the graph's other operators move to opset 24 with it (the ``Reduce*`` axes become inputs);
 - ``unfused``: the graph exported again with onnxruntime's attention fusion off (``MatMul``,
   ``Softmax``, ``Transpose`` and ``Add`` for the mask); needs the ``export`` extra (torch).
 
-Everything else (tokenizer, manifest) is the export's own. Neither is what ``sde2-reward
+Everything else (tokenizer, manifest) is the export's own. None is what ``sde2-reward
 export`` writes: they exist to be measured against it (``benchmarks/README.md``, thirteenth
-pass).
+and fourteenth passes).
 
     python benchmarks/graph_variants.py /tmp/variants
     python benchmarks/ab_servers.py onnx "onnx model=/tmp/variants/mha" \\
-        "onnx model=/tmp/variants/unfused"
+        "onnx model=/tmp/variants/onnx24" "onnx model=/tmp/variants/unfused"
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from reward_server.encoders.base import EMBEDDING_DIM
 from reward_server.encoders.model_store import MODEL_FILE, resolve_model
 
 NUM_HEADS = 12
+#: The ONNX opset whose ``Attention`` takes ``nonpad_kv_seqlen``.
+ONNX_ATTENTION_OPSET = 24
 
 
 def _copy_export(export: Path, out: Path) -> Path:
@@ -79,6 +84,55 @@ def write_mha(export: Path, out: Path) -> Counter[str]:
     return Counter(n.op_type for n in nodes)
 
 
+def write_onnx24(export: Path, out: Path) -> Counter[str]:
+    """The ``onnx24`` variant of ``export`` at ``out``; returns its operator counts."""
+    import numpy as np
+    import onnx
+    from onnx import helper, numpy_helper
+
+    model = onnx.load(str(export / MODEL_FILE))
+    graph = model.graph
+    for name, value in (("qkv_split", [EMBEDDING_DIM] * 3), ("row_axis", [1])):
+        graph.initializer.append(numpy_helper.from_array(np.array(value, np.int64), name))
+    lengths = "nonpad_kv_seqlen"
+    nodes: list[Any] = [
+        helper.make_node("ReduceSum", ["attention_mask", "row_axis"], [lengths], keepdims=0)
+    ]
+    for index, node in enumerate(graph.node):
+        axes = next((a for a in node.attribute if a.name == "axes"), None)
+        if node.op_type.startswith("Reduce") and axes is not None:  # an input from opset 18
+            name = f"reduce_axes_{index}"
+            graph.initializer.append(numpy_helper.from_array(np.array(axes.ints, np.int64), name))
+            node.attribute.remove(axes)
+            node.input.append(name)
+        if node.op_type != "Attention":
+            nodes.append(node)
+            continue
+        hidden, weight, bias, _mask = node.input
+        out_name = node.output[0]
+        qkv, biased, q, k, v = (f"{out_name}_{s}" for s in ("qkv", "biased", "q", "k", "v"))
+        nodes += [
+            helper.make_node("MatMul", [hidden, weight], [qkv], name=f"{node.name}_qkv"),
+            helper.make_node("Add", [qkv, bias], [biased]),
+            helper.make_node("Split", [biased, "qkv_split"], [q, k, v], axis=-1),
+            helper.make_node(
+                "Attention",
+                [q, k, v, "", "", "", lengths],
+                [out_name],
+                q_num_heads=NUM_HEADS,
+                kv_num_heads=NUM_HEADS,
+                name=f"{node.name}_onnx",
+            ),
+        ]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    for opset in model.opset_import:
+        if opset.domain in ("", "ai.onnx"):
+            opset.version = ONNX_ATTENTION_OPSET
+    onnx.save(model, str(_copy_export(export, out) / MODEL_FILE))
+    return Counter(n.op_type for n in nodes)
+
+
 def write_unfused(export: Path, out: Path) -> Counter[str]:
     """The ``unfused`` variant at ``out`` (exported again from the offline package's weights)."""
     from onnxruntime.transformers.optimizer import optimize_model
@@ -114,7 +168,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     export = resolve_model(args.model)
     args.out.mkdir(parents=True, exist_ok=True)
-    for name, write in (("mha", write_mha), ("unfused", write_unfused)):
+    writers = (("mha", write_mha), ("onnx24", write_onnx24), ("unfused", write_unfused))
+    for name, write in writers:
         ops = write(export, args.out / name)
         print(f"{args.out / name}: {dict(ops.most_common(6))}")
     return 0

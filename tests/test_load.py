@@ -231,15 +231,24 @@ def test_servers_benchmark_compares_sides_end_to_end(
     onnx_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A short run of ``benchmarks/ab_servers.py``: a server from another tree, one on another
-    export folder (the ``mha`` form of ``graph_variants.py``) and one with an extra variable,
-    each step to every server; the attention's other form gives the same rewards."""
+    export folder (the ``mha`` and ``onnx24`` forms of ``graph_variants.py``) and one with an
+    extra variable, each step to every server; the attention's other forms give the same
+    rewards."""
     from benchmarks import ab_servers, graph_variants
 
     repo = Path(__file__).resolve().parents[1]
-    mha = tmp_path / "mha"
+    mha, onnx24 = tmp_path / "mha", tmp_path / "onnx24"
     ops = graph_variants.write_mha(onnx_model_dir, mha)
     assert ops["MultiHeadAttention"] == 6 and "Attention" not in ops
-    sides = ["onnx", f"onnx tree={repo}", f"onnx model={mha}", "onnx env=SDE2_LOG_LEVEL=warning"]
+    ops = graph_variants.write_onnx24(onnx_model_dir, onnx24)
+    assert ops["Attention"] == 6 and ops["Split"] == 6 and "MultiHeadAttention" not in ops
+    sides = [
+        "onnx",
+        f"onnx tree={repo}",
+        f"onnx model={mha}",
+        f"onnx model={onnx24}",
+        "onnx env=SDE2_LOG_LEVEL=warning",
+    ]
     status = ab_servers.main(
         ["--steps", "1", "--port", "18861", "--model", str(onnx_model_dir), *sides]
     )
