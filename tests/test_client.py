@@ -8,6 +8,7 @@ two real server processes.
 
 from __future__ import annotations
 
+import asyncio
 import email.utils
 import json
 import math
@@ -489,3 +490,203 @@ def test_real_server_422_is_a_request_error(
     a, _ = two_reward_servers
     with RewardClient(a.url) as rc, pytest.raises(RewardRequestError, match="422"):
         rc.score(ONE, params={"eps": 5.0})
+
+
+# --- batches refused for their size, transient statuses, shards that fail, who answered ----
+
+
+def size_limited(
+    limit: int, calls: list[dict[str, Any]]
+) -> Callable[[httpx.Request], httpx.Response]:
+    """A mock server that refuses a request of more than ``limit`` items as the real one refuses
+    too much encoder work (422 at ``items``, type ``too_many_tokens``), else scores it."""
+    core = core_handler(calls)
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        n = len(json.loads(request.content)["items"])
+        if n > limit:
+            issue = {"loc": ["items"], "field": "items", "msg": "split", "type": "too_many_tokens"}
+            return httpx.Response(422, json={"detail": [issue]})
+        return core(request)
+
+    return handle
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_a_batch_refused_for_its_size_is_scored_in_halves(normalize: bool) -> None:
+    items = batch()  # 12 items
+    with RewardClient(A, transport=httpx.MockTransport(core_handler([]))) as one:
+        single = one.score(items, normalize=normalize)
+    calls: list[dict[str, Any]] = []
+    with RewardClient(A, transport=httpx.MockTransport(size_limited(4, calls))) as limited:
+        halved = limited.score(items, normalize=normalize)
+    # 12 refused, 6 refused, 3 + 3 scored, 6 refused, 3 + 3 scored: raw, normalized here
+    assert [len(c["items"]) for c in calls] == [3, 3, 3, 3]
+    assert all(c["normalize"] is False for c in calls)
+    assert halved.rewards == pytest.approx(single.rewards, abs=1e-12)
+    assert halved.components == single.components
+    assert halved.advantages == pytest.approx(single.advantages, abs=1e-9)
+    assert halved.items == single.items
+
+
+async def test_the_async_client_halves_a_batch_refused_for_its_size() -> None:
+    items = batch()
+    calls: list[dict[str, Any]] = []
+    async with AsyncRewardClient(
+        [A, B], transport=httpx.MockTransport(size_limited(2, calls))
+    ) as rc:
+        halved = await rc.score(items)
+    with RewardClient(A, transport=httpx.MockTransport(core_handler([]))) as one:
+        assert halved.rewards == pytest.approx(one.score(items).rewards, abs=1e-12)
+    assert sorted(len(c["items"]) for c in calls) == [1, 1, 1, 1, 2, 2, 2, 2]
+
+
+def test_a_size_refusal_of_one_item_or_of_a_field_is_raised() -> None:
+    """Halving cannot help one item, nor a refusal that names a field of an item."""
+    limited = httpx.MockTransport(size_limited(0, []))
+    with RewardClient(A, transport=limited) as rc, pytest.raises(RewardRequestError, match="too_"):
+        rc.score(ONE)
+    field = {"loc": ["items", 0, "completion"], "msg": "too long", "type": "too_long"}
+    transport = Scripted([httpx.Response(422, json={"detail": [field]})])
+    with (
+        RewardClient(A, transport=httpx.MockTransport(transport)) as rc,
+        pytest.raises(RewardRequestError, match="too long"),
+    ):
+        rc.score(batch())
+    assert len(transport.urls) == 1
+
+
+def corrupt_gzip() -> httpx.Response:
+    """A 200 whose gzip body cannot be decoded (read by the client, not here)."""
+    return httpx.Response(
+        200, headers={"content-encoding": "gzip"}, stream=httpx.ByteStream(b"not gzip")
+    )
+
+
+def test_408_and_an_undecodable_body_are_transient() -> None:
+    transport = Scripted([httpx.Response(408, text="body timeout"), corrupt_gzip()])
+    sleeps: list[float] = []
+    with RewardClient(A, transport=httpx.MockTransport(transport), sleep=sleeps.append) as rc:
+        assert len(rc.score(ONE)) == 1
+    assert len(transport.urls) == 3 and len(sleeps) == 2
+    always_corrupt = Scripted([corrupt_gzip() for _ in range(3)])
+    with (
+        RewardClient(
+            A,
+            retry=policy(max_attempts=3),
+            transport=httpx.MockTransport(always_corrupt),
+            sleep=lambda s: None,
+        ) as rc,
+        pytest.raises(RewardServiceError, match="DecodingError"),
+    ):
+        rc.score(ONE)
+
+
+def test_served_by_names_the_replica_that_answered() -> None:
+    transport = Scripted([httpx.Response(503, headers={"retry-after": "0"})])
+    with RewardClient([A, B], transport=httpx.MockTransport(transport), sleep=lambda s: None) as rc:
+        result = rc.score(ONE)
+    assert transport.urls == [A + "/v1/score", B + "/v1/score"]
+    assert result.served_by == [B]
+
+
+def failing_shards() -> tuple[Callable[[httpx.Request], httpx.Response], list[str]]:
+    """The first request is refused (422) after a while; every later one fails transiently for
+    good (replica A 503, replica B connection refused), so the other shard retries until told
+    to stop."""
+    seen: list[str] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.host)
+        if len(seen) == 1:
+            time.sleep(0.2)  # the other shard is retrying by the time this one fails
+            return httpx.Response(422, json={"detail": [{"loc": ["params"], "msg": "bad"}]})
+        if request.url.host == "replica-b":
+            raise httpx.ConnectError("connection refused")
+        return httpx.Response(503, text="not ready")
+
+    return handle, seen
+
+
+def test_a_shard_that_fails_stops_the_others() -> None:
+    """The refusal is raised at once; the shard retrying a dead replica gives up at its next
+    try instead of spending its whole retry budget."""
+    handle, seen = failing_shards()
+
+    def slow_sleep(s: float) -> None:
+        time.sleep(0.05)
+
+    rc = RewardClient(
+        [A, B],
+        retry=policy(max_attempts=200, backoff_base=0.0),
+        transport=httpx.MockTransport(handle),
+        sleep=slow_sleep,
+    )
+    start = time.monotonic()
+    with pytest.raises(RewardRequestError, match="422"):
+        rc.score(batch())
+    assert time.monotonic() - start < 2.0
+    time.sleep(0.2)  # the other shard notices at its next try
+    tried = len(seen)
+    time.sleep(0.3)
+    assert len(seen) == tried < 20
+
+
+async def test_the_async_client_cancels_the_other_shards() -> None:
+    handle, seen = failing_shards()
+
+    async def slow_sleep(s: float) -> None:
+        await asyncio.sleep(0.05)
+
+    async with AsyncRewardClient(
+        [A, B],
+        retry=policy(max_attempts=200, backoff_base=0.0),
+        transport=httpx.MockTransport(handle),
+        sleep=slow_sleep,
+    ) as rc:
+        with pytest.raises(RewardRequestError, match="422"):
+            await rc.score(batch())
+        tried = len(seen)
+        await asyncio.sleep(0.3)
+        assert len(seen) == tried < 10
+
+
+def test_no_attempt_limit_means_the_deadline_rules() -> None:
+    with pytest.raises(ValueError, match="needs a deadline"):
+        RetryPolicy(max_attempts=None)
+    transport = Scripted([httpx.ConnectError("down")] * 30)
+    clock = [0.0]
+    rc = RewardClient(
+        A,
+        retry=policy(max_attempts=None, backoff_base=1.0, backoff_max=1.0, deadline=20.0),
+        transport=httpx.MockTransport(transport),
+        sleep=lambda s: clock.__setitem__(0, clock[0] + s),
+    )
+    assert len(rc.score(ONE)) == 1  # 30 refusals, far more than the default 6 attempts
+    assert len(transport.urls) == 31
+
+
+@pytest.mark.slow
+def test_a_real_server_s_size_limits_are_met_by_halving(
+    two_reward_servers: tuple[ServerProcess, ServerProcess],  # noqa: F811
+) -> None:
+    """A server that takes at most 3 items and 200 estimated encoder tokens a request refuses
+    the batch (422 at ``items``); the client scores it in smaller requests, with the numbers
+    one unlimited server gives for the whole batch."""
+    from tests.client_fixtures import running_server
+
+    a, _ = two_reward_servers
+    items = gsm8k_like_batch()
+    with RewardClient(a.url) as one:
+        single = one.score(items, diagnostics=True)
+    with (
+        running_server("--max-items", "3", "--max-request-tokens", "200") as small,
+        RewardClient(small.url) as rc,
+    ):
+        with pytest.raises(RewardRequestError, match="too_long"):
+            rc.request("POST", "/v1/score", {"items": items})  # what it says to one request
+        halved = rc.score(items, diagnostics=True)
+    assert halved.rewards == pytest.approx(single.rewards, abs=1e-6)
+    assert halved.advantages == pytest.approx(single.advantages, abs=1e-5)
+    assert [it.uniq for it in halved.items] == [it.uniq for it in single.items]
+    assert set(halved.served_by) == {small.url} and len(halved.served_by) > 5

@@ -248,3 +248,24 @@ def test_verl_compute_score(reward_server: ServerProcess, monkeypatch: pytest.Mo
     dead = f"http://127.0.0.1:{free_port()}"
     both = {"reward_url": f"{dead},{reward_server.url}"}
     assert verl.compute_score("openai/gsm8k", GOOD, "72", both)["score"] == out["score"]
+
+
+def test_gold_answers_from_numbers_and_missing_ones(reward_server: ServerProcess) -> None:  # noqa: F811
+    """A float gold is written out in plain decimal (``str(1e-05)`` would be the gold -5 to
+    SPEC §2's ``N``); a missing one is an error naming the column and row, not the gold
+    ``"None"`` that no answer matches."""
+    fn = sde2_reward(reward_server.url, diagnostics=True)
+    holder = fn.__self__  # type: ignore[attr-defined]
+    texts = [completion(["0.00001"], "0.00001"), completion(["2"], "20000000000000000")]
+    kwargs = {**call_kwargs(texts, ["p", "q"]), "answer": [1e-05, 2e16]}
+    asyncio.run(fn(**kwargs))
+    assert [it.correct for it in holder.last_result.items] == [True, True]
+    kwargs["answer"] = [1e-05, None]
+    with pytest.raises(ValueError, match=r"'answer', row 1: the gold answer is missing"):
+        asyncio.run(fn(**kwargs))
+    from trainer_client import verl
+
+    url = {"reward_url": reward_server.url}
+    assert verl.compute_score("gsm8k", texts[0], 1e-05, url)["acc"] == 1.0
+    with pytest.raises(ValueError, match="ground_truth of a 'gsm8k' sample: the gold answer"):
+        verl.compute_score("gsm8k", texts[0], None, url)

@@ -71,3 +71,23 @@ def test_best_and_worst_explained_only_when_asked(reward_server: ServerProcess) 
     plain: dict[str, list[Any]] = defaultdict(list)
     asyncio.run(SDE2Reward(reward_server.url).sde2(**kwargs(lambda c, v: plain[c].extend(v))))
     assert "sde2/explanation" not in plain and "sde2/n_strat" in plain
+
+
+def test_a_failed_explanation_leaves_the_rewards(
+    reward_server: ServerProcess,  # noqa: F811
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A server that takes 2 items a request: the score is split in halves and merged, and
+    ``/v1/explain`` of the whole call, refused, costs the column only (a warning), not the
+    step."""
+    from tests.client_fixtures import running_server
+
+    reference = asyncio.run(SDE2Reward(reward_server.url).sde2(**kwargs(lambda c, v: None)))
+    extra: dict[str, list[Any]] = defaultdict(list)
+    with running_server("--max-items", "2") as small:
+        holder = SDE2Reward(small.url, explain_extremes=True)
+        with caplog.at_level("WARNING", logger="trainer_client.trl"):
+            rewards = asyncio.run(holder.sde2(**kwargs(lambda c, v: extra[c].extend(v))))
+    assert rewards == pytest.approx(reference, abs=1e-6)
+    assert "sde2/explanation" not in extra and "sde2/n_strat" in extra
+    assert "no sde2/explanation column this step" in caplog.text and "422" in caplog.text

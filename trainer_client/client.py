@@ -14,10 +14,12 @@ server did not compute.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,11 +38,14 @@ from trainer_client.retry import (
 from trainer_client.sharding import (
     ItemLike,
     check_groups,
+    halve,
     item_to_json,
     merge,
     params_to_json,
     split,
 )
+
+log = logging.getLogger(__name__)
 
 SCORE_PATH = "/v1/score"
 DEFAULT_TIMEOUT = 180.0  # seconds; a large step on a CPU server can take a while (OpenRLHF: 180)
@@ -104,10 +109,41 @@ class _Plan:
         ]
         return cls(shards, True, normalize, groups)
 
-    def finish(self, results: list[ScoreResult]) -> ScoreResult:
-        if not self.sharded:
-            return results[0]
-        return merge(results, normalize=self.normalize, groups=self.groups)
+    def finish(self, results: list[list[ScoreResult]]) -> ScoreResult:
+        """One result from each shard's pieces (more than one where a server refused a shard
+        for its size and its halves were scored instead), in batch order."""
+        pieces = [piece for shard in results for piece in shard]
+        if not self.sharded and len(pieces) == 1:
+            return pieces[0]  # the server normalized the whole batch itself
+        return merge(pieces, normalize=self.normalize, groups=self.groups)
+
+
+#: The 422 issues of a batch refused for its size alone (SPEC §6): too many items, or too much
+#: estimated encoder work, both reported at ``items`` itself.
+_SIZE_ISSUES = frozenset({"too_long", "too_many_tokens"})
+
+
+def refused_for_size(status: int, body: Any) -> bool:
+    """Whether an answer refuses a batch for its size alone, so that the same items in smaller
+    requests may pass: a 413 (body bytes), or a 422 whose every issue is at ``items`` itself.
+
+    >>> issue = {"loc": ["items"], "msg": "...", "type": "too_many_tokens"}
+    >>> refused_for_size(422, {"detail": [issue]}), refused_for_size(413, None)
+    (True, True)
+    >>> refused_for_size(422, {"detail": [{**issue, "loc": ["items", 3, "completion"]}]})
+    False
+    """
+    if status == 413:
+        return True
+    issues = body.get("detail") if status == 422 and isinstance(body, dict) else None
+    return (
+        isinstance(issues, list)
+        and bool(issues)
+        and all(
+            isinstance(i, dict) and i.get("loc") == ["items"] and i.get("type") in _SIZE_ISSUES
+            for i in issues
+        )
+    )
 
 
 def _check_response(url: str, response: httpx.Response) -> tuple[Any, Attempt | None, bool]:
@@ -118,7 +154,12 @@ def _check_response(url: str, response: httpx.Response) -> tuple[Any, Attempt | 
         except ValueError as exc:  # a proxy's HTML page, a truncated body: transient
             return None, Attempt(url, 200, f"invalid JSON: {exc}"), True
     text = response.text[:500].replace("\n", " ")
-    failure = Attempt(url, response.status_code, text or response.reason_phrase)
+    try:
+        body = response.json() if response.status_code in (413, 422) else None
+    except ValueError:
+        body = None
+    too_large = refused_for_size(response.status_code, body)
+    failure = Attempt(url, response.status_code, text or response.reason_phrase, too_large)
     return None, failure, response.status_code in RETRYABLE_STATUSES
 
 
@@ -134,6 +175,8 @@ class _Attempts:
         self.started = time.monotonic()
         self.number = 0
         self.data: Any = None
+        #: The base URL of the replica that answered (once :meth:`succeeded`).
+        self.answered_by = ""
         self._retryable = True
         self._retry_after: float | None = None
 
@@ -141,14 +184,18 @@ class _Attempts:
         """Where the current attempt goes."""
         return self.client._url(self.replica, self.number) + self.path
 
-    def succeeded(self, url: str, outcome: httpx.Response | httpx.TransportError) -> bool:
-        """Record the attempt's outcome; True when :attr:`data` holds the decoded answer."""
-        if isinstance(outcome, httpx.TransportError):
+    def succeeded(self, url: str, outcome: httpx.Response | httpx.RequestError) -> bool:
+        """Record the attempt's outcome; True when :attr:`data` holds the decoded answer.
+
+        A :class:`httpx.RequestError` is no answer: the connection failed or timed out, or the
+        body could not be decoded (a corrupt compressed body from a proxy), all transient."""
+        if isinstance(outcome, httpx.RequestError):
             failure = Attempt(url, None, f"{type(outcome).__name__}: {outcome}")
             retryable, retry_after = True, None
         else:
             self.data, maybe_failure, retryable = _check_response(url, outcome)
             if maybe_failure is None:
+                self.answered_by = url.removesuffix(self.path)
                 return True
             failure = maybe_failure
             retry_after = parse_retry_after(outcome.headers.get("retry-after"))
@@ -157,15 +204,30 @@ class _Attempts:
         self._retryable, self._retry_after = retryable, retry_after
         return False
 
+    def check_stop(self, stop: threading.Event | None) -> None:
+        """Give up (:class:`RewardServiceError`) when ``stop`` is set: the batch this request
+        belongs to has already failed, so further tries would only load the servers."""
+        if stop is not None and stop.is_set():
+            raise RewardServiceError(
+                f"stopped trying to {self.what}: another part of the batch failed", self.failures
+            )
+
     def next_wait(self) -> float:
         """Seconds to wait before the next attempt; raises the give-up error when there is none
         (not retryable, attempts used up, or the policy's deadline would pass)."""
         policy = self.client.retry
         attempt, self.number = self.number, self.number + 1
-        if self._retryable and self.number < policy.max_attempts:
+        if self._retryable and policy.allows(self.number):
             wait = policy.delay(attempt, self._retry_after)
             deadline = policy.deadline
             if deadline is None or time.monotonic() - self.started + wait <= deadline:
+                log.warning(
+                    "%s: try %d failed (%s); next try in %.1f s",
+                    self.what,
+                    self.number,
+                    self.failures[-1],
+                    wait,
+                )
                 return wait
         status = self.failures[-1].status
         if not self._retryable and status is not None and 400 <= status < 500:
@@ -173,6 +235,11 @@ class _Attempts:
                 f"reward service rejected the request to {self.what}", self.failures
             )
         raise RewardServiceError(f"reward service failed to {self.what}", self.failures)
+
+
+def _scoring(body: Mapping[str, Any]) -> str:
+    """What a score request does, for error messages."""
+    return f"score {len(body['items'])} items"
 
 
 class _Base:
@@ -262,17 +329,34 @@ class RewardClient(_Base):
         self, method: str, path: str, body: Any = None, *, replica: int = 0, what: str = ""
     ) -> Any:
         """One JSON request with retries and replica failover; returns the decoded body."""
+        return self._exchange(method, path, body, replica=replica, what=what).data
+
+    def _exchange(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        replica: int = 0,
+        what: str = "",
+        stop: threading.Event | None = None,
+    ) -> _Attempts:
+        """:meth:`request`'s loop, returning its record (the answer and who gave it); gives up
+        before the next try once ``stop`` is set (another shard of the batch failed)."""
         attempts = _Attempts(self, method, path, replica, what)
         while True:
             url = attempts.url()
-            outcome: httpx.Response | httpx.TransportError
+            outcome: httpx.Response | httpx.RequestError
             try:
                 outcome = self._http.request(method, url, json=body)
-            except httpx.TransportError as exc:
+            except httpx.RequestError as exc:
                 outcome = exc
             if attempts.succeeded(url, outcome):
-                return attempts.data
-            self._sleep(attempts.next_wait())
+                return attempts
+            wait = attempts.next_wait()
+            attempts.check_stop(stop)
+            self._sleep(wait)
+            attempts.check_stop(stop)
 
     def score(
         self,
@@ -285,7 +369,9 @@ class RewardClient(_Base):
         diagnostics: bool = False,
     ) -> ScoreResult:
         """Score a batch (SPEC §6). With several URLs the batch is split across them and
-        normalized here over the whole batch, giving the numbers one server would."""
+        normalized here over the whole batch, giving the numbers one server would. A shard a
+        server refuses for its size is scored in halves; when one shard fails for good, the
+        others stop at their next try and its error is raised at once."""
         plan = _Plan.build(
             len(self.urls),
             items,
@@ -296,19 +382,34 @@ class RewardClient(_Base):
             normalize=normalize,
             diagnostics=diagnostics,
         )
+        stop = threading.Event()
 
-        def one(shard: tuple[int, dict[str, Any]]) -> ScoreResult:
+        def one(shard: tuple[int, dict[str, Any]]) -> list[ScoreResult]:
             replica, body = shard
-            data = self.request(
-                "POST", SCORE_PATH, body, replica=replica, what=f"score {len(body['items'])} items"
-            )
-            return ScoreResult.from_json(data, served_by=self._url(replica, 0))
+            try:
+                done = self._exchange(
+                    "POST", SCORE_PATH, body, replica=replica, what=_scoring(body), stop=stop
+                )
+            except RewardRequestError as exc:
+                halves = halve(body) if exc.attempts[-1].too_large else None
+                if halves is None:
+                    raise
+                return [piece for half in halves for piece in one((replica, half))]
+            return [ScoreResult.from_json(done.data, served_by=done.answered_by)]
 
         if len(plan.shards) == 1:
             return plan.finish([one(plan.shards[0])])
-        with ThreadPoolExecutor(max_workers=len(plan.shards)) as pool:
-            results = list(pool.map(one, plan.shards))
-        return plan.finish(results)
+        pool = ThreadPoolExecutor(max_workers=len(plan.shards))
+        try:
+            futures = [pool.submit(one, shard) for shard in plan.shards]
+            wait(futures, return_when=FIRST_EXCEPTION)
+            failed = next((f for f in futures if f.done() and f.exception()), None)
+            if failed is not None:
+                stop.set()
+                raise failed.exception()  # type: ignore[misc]
+            return plan.finish([f.result() for f in futures])
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def info(self, replica: int = 0) -> dict[str, Any]:
         """``GET /v1/info`` of one replica (encoder, limits, defaults)."""
@@ -373,16 +474,22 @@ class AsyncRewardClient(_Base):
         self, method: str, path: str, body: Any = None, *, replica: int = 0, what: str = ""
     ) -> Any:
         """One JSON request with retries and replica failover; returns the decoded body."""
+        return (await self._exchange(method, path, body, replica=replica, what=what)).data
+
+    async def _exchange(
+        self, method: str, path: str, body: Any = None, *, replica: int = 0, what: str = ""
+    ) -> _Attempts:
+        """:meth:`request`'s loop, returning its record (the answer and who gave it)."""
         attempts = _Attempts(self, method, path, replica, what)
         while True:
             url = attempts.url()
-            outcome: httpx.Response | httpx.TransportError
+            outcome: httpx.Response | httpx.RequestError
             try:
                 outcome = await self._http.request(method, url, json=body)
-            except httpx.TransportError as exc:
+            except httpx.RequestError as exc:
                 outcome = exc
             if attempts.succeeded(url, outcome):
-                return attempts.data
+                return attempts
             await self._sleep(attempts.next_wait())
 
     async def score(
@@ -395,7 +502,8 @@ class AsyncRewardClient(_Base):
         normalize: bool = True,
         diagnostics: bool = False,
     ) -> ScoreResult:
-        """Score a batch (SPEC §6); see :meth:`RewardClient.score`."""
+        """Score a batch (SPEC §6); see :meth:`RewardClient.score` (a failed shard cancels the
+        others at once)."""
         plan = _Plan.build(
             len(self.urls),
             items,
@@ -407,14 +515,29 @@ class AsyncRewardClient(_Base):
             diagnostics=diagnostics,
         )
 
-        async def one(replica: int, body: dict[str, Any]) -> ScoreResult:
-            data = await self.request(
-                "POST", SCORE_PATH, body, replica=replica, what=f"score {len(body['items'])} items"
-            )
-            return ScoreResult.from_json(data, served_by=self._url(replica, 0))
+        async def one(replica: int, body: dict[str, Any]) -> list[ScoreResult]:
+            try:
+                done = await self._exchange(
+                    "POST", SCORE_PATH, body, replica=replica, what=_scoring(body)
+                )
+            except RewardRequestError as exc:
+                halves = halve(body) if exc.attempts[-1].too_large else None
+                if halves is None:
+                    raise
+                return [piece for half in halves for piece in await one(replica, half)]
+            return [ScoreResult.from_json(done.data, served_by=done.answered_by)]
 
-        results = await asyncio.gather(*(one(r, b) for r, b in plan.shards))
-        return plan.finish(list(results))
+        tasks = [asyncio.ensure_future(one(r, b)) for r, b in plan.shards]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            failed = next((t for t in tasks if t.done() and t.exception()), None)
+            if failed is not None:
+                raise failed.exception()  # type: ignore[misc]
+            return plan.finish([t.result() for t in tasks])
+        finally:
+            for task in tasks:
+                task.cancel()  # a no-op for the finished ones
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def info(self, replica: int = 0) -> dict[str, Any]:
         """``GET /v1/info`` of one replica."""

@@ -1,10 +1,12 @@
 """Retry policy of the reward client: what is retried, and how long to wait before the next try.
 
 Scoring is a pure function of the request, so repeating a request is always safe; the only
-question is whether a failure is *transient*. Connection errors, timeouts, 429 (the server shed
-load), 500 (the server's encoder failed: never bad input, and another replica or a moment later
-may succeed) and 502/503/504 (restarting, not ready, or a proxy in between) are transient; any
-other 4xx is an answer about the request itself and is raised at once. A trainer must never proceed
+question is whether a failure is *transient*. Connection errors, timeouts, an undecodable body,
+408 (the body did not arrive in time: the network, not the request), 429 (the server shed load),
+500 (the server's encoder failed: never bad input, and another replica or a moment later may
+succeed) and 502/503/504 (restarting, not ready, or a proxy in between) are transient; any other
+4xx is an answer about the request itself and is raised at once (a batch refused for its size
+alone is split by the client instead, see :attr:`Attempt.too_large`). A trainer must never proceed
 on invented rewards, so when the retries run out the caller gets :class:`RewardServiceError`
 naming every attempt, never a default value.
 """
@@ -17,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 #: HTTP statuses worth another try (see the module docstring).
-RETRYABLE_STATUSES: frozenset[int] = frozenset({429, 500, 502, 503, 504})
+RETRYABLE_STATUSES: frozenset[int] = frozenset({408, 429, 500, 502, 503, 504})
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,9 @@ class Attempt:
     url: str
     status: int | None
     error: str
+    #: The server refused the batch for its size alone (items, estimated encoder tokens or
+    #: body bytes over its limits): smaller requests with the same items may pass.
+    too_large: bool = False
 
     def __str__(self) -> str:
         what = f"HTTP {self.status}" if self.status is not None else "no response"
@@ -80,7 +85,8 @@ class RetryPolicy:
     ``retry_after_jitter`` of itself for the same herd reason.
     """
 
-    max_attempts: int = 6
+    #: Tries per request; None: as many as :attr:`deadline` allows (which must then be set).
+    max_attempts: int | None = 6
     backoff_base: float = 0.5
     backoff_max: float = 20.0
     retry_after_max: float = 60.0
@@ -90,10 +96,16 @@ class RetryPolicy:
     rng: random.Random = field(default_factory=random.Random, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.max_attempts < 1:
+        if self.max_attempts is None and self.deadline is None:
+            raise ValueError("max_attempts=None needs a deadline (else retries never end)")
+        if self.max_attempts is not None and self.max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
         if self.backoff_base < 0 or self.backoff_max < 0 or self.retry_after_max < 0:
             raise ValueError("backoff_base, backoff_max and retry_after_max must be >= 0")
+
+    def allows(self, attempts: int) -> bool:
+        """Whether another try may follow ``attempts`` tries (the deadline aside)."""
+        return self.max_attempts is None or attempts < self.max_attempts
 
     def delay(self, retry_index: int, retry_after: float | None = None) -> float:
         """Seconds to sleep before retry number ``retry_index`` (0 for the first retry)."""

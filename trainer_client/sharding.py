@@ -73,6 +73,23 @@ def split(n_items: int, n_shards: int) -> list[range]:
     return out
 
 
+def halve(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+    """A score request's items in two requests scored raw (``normalize: false``, to be merged
+    by :func:`merge`), for a batch a server refused for its size; None for a single item.
+
+    >>> [len(b["items"]) for b in halve({"items": [{}, {}, {}], "normalize": True})]
+    [2, 1]
+    >>> halve({"items": [{}]}) is None
+    True
+    """
+    items = list(body["items"])
+    if len(items) < 2:
+        return None
+    return [
+        {**body, "items": items[r.start : r.stop], "normalize": False} for r in split(len(items), 2)
+    ]
+
+
 def check_groups(items: Sequence[dict[str, Any]]) -> list[str] | None:
     """Group ids of a whole batch (SPEC §5: all items or none); ValueError when mixed.
 

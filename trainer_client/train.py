@@ -93,7 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="reward parameter, e.g. similarity_threshold=0.75",
     )
     g.add_argument("--reward-timeout", type=float, default=180.0, help="seconds per request")
-    g.add_argument("--reward-retries", type=int, default=8, help="attempts per request")
+    g.add_argument(
+        "--reward-retries",
+        type=int,
+        default=None,
+        help="attempts per request (default: as many as --reward-deadline allows)",
+    )
     g.add_argument(
         "--reward-deadline",
         type=float,

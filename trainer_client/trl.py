@@ -26,16 +26,20 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from types import MethodType
 from typing import Any
 
 from reward_server.core import RECIPES, RewardParams
+from reward_server.core.answers import gold_text
 from trainer_client.client import DEFAULT_TIMEOUT, AsyncRewardClient
 from trainer_client.results import ScoreResult
 from trainer_client.retry import RetryPolicy, RewardServiceError
 from trainer_client.sharding import merge
+
+log = logging.getLogger(__name__)
 
 RewardFunction = Callable[..., Any]
 
@@ -176,9 +180,13 @@ class SDE2Reward:
         answer_type = _uniform(kwargs.get("answer_type") or [], "answer_type", self.answer_type)
         items: list[dict[str, Any]] = []
         for i, completion in enumerate(completions):
+            try:
+                gold = gold_text(answers[i])
+            except ValueError as exc:
+                raise ValueError(f"dataset column {self.answer_column!r}, row {i}: {exc}") from None
             item: dict[str, Any] = {
                 "completion": completion_text(completion),
-                "answer": str(answers[i]),
+                "answer": gold,
                 "group": prompt_key(prompts[i]),
             }
             if completion_ids is not None:
@@ -260,9 +268,13 @@ class SDE2Reward:
         }
         if self.params:
             body["params"] = self.params
-        data = await self._get_client().request(
-            "POST", "/v1/explain", body, what=f"explain {len(items)} items"
-        )
+        try:
+            data = await self._get_client().request(
+                "POST", "/v1/explain", body, what=f"explain {len(items)} items"
+            )
+        except RewardServiceError as exc:  # the rewards stand: only the column is missing
+            log.warning("no %s/explanation column this step: %s", self.recipe, exc)
+            return
         explained = data["explanation"]["items"]
         column: list[str | None] = [None] * len(rewards)
         for role, k in (("worst", worst), ("best", best)):
@@ -397,7 +409,9 @@ def sde2_reward(
     other reward functions), picklable, and named after the recipe. ``explain_extremes`` logs,
     as the column ``<recipe>/explanation``, why the best and the worst completion of each call
     got their reward with one process (TRL shows ``log_extra`` columns with
-    ``log_completions=True``); under several processes the column is not logged.
+    ``log_completions=True``); under several processes the column is not logged, and a step
+    whose explanation fails (an older server, a batch over its limits) logs a warning instead:
+    the rewards stand.
     ``diagnostics=True`` computes ``Uniq`` for every multi-strategy completion (the ``uniq``
     metric over all of them) at extra encoder work; by default only what the reward needs is
     encoded.

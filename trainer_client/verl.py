@@ -32,6 +32,7 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
+from reward_server.core.answers import gold_text
 from trainer_client.client import AsyncRewardClient, RewardClient
 from trainer_client.results import ScoreResult
 from trainer_client.retry import RetryPolicy
@@ -75,7 +76,11 @@ def _request(
     answer_type = _option("answer_type", extra_info, kwargs) or (
         "choice" if any(s in str(data_source).lower() for s in _CHOICE_SOURCES) else "numeric"
     )
-    item: dict[str, Any] = {"completion": solution_str, "answer": str(ground_truth)}
+    try:
+        gold = gold_text(ground_truth)
+    except ValueError as exc:
+        raise ValueError(f"ground_truth of a {data_source!r} sample: {exc}") from None
+    item: dict[str, Any] = {"completion": solution_str, "answer": gold}
     num_tokens = _option("num_tokens", extra_info, kwargs)
     if num_tokens is not None:
         item["num_tokens"] = int(num_tokens)

@@ -6,9 +6,12 @@ forms are equal. A matcher is chosen per request by ``answer_type``.
 
 from __future__ import annotations
 
+import math
+import numbers
 import re
 import threading
 from collections.abc import Callable
+from decimal import Decimal
 from fractions import Fraction
 
 from reward_server.core.params import AnswerType
@@ -28,6 +31,35 @@ _DROP_CHARS = re.compile("[{}$€£¥%]")
 _DIGIT_COMMA = re.compile(r"(?<=[0-9]),(?=[0-9])")
 _NUMBER = re.compile(r"-?[0-9]+(?:\.[0-9]+)?(?:/[0-9]+)?")
 _MAX_DIGITS = 1000
+
+
+def gold_text(value: object) -> str:
+    """The gold answer text of a dataset's value: a string as it is, a number in plain decimal.
+
+    A float keeps its shortest round-trip digits with no exponent: ``N`` reads the last number
+    of a text, so ``str(1e-05)`` would be the gold -5 and ``str(2e16)`` the gold 16. A missing
+    value (``None``), a non-finite number or any other type is a :class:`ValueError`, never a
+    gold such as ``"None"`` that no answer matches.
+
+    >>> [gold_text(x) for x in ("#### 18", 18, 18.0, -0.5, 1e20, 1e-07)]
+    ['#### 18', '18', '18.0', '-0.5', '100000000000000000000', '0.0000001']
+    >>> gold_text(None)
+    Traceback (most recent call last):
+    ...
+    ValueError: the gold answer is missing (None)
+    """
+    if isinstance(value, str):
+        return value
+    if value is None:
+        raise ValueError("the gold answer is missing (None)")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"a gold answer is a string or a number, not {type(value).__name__}")
+    if isinstance(value, numbers.Integral):
+        return str(int(value))
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"the gold answer is not a finite number ({number})")
+    return format(Decimal(repr(number)), "f")
 
 
 def _strip_latex(text: str) -> str:

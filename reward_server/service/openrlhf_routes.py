@@ -15,13 +15,13 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
 from reward_server.core import AnswerType, Recipe, ScoreItem
+from reward_server.core.answers import gold_text
 from reward_server.service.errors import Loc, RequestInvalid, ServiceError, issue
 from reward_server.service.http_scoring import ERROR_RESPONSES, run_scoring, scored_response
 from reward_server.service.schemas import (
     OpenRLHFRequest,
     OpenRLHFResponse,
     ScoreRequest,
-    label_text,
 )
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ def openrlhf_items(request: OpenRLHFRequest) -> list[ScoreItem]:
     tokens kept, so padding or a BOS token can precede it. A query that does not contain its
     prompt is refused (422 naming ``prompts.i``) rather than scored whole: the prompt's own
     schema example would count as a strategy and as the final answer, a silently wrong reward.
-    Numeric labels become their decimal text (:func:`label_text`); an empty label is refused
+    Numeric labels become their decimal text (:func:`gold_text`); an empty label is refused
     (422 naming ``labels.i`` and the OpenRLHF flag that sets the label column), since every
     answer would otherwise be scored wrong.
 
@@ -70,7 +70,7 @@ def openrlhf_items(request: OpenRLHFRequest) -> list[ScoreItem]:
     issues = []
     rows = zip(request.query, request.prompts, request.labels, strict=True)
     for i, (query, prompt, label) in enumerate(rows):
-        answer = label_text(label)
+        answer = gold_text(label)  # the schema let only strings and finite numbers through
         if not answer.strip():
             msg = (
                 "empty gold answer: OpenRLHF sends an empty label when no label column is set; "

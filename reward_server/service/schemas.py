@@ -13,7 +13,6 @@ keeps unencodable strings out of the tokenizer and out of the response.
 from __future__ import annotations
 
 import math
-from decimal import Decimal
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema
@@ -129,31 +128,15 @@ OpenRLHFLabel = Annotated[
 ]
 
 
-def label_text(label: str | int | float) -> str:
-    """The gold answer text of an OpenRLHF label: numbers written out in plain decimal.
-
-    A float keeps its shortest round-trip digits with no exponent (SPEC §2's ``N`` reads ``1e+20``
-    as its last number, 20), and ``N`` then canonicalizes ``18.0`` to 18.
-
-    >>> [label_text(x) for x in ("#### 18", 18, 18.0, -0.5, 1e20, 1e-07)]
-    ['#### 18', '18', '18.0', '-0.5', '100000000000000000000', '0.0000001']
-    """
-    if isinstance(label, str):
-        return label
-    if isinstance(label, int):
-        return str(label)
-    return format(Decimal(repr(label)), "f")
-
-
 class OpenRLHFRequest(BaseModel):
     """OpenRLHF's remote reward protocol (``--reward.remote_url``).
 
     ``query[i]`` is the prompt followed by the response; ``prompts[i]`` is that prompt and
     ``labels[i]`` the gold answer, a string or a number as the dataset holds it (see
-    :func:`label_text`). The completion scored is what follows ``prompts[i]`` in ``query[i]``
-    (special tokens such as padding may precede it); a query that does not contain its prompt is
-    refused with a 422 naming ``prompts.i``, and so is an empty label (``labels.i``: OpenRLHF
-    sends ``""`` when no label key is set).
+    :func:`~reward_server.core.answers.gold_text`). The completion scored is what follows
+    ``prompts[i]`` in ``query[i]`` (special tokens such as padding may precede it); a query
+    that does not contain its prompt is refused with a 422 naming ``prompts.i``, and so is an
+    empty label (``labels.i``: OpenRLHF sends ``""`` when no label key is set).
     """
 
     model_config = _STRICT
