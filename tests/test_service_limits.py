@@ -337,6 +337,75 @@ def test_batcher_worker_survives_encoder_errors() -> None:
     batcher.close(5)
 
 
+def test_a_request_dropped_midway_leaves_the_worker_and_the_metrics_sound() -> None:
+    """Two requests in one batch, one past its deadline after the first chunk: the other gets its
+    rows, the dedup counter stays sound (the dropped request's texts were encoded but are not
+    the batch's), and the worker serves the next request."""
+    metrics = Metrics()
+    encoder = SlowEncoder(delay=0.3)  # one chunk of 50 estimated tokens a call
+    encoder.gate.clear()
+    batcher = Batcher(encoder, capacity=8, batch_tokens=100_000, chunk_tokens=50, observer=metrics)
+    blocker = batcher.submit(["hold the worker"], time.monotonic() + 30)
+    assert encoder.entered.wait(5)
+    now = time.monotonic()
+    # Longest first: the dropped request's texts are encoded in the batch's first chunks.
+    dropped = batcher.submit([f"long text {i} " * 20 for i in range(4)], now + 0.5)
+    kept = batcher.submit(["short", "short"], now + 30)
+    encoder.gate.set()
+    blocker.result(10)
+    assert kept.result(10).embeddings.shape == (2, 384)
+    with pytest.raises(DeadlineExceeded, match="while encoding"):
+        dropped.result(10)
+    later = batcher.submit(["a later request"], time.monotonic() + 5)
+    assert later.result(5).embeddings.shape == (1, 384)
+    text = metrics.render().decode()
+    assert re.search(r"^sde2_batch_deduplicated_texts_total 1\.0$", text, re.M), text
+    batcher.close(5)
+
+
+def test_the_worker_outlives_a_failing_observer_and_refuses_non_finite_rows() -> None:
+    class Failing(Metrics):
+        def on_batch(self, record: Any) -> None:
+            raise RuntimeError("observer broke")
+
+    class Nan(HashEncoder):
+        def encode(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
+            out = super().encode(texts)
+            if "nan" in texts:
+                out[list(texts).index("nan"), 0] = np.nan
+            return out
+
+    batcher = Batcher(Nan(), capacity=4, batch_tokens=1000, observer=Failing())
+    assert batcher.submit(["a"], time.monotonic() + 5).result(5).embeddings.shape == (1, 384)
+    with pytest.raises(EncoderFailed, match="non-finite"):
+        batcher.submit(["b", "nan"], time.monotonic() + 5).result(5)
+    assert batcher.submit(["c"], time.monotonic() + 5).result(5).embeddings.shape == (1, 384)
+    batcher.close(5)
+
+
+def test_a_non_finite_embedding_is_a_500_that_says_so_and_is_not_cached() -> None:
+    class Nan(HashEncoder):
+        broken = True
+
+        def encode(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
+            out = super().encode(texts)
+            if self.broken:
+                out[:, 0] = np.nan
+            return out
+
+    encoder = Nan()
+    from reward_server.encoders.cache import CachedEncoder
+
+    with http_client(make_service(CachedEncoder(encoder, 100))) as c:
+        item = {"items": [needs_encoder("x")]}
+        for _ in range(2):  # the second time too: the bad rows were not kept
+            r = c.post("/v1/score", json=item)
+            assert r.status_code == 500 and "non-finite" in r.json()["detail"], r.text
+        encoder.broken = False
+        assert c.post("/v1/score", json=item).status_code == 200
+        assert 'sde2_failures_total{reason="encoder"}' in c.get("/metrics").text
+
+
 def test_batcher_close_finishes_queued_work() -> None:
     encoder = SlowEncoder(delay=0.05)
     batcher = Batcher(encoder, capacity=8, batch_tokens=10)

@@ -122,6 +122,8 @@ class CachedEncoder(EncoderWrapper):
                 stored = np.array(vec, dtype=np.float32)  # own copy: callers may mutate `out`
                 stored.setflags(write=False)
                 out[positions] = stored
+                if not np.isfinite(stored).all():  # returned (the caller refuses it), not kept
+                    continue
                 self._entries[key] = stored
                 self._entries.move_to_end(key)
             while len(self._entries) > self.max_entries:

@@ -264,7 +264,7 @@ class Batcher:
         if found is None:
             return None
         embeddings = np.asarray(found, dtype=np.float32)
-        if embeddings.shape != (len(texts), EMBEDDING_DIM):
+        if embeddings.shape != (len(texts), EMBEDDING_DIM) or not np.isfinite(embeddings).all():
             return None  # as the worker would fail it: let the worker say so
         return EncodeResult(
             embeddings,
@@ -297,7 +297,13 @@ class Batcher:
                 self._busy_until = time.monotonic() + tokens / self._tokens_per_second
                 self._running = taken
                 self._notify_depth_locked()
-            self._encode(taken)
+            try:
+                self._encode(taken)
+            except Exception as exc:  # the worker must outlive any batch: fail it, go on
+                log.exception("the encoder worker failed a batch of %d requests", len(taken))
+                for job in taken:
+                    if not job.future.done():
+                        job.future.set_exception(EncoderFailed(f"{type(exc).__name__}: {exc}"))
             with self._cond:  # it may have ended early (requests gone)
                 self._busy_until = time.monotonic()
                 self._running = []
@@ -325,6 +331,8 @@ class Batcher:
                 embeddings = np.asarray(self.encoder.encode(chunk), dtype=np.float32)
                 if embeddings.shape != (len(chunk), EMBEDDING_DIM):
                     raise ValueError(f"encoder returned shape {embeddings.shape}")
+                if not np.isfinite(embeddings).all():  # a NaN row would decide Uniq silently
+                    raise ValueError("encoder returned non-finite embeddings")
             except Exception as exc:  # a broken encoder fails its requests, never the worker
                 log.exception("encoder failed on a batch of %d texts", len(chunk))
                 for job in live:
@@ -356,16 +364,19 @@ class Batcher:
                     batch_texts=len(done),
                 )
             )
-        self.observer.on_batch(
-            BatchRecord(
-                requests=len(live),
-                texts=sum(len(j.texts) for j in live),
-                distinct_texts=len(done),
-                tokens=tokens,
-                seconds=seconds,
-                dropped=len(taken) - len(live),
-            )
+        record = BatchRecord(
+            requests=len(live),
+            texts=sum(len(j.texts) for j in live),
+            # of the live requests' texts (``done`` also holds those of requests dropped midway)
+            distinct_texts=len({t for job in live for t in job.texts}),
+            tokens=tokens,
+            seconds=seconds,
+            dropped=len(taken) - len(live),
         )
+        try:
+            self.observer.on_batch(record)
+        except Exception:  # metrics must never break serving
+            log.exception("batch observer failed")
 
     def _next_chunk(self, todo: list[str], pos: int) -> list[str]:
         """The texts of ``todo`` from ``pos`` on that fit ``chunk_tokens`` (at least one)."""
