@@ -82,3 +82,25 @@ def test_math_without_the_extra_is_422_naming_answer_type(monkeypatch: pytest.Mo
     assert r.status_code == 422
     detail = r.json()
     assert "answer_type" in str(detail) and "sde2[math]" in str(detail)
+
+
+def test_a_math_explanation_waits_in_the_math_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``/v1/explain`` checks a ``math`` request's answers again: that runs in the math pool
+    (as its preparation does), so a slow check never holds the CPU pool every request shares;
+    other explanations stay in the CPU pool."""
+    from reward_server.service import pipeline
+
+    threads: list[str] = []
+    real = pipeline.explain_batch
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "explain_batch", recording)
+    item = {"completion": _completion(["$6$", "$5$"], "$\\sqrt{25}$"), "answer": "$5$"}
+    with http_client(make_service()) as c:
+        for answer_type in ("math", "numeric"):
+            body = {"items": [item], "answer_type": answer_type}
+            assert c.post("/v1/explain", json=body).status_code == 200
+    assert [t.rsplit("_", 1)[0] for t in threads] == ["sde2-math", "sde2-cpu"], threads

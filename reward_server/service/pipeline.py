@@ -613,7 +613,10 @@ class ScoringService:
         score: BatchScore,
         deadline: float,
     ) -> dict[str, Any]:
-        """Why each item got its reward (:mod:`reward_server.core.explain`)."""
+        """Why each item got its reward (:mod:`reward_server.core.explain`). A ``math``
+        request's explanation checks its answers again, so it waits on them in the math pool,
+        as its preparation did, never in the CPU pool every request shares."""
+        pool = self._math_pool if request.answer_type == "math" else None
         try:
             return await self._in_pool(
                 partial(
@@ -624,7 +627,8 @@ class ScoringService:
                     score,
                     normalize=request.normalize,
                     math_judge=self.math_judge(deadline),
-                )
+                ),
+                pool,
             )
         except MathDeadlineExceeded as exc:
             raise DeadlineExceeded(str(exc)) from None
