@@ -141,8 +141,9 @@ class BodyTimeout(ServiceError):
 
 
 class ClientGone(ServiceError):
-    """The client disconnected mid-upload: nobody reads the answer, but it is counted (HTTP as
-    nginx's 499 "client closed request", without a body; gRPC as CANCELLED)."""
+    """The client disconnected (mid-upload, or while its texts waited for the encoder): nobody
+    reads the answer, but it is counted (HTTP as nginx's 499 "client closed request", without a
+    body; gRPC as CANCELLED)."""
 
     reason = "client_disconnect"
     http_status = 499

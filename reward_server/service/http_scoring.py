@@ -122,10 +122,16 @@ async def run_scoring(
         except asyncio.TimeoutError:
             raise BodyTimeout(settings.body_timeout) from None
 
+    async def gone() -> None:
+        # Once the body is read, the next ASGI message is the client's disconnect.
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
     return await service.score(
         lambda: parse_body(body),
         authorization=request.headers.get("authorization"),
         receive=receive,
+        gone=gone,
         size=lambda: len(body),
         loc_map=loc_map,
         explain=explain,

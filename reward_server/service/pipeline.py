@@ -57,6 +57,7 @@ from reward_server.service.batcher import (
 from reward_server.service.config import Settings
 from reward_server.service.errors import (
     MAX_ISSUES,
+    ClientGone,
     DeadlineExceeded,
     Loc,
     NotReady,
@@ -399,6 +400,7 @@ class ScoringService:
         *,
         authorization: str | None = None,
         receive: Callable[[], Awaitable[object]] | None = None,
+        gone: Callable[[], Awaitable[object]] | None = None,
         size: Callable[[], int] | None = None,
         loc_map: LocMap | None = None,
         timeout: float | None = None,
@@ -412,7 +414,10 @@ class ScoringService:
         (see :meth:`authorize`), checked before anything else. ``receive`` is awaited once the
         request is admitted and before ``parse``: HTTP reads its body there, so a full server
         answers 429 at once without buffering the body, and the bodies held in memory are
-        bounded by the queue's capacity. ``size`` gives the request's size in bytes once
+        bounded by the queue's capacity. ``gone`` returns once the caller has gone (HTTP: the
+        client closed its connection; gRPC cancels the handler itself): while the texts wait
+        for the encoder, that abandons them (:class:`ClientGone`), freeing the admission slot
+        and the encoder's time. ``size`` gives the request's size in bytes once
         received: up to ``inline_bytes`` it is parsed on the event loop (see
         :meth:`_parse_and_prepare`), else (or without ``size``) in the CPU pool. ``timeout``
         (seconds) tightens the server's ``request_timeout`` for this request. ``explain``
@@ -438,7 +443,7 @@ class ScoringService:
             if request.answer_type == "math":  # the others' was checked in their preparing trip
                 self.check_encoder_budget(prepared.texts, loc_map)
             return await self._score_prepared(
-                batcher, request, prepared, cached, t0, deadline, explain
+                batcher, request, prepared, cached, t0, deadline, explain, gone
             )
 
     async def _score_prepared(
@@ -450,6 +455,7 @@ class ScoringService:
         t0: float,
         deadline: float,
         explain: bool,
+        gone: Callable[[], Awaitable[object]] | None = None,
     ) -> Scored:
         """Encode, reward (and explain) an admitted, prepared request; time every phase. A
         request rewarded in its preparing trip (``cached``: every embedding was cached) has
@@ -457,7 +463,9 @@ class ScoringService:
         self.metrics.items.observe(len(request.items))
         if cached is None:
             t1 = time.monotonic()
-            embeddings, queue_s, encode_s = await self._embed(batcher, prepared.texts, deadline)
+            embeddings, queue_s, encode_s = await self._embed(
+                batcher, prepared.texts, deadline, gone
+            )
             t2 = time.monotonic()
             score = await self._reward(request, prepared, embeddings)
             t3 = time.monotonic()
@@ -576,22 +584,39 @@ class ScoringService:
         return _CachedReward(looked_up, found, embedded, score, time.monotonic())
 
     async def _embed(
-        self, batcher: Batcher, texts: list[str], deadline: float
+        self,
+        batcher: Batcher,
+        texts: list[str],
+        deadline: float,
+        gone: Callable[[], Awaitable[object]] | None = None,
     ) -> tuple[np.ndarray, float, float]:
         """The texts' embeddings through the shared batcher, with the seconds they queued and
-        were encoded; :class:`DeadlineExceeded` when ``deadline`` passes first (the worker then
-        stops encoding for this request)."""
+        were encoded; :class:`DeadlineExceeded` when ``deadline`` passes first, and
+        :class:`ClientGone` when ``gone`` returns first (the worker then skips the texts, or
+        stops encoding for this request at its next chunk)."""
         if not texts:
             return np.zeros((0, EMBEDDING_DIM), np.float32), 0.0, 0.0
         future = batcher.submit(texts, deadline)
+        embedded = asyncio.wrap_future(future)
+        watch = asyncio.ensure_future(gone()) if gone is not None else None
         try:
-            result = await asyncio.wait_for(
-                asyncio.wrap_future(future), timeout=max(0.0, deadline - time.monotonic())
+            waiting: set[asyncio.Future[Any]] = {embedded} if watch is None else {embedded, watch}
+            await asyncio.wait(
+                waiting,
+                timeout=max(0.0, deadline - time.monotonic()),
+                return_when=asyncio.FIRST_COMPLETED,
             )
-        except asyncio.TimeoutError:
-            raise DeadlineExceeded("request deadline passed while encoding") from None
+            if embedded.done():
+                result = embedded.result()
+            elif watch is not None and watch.done():
+                raise ClientGone("client disconnected while its texts waited for the encoder")
+            else:
+                raise DeadlineExceeded("request deadline passed while encoding")
         finally:
             future.abandon()  # no-op once done
+            embedded.cancel()  # likewise: nobody waits for a later answer
+            if watch is not None:
+                watch.cancel()
         return result.embeddings, result.queue_seconds, result.encode_seconds
 
     async def _reward(
