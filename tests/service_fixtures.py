@@ -89,6 +89,23 @@ def make_service(encoder: Encoder | None = None, **overrides: Any) -> ScoringSer
     return service
 
 
+def threads_running(monkeypatch: pytest.MonkeyPatch, name: str) -> list[str]:
+    """The names of the threads that call the pipeline's ``name`` from now on (it is wrapped
+    to record them): where the service runs a step (the event loop, its CPU pool, its math
+    pool)."""
+    from reward_server.service import pipeline
+
+    threads: list[str] = []
+    real = getattr(pipeline, name)
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, name, recording)
+    return threads
+
+
 @contextlib.contextmanager
 def http_client(service: ScoringService) -> Iterator[Any]:
     """A FastAPI TestClient over ``create_app(service)`` (lifespan run)."""

@@ -6,15 +6,12 @@ one (``inline_bytes``), with the same answers."""
 from __future__ import annotations
 
 import json
-import threading
 import time
-from typing import Any
 
 import numpy as np
 import pytest
 
 from reward_server.encoders.cache import CachedEncoder
-from reward_server.service import pipeline
 from tests.doubles import HashEncoder
 from tests.service_fixtures import (
     SlowEncoder,
@@ -23,6 +20,7 @@ from tests.service_fixtures import (
     make_service,
     reference_response,
     step_items,
+    threads_running,
 )
 
 
@@ -98,14 +96,7 @@ def test_where_a_request_is_prepared_depends_on_its_size_not_its_answer(
     body = {"items": step_items(seed=8)[:16], "diagnostics": True}
     raw = json.dumps(body).encode()
     want = reference_response(body, HashEncoder())
-    threads: list[str] = []
-    prepare = pipeline.prepare_batch
-
-    def recording(*args: Any, **kwargs: Any) -> Any:
-        threads.append(threading.current_thread().name)
-        return prepare(*args, **kwargs)
-
-    monkeypatch.setattr(pipeline, "prepare_batch", recording)
+    threads = threads_running(monkeypatch, "prepare_batch")
     places = {}
     for limit, place in ((len(raw), "loop"), (len(raw) - 1, "pool"), (0, "pool")):
         encoder = CachedEncoder(HashEncoder(), 1000) if cached else HashEncoder()

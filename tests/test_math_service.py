@@ -17,6 +17,7 @@ from tests.service_fixtures import (  # noqa: F401  (fixtures)
     http_client,
     make_service,
     onnx_model_dir_fixture,
+    threads_running,
 )
 
 
@@ -88,16 +89,7 @@ def test_a_math_explanation_waits_in_the_math_pool(monkeypatch: pytest.MonkeyPat
     """``/v1/explain`` checks a ``math`` request's answers again: that runs in the math pool
     (as its preparation does), so a slow check never holds the CPU pool every request shares;
     other explanations stay in the CPU pool."""
-    from reward_server.service import pipeline
-
-    threads: list[str] = []
-    real = pipeline.explain_batch
-
-    def recording(*args: Any, **kwargs: Any) -> Any:
-        threads.append(threading.current_thread().name)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(pipeline, "explain_batch", recording)
+    threads = threads_running(monkeypatch, "explain_batch")
     item = {"completion": _completion(["$6$", "$5$"], "$\\sqrt{25}$"), "answer": "$5$"}
     with http_client(make_service()) as c:
         for answer_type in ("math", "numeric"):
