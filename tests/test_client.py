@@ -690,3 +690,27 @@ def test_a_real_server_s_size_limits_are_met_by_halving(
     assert halved.advantages == pytest.approx(single.advantages, abs=1e-5)
     assert [it.uniq for it in halved.items] == [it.uniq for it in single.items]
     assert set(halved.served_by) == {small.url} and len(halved.served_by) > 5
+
+
+def test_a_failed_batch_starts_no_new_request() -> None:
+    """After one shard failed for good, a shard still being halved sends none of its halves."""
+    calls: list[tuple[float, str, int]] = []
+    core = core_handler([])
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        n = len(json.loads(request.content)["items"])
+        calls.append((time.monotonic(), request.url.host, n))
+        if request.url.host == "replica-b":  # refused for good, not for its size
+            issue = {"loc": ["items", 0, "answer"], "msg": "bad", "type": "value_error"}
+            return httpx.Response(422, json={"detail": [issue]})
+        time.sleep(0.2)
+        if n > 1:
+            issue = {"loc": ["items"], "msg": "split", "type": "too_many_tokens"}
+            return httpx.Response(422, json={"detail": [issue]})
+        return core(request)
+
+    with pytest.raises(RewardRequestError, match=r"HTTP 422 .*value_error"):
+        RewardClient([A, B], transport=httpx.MockTransport(handle)).score(batch(2, 4))
+    raised = time.monotonic()
+    time.sleep(0.8)
+    assert [c for c in calls if c[0] > raised] == []

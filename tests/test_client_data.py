@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -133,3 +134,29 @@ def test_model_ref_and_read_run(tmp_path: Path) -> None:
     runfile.write_text("\n".join(json.dumps(r) for r in rows))
     run = read_run(f"base={runfile}")
     assert run.method == "base" and run.num_tokens is None and run.answers == ["1", "2"]
+
+
+def test_read_run_takes_gold_numbers_as_written_and_refuses_missing_ones(tmp_path: Path) -> None:
+    """A JSON number is the gold in plain decimal (``str(1e-05)`` would be the gold -5); a
+    missing answer stops the command naming the file and the line."""
+    runfile = tmp_path / "r.jsonl"
+    rows = [{"completion": "a", "answer": 0.00001}, {"completion": "b", "answer": 2e16}]
+    runfile.write_text("\n".join(json.dumps(r) for r in rows))
+    assert read_run(f"x={runfile}").answers == ["0.00001", "20000000000000000"]
+    runfile.write_text(json.dumps({"completion": "a", "answer": None}))
+    with pytest.raises(SystemExit, match=r"r\.jsonl: completion 1, answer: the gold answer is"):
+        read_run(f"x={runfile}")
+
+
+def test_sde2_train_stops_in_seconds_on_a_wrong_reward_url() -> None:
+    """The server is checked before the model loads with a few tries of its own, whatever
+    --reward-deadline allows the training's requests."""
+    from tests.server_process import free_port
+    from trainer_client import train
+    from trainer_client.retry import RewardServiceError
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    start = time.monotonic()
+    with pytest.raises(RewardServiceError, match=r"get info after 3 attempt"):
+        train.build_trainer(train.build_parser().parse_args(["--model", "x", "--reward-url", dead]))
+    assert time.monotonic() - start < 15

@@ -168,8 +168,17 @@ class _Attempts:
     which URL to try next (each retry moves to the next replica), what failed, how long to
     wait, and when to give up with an error that lists every attempt."""
 
-    def __init__(self, client: _Base, method: str, path: str, replica: int, what: str) -> None:
+    def __init__(
+        self,
+        client: _Base,
+        method: str,
+        path: str,
+        replica: int,
+        what: str,
+        policy: RetryPolicy | None = None,
+    ) -> None:
         self.client, self.path, self.replica = client, path, replica
+        self.policy = policy or client.retry
         self.what = what or f"{method} {path}"
         self.failures: list[Attempt] = []
         self.started = time.monotonic()
@@ -215,7 +224,7 @@ class _Attempts:
     def next_wait(self) -> float:
         """Seconds to wait before the next attempt; raises the give-up error when there is none
         (not retryable, attempts used up, or the policy's deadline would pass)."""
-        policy = self.client.retry
+        policy = self.policy
         attempt, self.number = self.number, self.number + 1
         if self._retryable and policy.allows(self.number):
             wait = policy.delay(attempt, self._retry_after)
@@ -326,10 +335,18 @@ class RewardClient(_Base):
         self._http.close()
 
     def request(
-        self, method: str, path: str, body: Any = None, *, replica: int = 0, what: str = ""
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        replica: int = 0,
+        what: str = "",
+        retry: RetryPolicy | None = None,
     ) -> Any:
-        """One JSON request with retries and replica failover; returns the decoded body."""
-        return self._exchange(method, path, body, replica=replica, what=what).data
+        """One JSON request with retries and replica failover; returns the decoded body.
+        ``retry`` replaces the client's policy for this request."""
+        return self._exchange(method, path, body, replica=replica, what=what, retry=retry).data
 
     def _exchange(
         self,
@@ -339,12 +356,14 @@ class RewardClient(_Base):
         *,
         replica: int = 0,
         what: str = "",
+        retry: RetryPolicy | None = None,
         stop: threading.Event | None = None,
     ) -> _Attempts:
         """:meth:`request`'s loop, returning its record (the answer and who gave it); gives up
-        before the next try once ``stop`` is set (another shard of the batch failed)."""
-        attempts = _Attempts(self, method, path, replica, what)
+        before its next try once ``stop`` is set (another shard of the batch failed)."""
+        attempts = _Attempts(self, method, path, replica, what, retry)
         while True:
+            attempts.check_stop(stop)
             url = attempts.url()
             outcome: httpx.Response | httpx.RequestError
             try:
@@ -356,7 +375,6 @@ class RewardClient(_Base):
             wait = attempts.next_wait()
             attempts.check_stop(stop)
             self._sleep(wait)
-            attempts.check_stop(stop)
 
     def score(
         self,
@@ -411,9 +429,9 @@ class RewardClient(_Base):
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
 
-    def info(self, replica: int = 0) -> dict[str, Any]:
+    def info(self, replica: int = 0, *, retry: RetryPolicy | None = None) -> dict[str, Any]:
         """``GET /v1/info`` of one replica (encoder, limits, defaults)."""
-        return dict(self.request("GET", "/v1/info", replica=replica, what="get info"))
+        return dict(self.request("GET", "/v1/info", replica=replica, what="get info", retry=retry))
 
     def ready(self) -> bool:
         """Whether every replica answers ``GET /readyz`` with 200 right now (no retries)."""
@@ -471,16 +489,32 @@ class AsyncRewardClient(_Base):
         await self._http.aclose()
 
     async def request(
-        self, method: str, path: str, body: Any = None, *, replica: int = 0, what: str = ""
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        replica: int = 0,
+        what: str = "",
+        retry: RetryPolicy | None = None,
     ) -> Any:
-        """One JSON request with retries and replica failover; returns the decoded body."""
-        return (await self._exchange(method, path, body, replica=replica, what=what)).data
+        """One JSON request with retries and replica failover; returns the decoded body.
+        ``retry`` replaces the client's policy for this request."""
+        done = await self._exchange(method, path, body, replica=replica, what=what, retry=retry)
+        return done.data
 
     async def _exchange(
-        self, method: str, path: str, body: Any = None, *, replica: int = 0, what: str = ""
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        replica: int = 0,
+        what: str = "",
+        retry: RetryPolicy | None = None,
     ) -> _Attempts:
         """:meth:`request`'s loop, returning its record (the answer and who gave it)."""
-        attempts = _Attempts(self, method, path, replica, what)
+        attempts = _Attempts(self, method, path, replica, what, retry)
         while True:
             url = attempts.url()
             outcome: httpx.Response | httpx.RequestError
@@ -539,6 +573,7 @@ class AsyncRewardClient(_Base):
                 task.cancel()  # a no-op for the finished ones
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def info(self, replica: int = 0) -> dict[str, Any]:
+    async def info(self, replica: int = 0, *, retry: RetryPolicy | None = None) -> dict[str, Any]:
         """``GET /v1/info`` of one replica."""
-        return dict(await self.request("GET", "/v1/info", replica=replica, what="get info"))
+        info = await self.request("GET", "/v1/info", replica=replica, what="get info", retry=retry)
+        return dict(info)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from reward_server.core.answers import gold_text
 from trainer_client.client import RewardClient
 from trainer_client.datasets import DATASETS, DEFAULT_SOURCES, Example, load_examples
 from trainer_client.metrics import RunMetrics, markdown_table, summarize
@@ -92,10 +93,16 @@ def read_run(spec: str) -> Run:
     if len(types) > 1:
         raise SystemExit(f"{path}: mixed answer types {sorted(types)}; split the file")
     have_tokens = all(r.get("num_tokens") is not None for r in rows)
+    answers = []
+    for line, row in enumerate(rows, 1):
+        try:
+            answers.append(gold_text(row.get("answer")))
+        except ValueError as exc:
+            raise SystemExit(f"{path}: completion {line}, answer: {exc}") from None
     return Run(
         method=name,
         completions=[str(r["completion"]) for r in rows],
-        answers=[str(r["answer"]) for r in rows],
+        answers=answers,
         answer_type=types.pop(),
         num_tokens=[int(r["num_tokens"]) for r in rows] if have_tokens else None,
     )

@@ -28,6 +28,11 @@ from trainer_client.retry import RetryPolicy, RewardServiceError
 log = logging.getLogger("sde2.train")
 
 
+#: The reward server checked before the model loads: a few tries, so that a wrong URL stops the
+#: command in seconds (--reward-deadline is for servers that go away during training).
+PROBE_RETRY = RetryPolicy(max_attempts=3)
+
+
 def parse_assignments(pairs: Sequence[str], what: str) -> dict[str, Any]:
     """``["k=v", ...]`` to a dict; values parsed as JSON when they are JSON (numbers), else str."""
     out: dict[str, Any] = {}
@@ -184,7 +189,7 @@ def build_trainer(
     params = reward_params(args)
     retry = RetryPolicy(max_attempts=args.reward_retries, deadline=args.reward_deadline)
     with RewardClient(args.reward_url, retry=retry) as probe:  # fail fast on a wrong URL
-        info = probe.info()
+        info = probe.info(retry=PROBE_RETRY)
     log.info("reward server: %s (%d replica(s))", info.get("encoder"), len(args.reward_url))
 
     ref = ModelRef.parse(args.model, args.gguf_file)

@@ -41,6 +41,9 @@ from trainer_client.sharding import merge
 
 log = logging.getLogger(__name__)
 
+#: The explanation column is a log: one retry at most, never a training step held for minutes.
+EXPLAIN_RETRY = RetryPolicy(max_attempts=2)
+
 RewardFunction = Callable[..., Any]
 
 
@@ -270,7 +273,7 @@ class SDE2Reward:
             body["params"] = self.params
         try:
             data = await self._get_client().request(
-                "POST", "/v1/explain", body, what=f"explain {len(items)} items"
+                "POST", "/v1/explain", body, what=f"explain {len(items)} items", retry=EXPLAIN_RETRY
             )
         except RewardServiceError as exc:  # the rewards stand: only the column is missing
             log.warning("no %s/explanation column this step: %s", self.recipe, exc)

@@ -11,7 +11,7 @@ import numbers
 import re
 import threading
 from collections.abc import Callable
-from decimal import Decimal
+from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 
 from reward_server.core.params import AnswerType
@@ -43,6 +43,9 @@ def gold_text(value: object) -> str:
 
     >>> [gold_text(x) for x in ("#### 18", 18, 18.0, -0.5, 1e20, 1e-07)]
     ['#### 18', '18', '18.0', '-0.5', '100000000000000000000', '0.0000001']
+    >>> import numpy as np
+    >>> gold_text(np.float32(0.1)), gold_text(np.float32(1e-05)), gold_text(np.int64(7))
+    ('0.1', '0.00001', '7')
     >>> gold_text(None)
     Traceback (most recent call last):
     ...
@@ -59,7 +62,10 @@ def gold_text(value: object) -> str:
     number = float(value)
     if not math.isfinite(number):
         raise ValueError(f"the gold answer is not a finite number ({number})")
-    return format(Decimal(repr(number)), "f")
+    try:  # the value's own shortest digits (a numpy float32 widened to a double has more)
+        return format(Decimal(str(value)), "f")
+    except InvalidOperation:  # a number whose text is no decimal (a Fraction's "1/3")
+        return format(Decimal(repr(number)), "f")
 
 
 def _strip_latex(text: str) -> str:
