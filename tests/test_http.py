@@ -195,6 +195,19 @@ def test_get_reward_openrlhf_protocol(client: Any) -> None:
     assert "x-total-time" in r.headers
 
 
+def test_get_reward_reports_at_most_twenty_issues(client: Any) -> None:
+    """A small body of many bad samples gets a small 422 (was one issue per sample: a 4 MB body
+    of empty labels made a 128 MB answer), and the server keeps answering."""
+    n = 50_000
+    body = {"query": ["a"] * n, "prompts": ["b"] * n, "labels": [""] * n}
+    r = client.post("/get_reward", json=body)
+    assert r.status_code == 422
+    issues = r.json()["detail"]
+    assert len(issues) == 20 and len(r.content) < 20_000
+    assert issues[0]["loc"] == ["labels", 0] and issues[1]["loc"] == ["prompts", 0]
+    assert client.get("/healthz").status_code == 200
+
+
 def test_get_reward_one_sample_is_not_normalized_to_zero(client: Any) -> None:
     c = completion(("add", "18"), final="18")
     r = client.post("/get_reward", json={"query": [c], "prompts": [""], "labels": ["18"]})

@@ -93,3 +93,25 @@ def test_zscore_ordinary_values_are_the_plain_formula_bit_for_bit() -> None:
     z, mu, sigma = zscore(values, 1e-6)
     assert (mu, sigma) == (float(x.mean()), float(x.std()))
     assert z == ((x - x.mean()) / (x.std() + 1e-6)).tolist()
+
+
+@pytest.mark.parametrize("scale", [1e150, 1e160, 1e200, 1e300, 1.7e308])
+def test_group_advantages_of_huge_rewards_are_not_zeroed(scale: float) -> None:
+    """Rewards whose squared deviations overflow (finite weights of 1e200, say) keep the
+    advantages the formula gives, those of the same rewards scaled down; an ordinary group in
+    the same batch is untouched."""
+    rewards = [1.0 * scale, 0.0, 0.25 * scale, 1.0, 3.0]
+    groups = ["big", "big", "big", "small", "small"]
+    adv = group_advantages(rewards, groups, 1e-6)
+    exact = np.array([1.0, 0.0, 0.25])
+    want = (exact - exact.mean()) / exact.std()
+    assert adv[:3] == pytest.approx(want.tolist(), rel=1e-12)
+    assert adv[3:] == group_advantages([1.0, 3.0], ["small", "small"], 1e-6)
+
+
+def test_huge_weights_give_the_advantages_of_ordinary_ones() -> None:
+    """Through the aggregation (the reviewer's case: weight oc=1e200, one right, one wrong)."""
+    big = RewardParams(weights={"oc": 1e200, "re": 0, "fa": 0, "sd": 0})
+    for normalize in (False, True):
+        out = aggregate({"oc": [1.0, 0.0]}, big, normalize=normalize, groups=["g", "g"])
+        assert out.advantages == pytest.approx([1.0, -1.0], rel=1e-5)

@@ -470,6 +470,15 @@ def test_settings_flags_then_env_then_defaults() -> None:
         ({"SDE2_BATCH_TOKENS": "-1"}, "batch_tokens (--batch-tokens"),
         ({"SDE2_MATH_TIMEOUT": "0"}, "math_timeout (--math-timeout / SDE2_MATH_TIMEOUT) must be"),
         ({"SDE2_DRAIN_TIMEOUT": "-1"}, "drain_timeout (--drain-timeout"),
+        (
+            {"SDE2_DRAIN_TIMEOUT": "inf"},
+            "drain_timeout (--drain-timeout / SDE2_DRAIN_TIMEOUT) must be a finite number, got inf",
+        ),
+        (
+            {"SDE2_BODY_TIMEOUT": "1e400"},
+            "body_timeout (--body-timeout / SDE2_BODY_TIMEOUT) must be a finite number",
+        ),
+        ({"SDE2_REQUEST_TIMEOUT": "nan"}, "request_timeout (--request-timeout"),
         ({"SDE2_LOG_LEVEL": "verbose"}, "log_level (--log-level / SDE2_LOG_LEVEL) must be one of"),
         ({"SDE2_INTRA_OP_THREADS": "0"}, "intra_op_threads (--intra-op-threads"),
     ],

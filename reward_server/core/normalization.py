@@ -150,6 +150,12 @@ def group_advantages(rewards: Sequence[float], groups: Sequence[str], eps: float
 
     >>> group_advantages([1.0, 0.0, 5.0], ["a", "a", "b"], 1e-6)
     [0.999998000004, -0.999998000004, 0.0]
+
+    Rewards so large that their squared deviations overflow (any finite weights are allowed)
+    are scaled by a power of two first, which leaves ``(R − μ)/(σ + eps)`` as it is:
+
+    >>> group_advantages([1e200, 0.0], ["a", "a"], 1e-6)
+    [1.0, -1.0]
     """
     r = np.asarray(rewards, dtype=np.float64)
     out = np.zeros_like(r)
@@ -161,8 +167,16 @@ def group_advantages(rewards: Sequence[float], groups: Sequence[str], eps: float
         by_size.setdefault(len(members), []).append(members)
     for stacked in by_size.values():
         rows = np.array(stacked, dtype=np.intp)
-        _, std, centered = row_mean_std(r[rows])
-        out[rows] = centered / (std + eps)[:, None]
+        with np.errstate(over="ignore", invalid="ignore"):
+            _, std, centered = row_mean_std(r[rows])
+        if np.isfinite(std).all() and np.isfinite(centered).all():
+            out[rows] = centered / (std + eps)[:, None]
+            continue
+        for members in stacked:  # some group's deviations overflow: that group scaled alone
+            x = r[members]
+            e = math.frexp(float(np.max(np.abs(x))))[1]
+            _, std_s, centered_s = row_mean_std(np.ldexp(x, -e)[None, :])
+            out[members] = centered_s[0] / (std_s[0] + math.ldexp(eps, -e))
     return out.tolist()
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import typing
 from collections.abc import Callable, Mapping
@@ -230,6 +231,10 @@ class Settings:
         for name in ("intra_op_threads", "encoder_streams", "encoder_batch_tokens", "chunk_tokens"):
             value = getattr(self, name)
             rules.append((name, value is None or value >= 1, "an integer >= 1 (or unset)"))
+        for f in dataclasses.fields(self):  # "inf" and "1e400" parse as floats: no duration
+            value = getattr(self, f.name)
+            if isinstance(value, float):
+                rules.insert(0, (f.name, math.isfinite(value), "a finite number"))
         for name, ok, rule in rules:
             if not ok:
                 raise ValueError(

@@ -16,7 +16,7 @@ from fastapi.responses import Response
 
 from reward_server.core import AnswerType, Recipe, ScoreItem
 from reward_server.core.answers import gold_text
-from reward_server.service.errors import Loc, RequestInvalid, ServiceError, issue
+from reward_server.service.errors import MAX_ISSUES, Loc, RequestInvalid, ServiceError, issue
 from reward_server.service.http_scoring import ERROR_RESPONSES, run_scoring, scored_response
 from reward_server.service.schemas import (
     OpenRLHFRequest,
@@ -70,6 +70,8 @@ def openrlhf_items(request: OpenRLHFRequest) -> list[ScoreItem]:
     issues = []
     rows = zip(request.query, request.prompts, request.labels, strict=True)
     for i, (query, prompt, label) in enumerate(rows):
+        if len(issues) >= MAX_ISSUES:  # the answer stays smaller than the request
+            break
         answer = gold_text(label)  # the schema let only strings and finite numbers through
         if not answer.strip():
             msg = (
