@@ -9,7 +9,7 @@ path the caller never sent.
 from __future__ import annotations
 
 import logging
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
@@ -66,8 +66,8 @@ def openrlhf_items(request: OpenRLHFRequest) -> list[ScoreItem]:
     >>> item.completion, item.answer
     (' A: 4', '4')
     """
-    items = []
-    issues = []
+    items: list[ScoreItem] = []
+    issues: list[dict[str, Any]] = []
     rows = zip(request.query, request.prompts, request.labels, strict=True)
     for i, (query, prompt, label) in enumerate(rows):
         if len(issues) >= MAX_ISSUES:  # the answer stays smaller than the request
