@@ -246,6 +246,15 @@ class _Attempts:
         raise RewardServiceError(f"reward service failed to {self.what}", self.failures)
 
 
+def _halves_or_raise(exc: RewardRequestError, body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The two requests to send instead of ``body`` when the server refused it for its size
+    alone (and it holds more than one item); else ``exc`` itself is raised."""
+    halves = halve(body) if exc.attempts[-1].too_large else None
+    if halves is None:
+        raise exc
+    return halves
+
+
 def _scoring(body: Mapping[str, Any]) -> str:
     """What a score request does, for error messages."""
     return f"score {len(body['items'])} items"
@@ -409,9 +418,7 @@ class RewardClient(_Base):
                     "POST", SCORE_PATH, body, replica=replica, what=_scoring(body), stop=stop
                 )
             except RewardRequestError as exc:
-                halves = halve(body) if exc.attempts[-1].too_large else None
-                if halves is None:
-                    raise
+                halves = _halves_or_raise(exc, body)
                 return [piece for half in halves for piece in one((replica, half))]
             return [ScoreResult.from_json(done.data, served_by=done.answered_by)]
 
@@ -555,9 +562,7 @@ class AsyncRewardClient(_Base):
                     "POST", SCORE_PATH, body, replica=replica, what=_scoring(body)
                 )
             except RewardRequestError as exc:
-                halves = halve(body) if exc.attempts[-1].too_large else None
-                if halves is None:
-                    raise
+                halves = _halves_or_raise(exc, body)
                 return [piece for half in halves for piece in await one(replica, half)]
             return [ScoreResult.from_json(done.data, served_by=done.answered_by)]
 
