@@ -151,8 +151,9 @@ def group_advantages(rewards: Sequence[float], groups: Sequence[str], eps: float
     >>> group_advantages([1.0, 0.0, 5.0], ["a", "a", "b"], 1e-6)
     [0.999998000004, -0.999998000004, 0.0]
 
-    Rewards so large that their squared deviations overflow (any finite weights are allowed)
-    are scaled by a power of two first, which leaves ``(R − μ)/(σ + eps)`` as it is:
+    A group whose rewards are so large that their squared deviations overflow (any finite
+    weights are allowed) takes :func:`zscore`'s overflow-safe path: its ``σ`` is then far above
+    ``eps`` (or 0, its rewards all equal), where ``zscore`` computes this same formula.
 
     >>> group_advantages([1e200, 0.0], ["a", "a"], 1e-6)
     [1.0, -1.0]
@@ -172,11 +173,8 @@ def group_advantages(rewards: Sequence[float], groups: Sequence[str], eps: float
         if np.isfinite(std).all() and np.isfinite(centered).all():
             out[rows] = centered / (std + eps)[:, None]
             continue
-        for members in stacked:  # some group's deviations overflow: that group scaled alone
-            x = r[members]
-            e = math.frexp(float(np.max(np.abs(x))))[1]
-            _, std_s, centered_s = row_mean_std(np.ldexp(x, -e)[None, :])
-            out[members] = centered_s[0] / (std_s[0] + math.ldexp(eps, -e))
+        for members in stacked:  # some group overflowed: each group of this size on its own
+            out[members] = zscore(r[members].tolist(), eps)[0]
     return out.tolist()
 
 
