@@ -70,6 +70,16 @@ def estimate_tokens(text: str) -> int:
     return min(MAX_SEQ_LENGTH, 2 + math.ceil(len(text) / CHARS_PER_TOKEN))
 
 
+def embedding_problem(embeddings: npt.NDArray[np.float32], n: int) -> str | None:
+    """Why an encoder's answer for ``n`` texts cannot be used, or None: a wrong shape, or a
+    non-finite row (a NaN row would decide Uniq silently)."""
+    if embeddings.shape != (n, EMBEDDING_DIM):
+        return f"encoder returned shape {embeddings.shape}"
+    if not np.isfinite(embeddings).all():
+        return "encoder returned non-finite embeddings"
+    return None
+
+
 @dataclass(frozen=True)
 class EncodeResult:
     """What one request gets back from the worker."""
@@ -264,7 +274,7 @@ class Batcher:
         if found is None:
             return None
         embeddings = np.asarray(found, dtype=np.float32)
-        if embeddings.shape != (len(texts), EMBEDDING_DIM) or not np.isfinite(embeddings).all():
+        if embedding_problem(embeddings, len(texts)) is not None:
             return None  # as the worker would fail it: let the worker say so
         return EncodeResult(
             embeddings,
@@ -329,10 +339,8 @@ class Batcher:
             pos += len(chunk)
             try:
                 embeddings = np.asarray(self.encoder.encode(chunk), dtype=np.float32)
-                if embeddings.shape != (len(chunk), EMBEDDING_DIM):
-                    raise ValueError(f"encoder returned shape {embeddings.shape}")
-                if not np.isfinite(embeddings).all():  # a NaN row would decide Uniq silently
-                    raise ValueError("encoder returned non-finite embeddings")
+                if (problem := embedding_problem(embeddings, len(chunk))) is not None:
+                    raise ValueError(problem)
             except Exception as exc:  # a broken encoder fails its requests, never the worker
                 log.exception("encoder failed on a batch of %d texts", len(chunk))
                 for job in live:
