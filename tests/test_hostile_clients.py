@@ -376,6 +376,53 @@ def test_math_checks_are_shared_fairly(onnx_model_dir: Path) -> None:
             f.result(60)
 
 
+def test_a_drain_that_overruns_its_timeout_answers_503_and_unavailable(
+    onnx_model_dir: Path,
+) -> None:
+    """Requests still running when ``--drain-timeout`` passes are answered 503 shutting_down
+    (HTTP, JSON) and UNAVAILABLE (gRPC) at the drain's end, never uvicorn's bare 500 of a
+    cancelled request; the process still exits 0."""
+    import grpc
+
+    from reward_server.service.grpc_client import RewardStub, request_from_dict
+
+    args = ("--math-timeout", "20", "--request-timeout", "60", "--drain-timeout", "1")
+    slow = {"items": slow_math_items(1, 7), "answer_type": "math"}
+    server = ServerProcess(onnx_model_dir, *args, grpc=True).start()
+    try:
+        with (
+            ThreadPoolExecutor(2) as pool,
+            grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel,
+        ):
+            via_http = pool.submit(httpx.post, server.url + "/v1/score", json=slow, timeout=60)
+            stub = RewardStub(channel)
+            via_grpc = pool.submit(stub.Score, request_from_dict(slow), timeout=60)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:  # both admitted (their checks are running)
+                text = httpx.get(server.url + "/metrics", timeout=5).text
+                if re.search(r"^sde2_admitted_requests 2\.0$", text, re.M):
+                    break
+                time.sleep(0.1)
+            else:
+                pytest.fail("the two slow requests were not admitted:\n" + server.log_tail())
+            t0 = time.monotonic()
+            server.terminate()
+            answer = via_http.result(30)
+            http_s = time.monotonic() - t0
+            with pytest.raises(grpc.RpcError) as refused:
+                via_grpc.result(30)
+        assert answer.status_code == 503, answer.text
+        assert "shutting down" in answer.json()["detail"]
+        assert 0.8 < http_s < 1.9  # at the drain's end, not before, not at uvicorn's cancel
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "shutting down" in (refused.value.details() or "")
+        assert server.wait(60) == 0, server.log_tail()
+        assert "answered 503 shutting_down" in server.log()
+        assert "Exception in ASGI application" not in server.log()
+    finally:
+        server.stop()
+
+
 # -- low items ----------------------------------------------------------------------------------
 
 

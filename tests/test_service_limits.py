@@ -524,6 +524,38 @@ def test_batcher_refuses_work_that_would_outlast_the_deadline() -> None:
     batcher.close(5)
 
 
+async def asgi_post(app: Any, item: dict[str, Any], left: asyncio.Event) -> tuple[int, bytes]:
+    """``POST /v1/score`` of one item as raw ASGI: the status and body; the client disconnects
+    once ``left`` is set."""
+    body = json.dumps({"items": [item]}).encode()
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": "/v1/score", "raw_path": b"/v1/score", "query_string": b"",
+        "root_path": "", "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+    }  # fmt: skip
+    sent = False
+    status: list[int] = []
+    answer: list[bytes] = []
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await left.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            status.append(message["status"])
+        elif message["type"] == "http.response.body":
+            answer.append(message.get("body", b""))
+
+    await app(scope, receive, send)
+    return status[0], b"".join(answer)
+
+
 def test_a_client_gone_while_its_texts_wait_is_dropped_unencoded() -> None:
     """Over HTTP, a client that disconnects while its texts wait for the encoder frees its
     admission slot at once (499, counted) and its texts are never encoded; the one before it is
@@ -535,49 +567,57 @@ def test_a_client_gone_while_its_texts_wait_is_dropped_unencoded() -> None:
     service = make_service(encoder)
     app = create_app(service)
 
-    async def post(item: dict[str, Any], left: asyncio.Event) -> int:
-        """``POST /v1/score`` as raw ASGI; the client disconnects once ``left`` is set."""
-        body = json.dumps({"items": [item]}).encode()
-        scope = {
-            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-            "scheme": "http", "path": "/v1/score", "raw_path": b"/v1/score", "query_string": b"",
-            "root_path": "", "headers": [(b"content-type", b"application/json")],
-            "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
-        }  # fmt: skip
-        sent = False
-        status: list[int] = []
-
-        async def receive() -> dict[str, Any]:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            await left.wait()
-            return {"type": "http.disconnect"}
-
-        async def send(message: dict[str, Any]) -> None:
-            if message["type"] == "http.response.start":
-                status.append(message["status"])
-
-        await app(scope, receive, send)
-        return status[0]
-
     async def run() -> tuple[int, int, int]:
         stays, goes = asyncio.Event(), asyncio.Event()
-        first = asyncio.ensure_future(post(needs_encoder("first"), stays))
+        first = asyncio.ensure_future(asgi_post(app, needs_encoder("first"), stays))
         assert await asyncio.to_thread(encoder.entered.wait, 5)  # the worker holds "first"
-        second = asyncio.ensure_future(post(needs_encoder("second"), goes))
+        second = asyncio.ensure_future(asgi_post(app, needs_encoder("second"), goes))
         while service.batcher is None or service.batcher.queued < 1:
             await asyncio.sleep(0.01)
         admitted = service.batcher.admitted
         goes.set()  # "second" disconnects while queued
-        gone_status = await asyncio.wait_for(second, 5)
+        gone_status, _ = await asyncio.wait_for(second, 5)
         after = service.batcher.admitted
         encoder.gate.set()
-        return await asyncio.wait_for(first, 5), gone_status, admitted - after
+        first_status, _ = await asyncio.wait_for(first, 5)
+        return first_status, gone_status, admitted - after
 
     first_status, gone_status, freed = asyncio.run(run())
     assert (first_status, gone_status, freed) == (200, 499, 1)
     assert not any("second" in t for call in encoder.calls for t in call), encoder.calls
     text = service.metrics.render().decode()
     assert 'sde2_failures_total{reason="client_disconnect"} 1.0' in text
+
+
+def test_the_drain_end_answers_what_still_waits_503_and_frees_its_slot() -> None:
+    """:meth:`ScoringService.end_drain` (the drain timeout passed): a request whose texts wait
+    for the encoder answers 503 shutting_down at once with its slot freed and its texts never
+    encoded, as does any request after it; the one being encoded is cut too."""
+    from reward_server.service.http_app import create_app
+
+    encoder = SlowEncoder(delay=0.0)
+    encoder.gate.clear()
+    service = make_service(encoder)
+    app = create_app(service)
+
+    async def run() -> list[tuple[int, bytes]]:
+        never = asyncio.Event()
+        first = asyncio.ensure_future(asgi_post(app, needs_encoder("first"), never))
+        assert await asyncio.to_thread(encoder.entered.wait, 5)  # the worker holds "first"
+        second = asyncio.ensure_future(asgi_post(app, needs_encoder("second"), never))
+        while service.batcher is None or service.batcher.queued < 1:
+            await asyncio.sleep(0.01)
+        assert service.end_drain() == 2
+        answers = [await asyncio.wait_for(f, 5) for f in (first, second)]
+        assert service.batcher.admitted == 0
+        later = await asyncio.wait_for(asgi_post(app, needs_encoder("third"), never), 5)
+        encoder.gate.set()
+        return [*answers, later]
+
+    answers = asyncio.run(run())
+    service.close()  # the worker ends its queue: whatever it would still encode, it has
+    assert [status for status, _ in answers] == [503] * 3
+    assert all("shutting down" in json.loads(body)["detail"] for _, body in answers)
+    assert not any("second" in t or "third" in t for call in encoder.calls for t in call)
+    text = service.metrics.render().decode()
+    assert 'sde2_failures_total{reason="shutting_down"} 3.0' in text

@@ -205,7 +205,8 @@ class Settings:
         },
     )
     drain_timeout: float = field(
-        default=30.0, metadata={"help": "seconds SIGTERM waits for in-flight requests"}
+        default=30.0,
+        metadata={"help": "seconds SIGTERM waits for in-flight requests (then they answer 503)"},
     )
     log_level: LogLevel = field(default="info", metadata={"help": "uvicorn / server log level"})
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -62,6 +63,7 @@ from reward_server.service.errors import (
     Loc,
     NotReady,
     RequestInvalid,
+    ShuttingDown,
     Unauthorized,
     issue,
 )
@@ -248,6 +250,10 @@ class ScoringService:
         )
         self._math_judge: IsolatedMathJudge | None = None
         self._math_lock = threading.Lock()
+        # The scoring requests running now (their tasks), and those the drain's end cut.
+        self._in_flight: set[asyncio.Task[Any]] = set()
+        self._cut: set[asyncio.Task[Any]] = set()
+        self._drain_over = False
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -298,9 +304,18 @@ class ScoringService:
         """Block until loading ended (check :attr:`ready` / :attr:`load_error`)."""
         return self._loaded.wait(timeout)
 
-    def drain(self, timeout: float) -> bool:
-        """Wait for admitted requests to finish; True when none is left."""
-        return self.batcher.wait_idle(timeout) if self.batcher else True
+    def end_drain(self) -> int:
+        """The drain's time is over: every scoring request still running answers
+        :class:`ShuttingDown` (HTTP 503, gRPC UNAVAILABLE) now, and any later one at once;
+        returns how many were cut. Called on the event loop when ``drain_timeout`` has passed
+        since the stop, before the transports cancel what is left themselves (uvicorn's
+        cancelled request would answer a bare 500); its texts are abandoned as a departed
+        client's are."""
+        self._drain_over = True
+        for task in self._in_flight - self._cut:
+            self._cut.add(task)
+            task.cancel()
+        return len(self._cut)
 
     def close(self) -> None:
         """Stop the worker after the queued work."""
@@ -422,8 +437,40 @@ class ScoringService:
         :meth:`_parse_and_prepare`), else (or without ``size``) in the CPU pool. ``timeout``
         (seconds) tightens the server's ``request_timeout`` for this request. ``explain``
         embeds ``H`` of every item (as ``diagnostics`` does; the rewards are the same) and adds
-        the explanation.
+        the explanation. Once the drain's time is over (:meth:`end_drain`), it raises
+        :class:`ShuttingDown`.
         """
+        if self._drain_over:
+            raise ShuttingDown("the server is shutting down")
+        task = asyncio.current_task()
+        assert task is not None, "score runs in a task"
+        self._in_flight.add(task)
+        try:
+            return await self._score(
+                parse, authorization, receive, gone, size, loc_map, timeout, explain
+            )
+        except asyncio.CancelledError:
+            if task not in self._cut:
+                raise
+            if sys.version_info >= (3, 11):
+                task.uncancel()  # the cut's cancel ends here, as the answer below
+            raise ShuttingDown("the server is shutting down: the drain timeout passed") from None
+        finally:
+            self._in_flight.discard(task)
+            self._cut.discard(task)
+
+    async def _score(
+        self,
+        parse: Callable[[], ScoreRequest | None],
+        authorization: str | None,
+        receive: Callable[[], Awaitable[object]] | None,
+        gone: Callable[[], Awaitable[object]] | None,
+        size: Callable[[], int] | None,
+        loc_map: LocMap | None,
+        timeout: float | None,
+        explain: bool,
+    ) -> Scored:
+        """:meth:`score`'s work, in the task it registers."""
         t0 = time.monotonic()
         self.authorize(authorization)
         batcher = self._ready_batcher()

@@ -4,7 +4,8 @@ Both front ends share one :class:`ScoringService` (one encoder, one batcher), so
 and gRPC requests are coalesced into the same encoder batches.
 
 Shutdown (SIGTERM or SIGINT): stop accepting, let every in-flight request finish (up to
-``--drain-timeout``), let the encoder worker finish its queue, exit 0. This module installs its
+``--drain-timeout``; what still runs then answers 503 shutting_down, gRPC UNAVAILABLE), let the
+encoder worker finish its queue, exit 0. This module installs its
 own signal handlers instead of uvicorn's, because uvicorn re-raises the captured signal after
 its graceful shutdown, which would kill the process before gRPC has drained.
 
@@ -110,7 +111,7 @@ async def serve_async(
     # session mostly outside the GIL, so the two overlap.
     server = _http_server(settings, service)
     loop = asyncio.get_running_loop()
-    stop = _Stop(server)
+    stop = _Stop(server, service, settings.drain_timeout)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.request, sig)
     watcher = asyncio.create_task(_watch_loading(service, stop))
@@ -144,7 +145,9 @@ def _http_server(settings: Settings, service: ScoringService) -> uvicorn.Server:
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
-        timeout_graceful_shutdown=math.ceil(settings.drain_timeout),  # 0: cancel at once
+        # uvicorn cancels what still runs then (a 500); the service answers it 503 a second
+        # before (ScoringService.end_drain, at the drain's end).
+        timeout_graceful_shutdown=math.ceil(settings.drain_timeout) + _TRANSPORT_GRACE,
         access_log=False,
         # httptools with the request head bounded in size and time: see http_protocol.
         http=bounded_http_protocol(
@@ -159,19 +162,34 @@ def _http_server(settings: Settings, service: ScoringService) -> uvicorn.Server:
     return server
 
 
+#: Seconds the transports wait past the drain timeout before cancelling what still runs: the
+#: service has answered it by then (503 / UNAVAILABLE), and that second lets the answers go out.
+_TRANSPORT_GRACE = 1
+
+
 class _Stop:
     """The process's stop: requested by SIGTERM/SIGINT or by a failed load, awaited by both
-    servers."""
+    servers. ``drain_timeout`` seconds after the first request, the service answers whatever
+    still runs (:meth:`ScoringService.end_drain`)."""
 
-    def __init__(self, server: uvicorn.Server) -> None:
+    def __init__(self, server: uvicorn.Server, service: ScoringService, drain: float) -> None:
         self.server = server
+        self.service = service
+        self.drain = drain
         self.requested = asyncio.Event()
         self.failed = False
 
     def request(self, sig: signal.Signals) -> None:
         log.info("received %s: draining in-flight requests", sig.name)
         self.server.should_exit = True
+        if not self.requested.is_set():
+            asyncio.get_running_loop().call_later(self.drain, self._end_drain)
         self.requested.set()
+
+    def _end_drain(self) -> None:
+        cut = self.service.end_drain()
+        if cut:
+            log.warning("drain timeout passed: %d request(s) answered 503 shutting_down", cut)
 
 
 async def _watch_loading(service: ScoringService, stop: _Stop) -> None:
@@ -216,7 +234,7 @@ async def _serve_until_stopped(
     async def stop_grpc() -> None:
         await stop.requested.wait()
         if grpc_server is not None:
-            await grpc_server.stop(grace=settings.drain_timeout)
+            await grpc_server.stop(grace=settings.drain_timeout + _TRANSPORT_GRACE)
 
     sockets = [reuse_port_socket(settings.host, settings.port)] if reuse else None
     grpc_stopper = asyncio.create_task(stop_grpc())
