@@ -61,6 +61,16 @@ def test_each_field_is_parsed_as_its_type() -> None:
         load_settings(None, {"SDE2_MAX_ITEMS": "many"})
 
 
+def test_a_flag_given_as_none_unsets_its_setting_over_the_environment() -> None:
+    """``--grpc-port none`` turns gRPC off even where ``SDE2_GRPC_PORT`` is set; a flag not
+    given leaves the variable in force."""
+    env = {"SDE2_GRPC_PORT": "50051", "SDE2_CHUNK_TOKENS": "1024", "SDE2_MAX_ITEMS": "5"}
+    flags = parser().parse_args(["--grpc-port", "none", "--chunk-tokens", ""])
+    s = load_settings(flags, env)
+    assert (s.grpc_port, s.chunk_tokens, s.max_items) == (None, None, 5)
+    assert load_settings(parser().parse_args([]), env).grpc_port == 50051
+
+
 def test_public_is_what_v1_info_reports_of_the_settings() -> None:
     settings = {"api_key": "s3cret", "max_items": 12, "header_timeout": 3.5, "cache_size": 7}
     service = make_service(**settings)

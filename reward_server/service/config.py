@@ -301,14 +301,15 @@ def _or_none(convert: Callable[[str], Any]) -> Callable[[str], Any]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """One ``--flag`` per setting (except the API key), defaulting to "not given"."""
+    """One ``--flag`` per setting (except the API key), absent from the namespace unless given
+    (so that a flag given as "none" unsets its setting, over any ``SDE2_*`` variable)."""
     for f in dataclasses.fields(Settings):
         if f.metadata.get("env"):
             continue
         flag = "--" + f.name.replace("_", "-")
         kwargs: dict[str, Any] = {
             "dest": f.name,
-            "default": None,
+            "default": argparse.SUPPRESS,
             "type": _kind(f.name).convert,
             "choices": _kind(f.name).choices,
             "help": f"{f.metadata['help']} (env {env_name(f.name)}; default {f.default})",
@@ -319,13 +320,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def load_settings(
     args: argparse.Namespace | None = None, environ: Mapping[str, str] | None = None
 ) -> Settings:
-    """Flags first, then ``SDE2_*`` environment variables, then the defaults."""
+    """Flags first (one given as "none" included), then ``SDE2_*`` environment variables, then
+    the defaults."""
     environ = os.environ if environ is None else environ
+    flags = vars(args) if args is not None else {}
     values: dict[str, Any] = {}
     for f in dataclasses.fields(Settings):
-        given = getattr(args, f.name, None) if args is not None else None
-        if given is not None and not f.metadata.get("env"):
-            values[f.name] = given
+        if f.name in flags and not f.metadata.get("env"):
+            values[f.name] = flags[f.name]
         elif env_name(f.name) in environ:
             raw = environ[env_name(f.name)]
             if f.metadata.get("env") and not raw:

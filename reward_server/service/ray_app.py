@@ -218,7 +218,7 @@ def settings_from_args(
     except (argparse.ArgumentError, SystemExit) as exc:
         raise ValueError(f"invalid settings {dict(args)}: {exc}") from None
     env = dict(os.environ if environ is None else environ)
-    if namespace.intra_op_threads is None and "SDE2_INTRA_OP_THREADS" not in env:
+    if "intra_op_threads" not in vars(namespace) and "SDE2_INTRA_OP_THREADS" not in env:
         namespace.intra_op_threads = max(1, math.ceil(options.num_cpus))
     return load_settings(namespace, env)
 
