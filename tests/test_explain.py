@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -306,6 +307,33 @@ def test_megabyte_completion_explanation_is_bounded(completion: str) -> None:
     ex = explanation["items"][0]
     assert ex["blocks_listed"] <= 32 + 64
     assert len(ex["ignored"]) <= 64
+
+
+def _explain_seconds(completion: str) -> float:
+    start = time.perf_counter()
+    score_and_explain([ScoreItem(completion=completion, answer="1")], HashEncoder())
+    return time.perf_counter() - start
+
+
+@pytest.mark.parametrize(
+    "unit",
+    [
+        "\u0301",  # one run of combining marks after the "e": a single NFKC piece
+        "\u1100\u1161\u0301",  # jamo that compose, then a mark
+        "\ufb01\u0301",  # a ligature NFKC expands, then a mark
+    ],
+    ids=["combining-run", "jamo", "ligatures"],
+)
+def test_explanation_is_linear_on_adversarial_unicode(unit: str) -> None:
+    """Explanations map offsets through preprocessing (:func:`preprocess_with_offsets`): as
+    linear as the parser (SPEC §1), also on a megabyte of combining marks."""
+    head = "<final_answer>1</final_answer>e"
+    small = head + unit * (100_000 // len(unit))
+    big = head + unit * (1_000_000 // len(unit))
+    t_small, t_big = _explain_seconds(small), _explain_seconds(big)
+    assert t_big < 5.0, f"1 M characters of {unit!r} took {t_big:.2f}s"
+    # 10x the input may cost ~10x the time, never ~100x (generous margin for a noisy machine).
+    assert t_big < 40 * t_small + 0.05
 
 
 @settings(max_examples=300, deadline=None)

@@ -10,6 +10,8 @@ import re
 import unicodedata
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
+from functools import partial
+from itertools import pairwise
 
 import numpy as np
 
@@ -294,18 +296,27 @@ class OffsetMap:
 def _pieces(text: str) -> list[str]:
     """``text`` cut where NFKC of the whole is NFKC of the pieces joined: before every
     character that neither is a combining mark nor composes with what precedes it (Hangul
-    jamo do). Checked pairwise here; :func:`preprocess_with_offsets` checks the whole."""
-    out: list[str] = []
-    for char in text:
-        if out and (
-            unicodedata.combining(char)
-            or unicodedata.normalize("NFKC", out[-1] + char)
-            != unicodedata.normalize("NFKC", out[-1]) + unicodedata.normalize("NFKC", char)
-        ):
-            out[-1] += char
-        else:
-            out.append(char)
-    return out
+    jamo do). Checked pairwise here; :func:`preprocess_with_offsets` checks the whole.
+
+    Pieces are kept as start offsets (a piece grown a character at a time would be copied at
+    each one: quadratic in a run of a million combining marks); only a character that is not
+    a combining mark reads its piece so far, which then usually ends.
+
+    >>> [len(piece) for piece in _pieces("e\\u0301x\\u1100\\u1161")]  # é, x, then 가 (jamo)
+    [2, 1, 2]
+    """
+    starts: list[int] = []
+    for i, char in enumerate(text):
+        if starts and (unicodedata.combining(char) or _composes(text[starts[-1] : i], char)):
+            continue
+        starts.append(i)
+    return [text[a:b] for a, b in pairwise([*starts, len(text)])]
+
+
+def _composes(piece: str, char: str) -> bool:
+    """Whether NFKC of ``piece + char`` differs from NFKC of each, joined."""
+    nfkc = partial(unicodedata.normalize, "NFKC")
+    return nfkc(piece + char) != nfkc(piece) + nfkc(char)
 
 
 def preprocess_with_offsets(text: str) -> tuple[str, OffsetMap]:
