@@ -208,3 +208,70 @@ async def test_grpc_explain_invalid_argument_names_the_field(hashed: Running) ->
         await hashed.stub.Explain(request_from_dict(body))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert (err.value.details() or "").startswith("params.eps:")
+
+
+def _same_reasoning_item(blocks: int) -> dict[str, str]:
+    """One item of ``blocks`` kept strategies sharing one short reasoning (distinct outcomes):
+    one text for the encoder, a ``blocks``² cosine matrix for the explanation."""
+    block = "<strategy><reasoning>r</reasoning><strategy_outcome>{}</strategy_outcome></strategy>"
+    return {"completion": "".join(block.format(k) for k in range(blocks)), "answer": "x"}
+
+
+def test_an_explanation_larger_than_max_explain_cells_is_422_before_the_work() -> None:
+    """A small request cannot ask for a huge explanation: the cosine matrices (m² an item, the
+    one part growing faster than the request) are bounded by ``max_explain_cells``, checked
+    before any encoding; /v1/score of the same body is answered as usual."""
+    encoder = HashEncoder()
+    service = make_service(encoder, max_explain_cells=2 * 256**2)
+    params = {"max_strategies": 256}
+    three = {"items": [_same_reasoning_item(256)] * 3, "params": params}
+    with http_client(service) as c:
+        r = c.post("/v1/explain", json=three)
+        assert r.status_code == 422, r.text[:300]
+        (problem,) = r.json()["detail"]
+        assert problem["field"] == "items" and problem["type"] == "explanation_too_large"
+        assert "196608 cosine-matrix entries" in problem["msg"]
+        assert "max_explain_cells" in problem["msg"]
+        assert encoder.calls == [["warm up"]]  # refused before the encoder
+        assert c.post("/v1/score", json=three).status_code == 200
+        two = {**three, "items": three["items"][:2]}
+        ok = c.post("/v1/explain", json=two)
+        assert ok.status_code == 200
+        assert [len(it["geometry"]["cosines"]) for it in ok.json()["explanation"]["items"]] == [
+            256,
+            256,
+        ]
+        assert c.get("/v1/info").json()["limits"]["max_explain_cells"] == 2 * 256**2
+
+
+async def test_grpc_explain_larger_than_max_explain_cells_is_invalid_argument() -> None:
+    async with Running(make_service(max_explain_cells=100)) as running:
+        body = {"items": [_same_reasoning_item(11)], "params": {"max_strategies": 11}}
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await running.stub.Explain(request_from_dict(body))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (err.value.details() or "").startswith("items: explaining this batch needs 121")
+        small = {**body, "params": {"max_strategies": 10}}
+        reply = await running.stub.Explain(request_from_dict(small))
+        assert len(reply.score.rewards) == 1
+
+
+def test_an_explanation_past_the_deadline_is_503(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An explanation's time counts against ``request_timeout`` like the rest of the request."""
+    import time
+
+    from reward_server.service import pipeline
+
+    real = pipeline.explain_batch
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.6)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "explain_batch", slow)
+    with http_client(make_service(request_timeout=0.5)) as c:
+        body = {"items": step_items(seed=3, prompts=1, generations=2)}
+        r = c.post("/v1/explain", json=body)
+        assert r.status_code == 503, r.text[:300]
+        assert "deadline" in r.json()["detail"]
+        assert c.post("/v1/score", json=body).status_code == 200

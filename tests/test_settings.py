@@ -82,6 +82,7 @@ def test_public_is_what_v1_info_reports_of_the_settings() -> None:
         "max_completion_chars": service.settings.max_completion_chars,
         "max_answer_chars": service.settings.max_answer_chars,
         "max_request_tokens": service.settings.max_request_tokens,
+        "max_explain_cells": service.settings.max_explain_cells,
         "max_header_bytes": service.settings.max_header_bytes,
         "header_timeout_s": 3.5,
         "body_timeout_s": service.settings.body_timeout,

@@ -14,8 +14,9 @@ Offsets are into the completion *as sent*, in Unicode code points (Python ``str`
 :func:`~reward_server.core.text.preprocess_with_offsets` maps back.
 
 Size is bounded whatever the completion's length: text excerpts are cut to
-``ExplainLimits.excerpt_chars``, lists of blocks and ignored spans to ``max_listed`` entries (the
-totals are always given), and the cosine matrix has at most ``max_strategies²`` entries.
+``ExplainLimits.excerpt_chars``, lists of blocks other than the kept ones and of ignored spans
+to ``max_listed`` entries (the totals are always given), and the cosine matrix has at most
+``max_strategies²`` entries (services bound the batch's sum of them before explaining).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 _AT_LEAST_ONE = (
     "max_body_bytes", "max_items", "max_completion_chars", "max_answer_chars",
     "queue_capacity", "batch_tokens", "workers", "max_header_bytes", "keep_alive_timeout",
-    "max_request_tokens", "math_workers",
+    "max_request_tokens", "math_workers", "max_explain_cells",
 )  # fmt: skip
 _POSITIVE = ("request_timeout", "math_timeout", "header_timeout", "body_timeout")
 
@@ -112,6 +112,14 @@ class Settings:
             "info": "max_request_tokens",
             "help": "most encoder tokens one request may need (estimated: 4 characters a token, "
             "at most 256 a text, distinct texts only); 422 above",
+        },
+    )
+    max_explain_cells: int = field(
+        default=131_072,
+        metadata={
+            "info": "max_explain_cells",
+            "help": "most cosine-matrix entries one explanation may hold (the sum of m² over "
+            "its items, m the kept strategies); 422 above",
         },
     )
     max_header_bytes: int = field(

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, RedirectResponse, Response
 
 from reward_server.service.http_scoring import (
     SCORE_DOC,
+    FastJSONResponse,
     parse_score,
     run_scoring,
     scored_response,
@@ -52,7 +53,8 @@ def inspector_file(name: str) -> bytes:
 async def explain(request: Request) -> Response:
     """Why each item got its reward (same body, limits and auth as ``/v1/score``)."""
     scored = await run_scoring(request, parse_score, explain=True)
-    return scored_response(request, scored, {**scored.as_dict(), "explanation": scored.explanation})
+    content = {**scored.as_dict(), "explanation": scored.explanation}
+    return scored_response(request, scored, content, FastJSONResponse)
 
 
 @router.get("/inspect", include_in_schema=False)

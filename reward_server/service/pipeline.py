@@ -406,6 +406,20 @@ class ScoringService:
             )
             raise RequestInvalid.one(_mapped(loc_map, ("items",)), msg, "too_many_tokens")
 
+    def check_explanation_size(self, prepared: PreparedBatch, loc_map: LocMap | None) -> None:
+        """At most ``max_explain_cells`` cosine-matrix entries per explanation (``m²`` an item):
+        the one part of an explanation that grows faster than the request (256 blocks of one
+        short reasoning make a 65,536-entry matrix from 20 KB)."""
+        limit = self.settings.max_explain_cells
+        cells = sum(len(a.parsed.strategies) ** 2 for a in prepared.analyses)
+        if cells > limit:
+            msg = (
+                f"explaining this batch needs {cells} cosine-matrix entries (the sum of m² over "
+                f"its items), more than this server's limit of {limit} (max_explain_cells): "
+                "explain fewer items, or with a lower max_strategies"
+            )
+            raise RequestInvalid.one(_mapped(loc_map, ("items",)), msg, "explanation_too_large")
+
     async def _in_pool(self, fn: Callable[[], T], pool: ThreadPoolExecutor | None = None) -> T:
         return await asyncio.get_running_loop().run_in_executor(pool or self._cpu, fn)
 
@@ -487,6 +501,8 @@ class ScoringService:
                 timings = dict.fromkeys(("parse", "total"), spent) | _NO_WORK
                 return Scored(_nothing_scored(), timings, self.encoder_name)
             request, prepared, cached = parsed
+            if explain:
+                self.check_explanation_size(prepared, loc_map)
             if request.answer_type == "math":  # the others' was checked in their preparing trip
                 self.check_encoder_budget(prepared.texts, loc_map)
             return await self._score_prepared(
@@ -524,6 +540,8 @@ class ScoringService:
         if explain:
             explanation = await self._explain(request, prepared, embeddings, score, deadline)
             t3 = time.monotonic()
+            if t3 > deadline:  # its size is bounded, its time only by the deadline
+                raise DeadlineExceeded("request deadline passed while explaining")
         timings = {
             "parse": t1 - t0,
             "queue": queue_s,
