@@ -14,7 +14,7 @@ import grpc
 import pytest
 import tomllib
 
-from reward_server.service.grpc_client import request_from_dict, response_to_dict
+from reward_server.service.grpc_client import RewardStub, request_from_dict, response_to_dict
 from reward_server.service.grpc_messages import pb
 from reward_server.service.pipeline import ScoringService
 from tests.doubles import HashEncoder
@@ -123,6 +123,65 @@ async def test_unauthenticated_without_the_key() -> None:
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         ok = await running.stub.Score(body, metadata=(("authorization", "Bearer k3y"),))
         assert len(ok.rewards) == 1
+
+
+async def test_without_the_key_the_message_is_not_converted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The key is checked before any work on the message (HTTP reads no body without it)."""
+    from reward_server.service import grpc_server
+
+    converted: list[Any] = []
+    real = grpc_server.request_to_json
+    monkeypatch.setattr(grpc_server, "request_to_json", lambda r: converted.append(r) or real(r))
+    body = request_from_dict({"items": [{"completion": "z" * 100_000, "answer": "1"}] * 20})
+    async with Running(make_service(api_key="k3y")) as running:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await running.stub.Score(body)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert converted == []
+        ok = await running.stub.Score(body, metadata=(("authorization", "Bearer k3y"),))
+        assert len(ok.rewards) == 20 and len(converted) == 1
+
+
+async def test_calls_in_progress_are_bounded_past_the_queue(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """gRPC holds each message whole before a handler runs: the calls in progress (so the
+    messages held) are bounded by the queue's capacity plus a headroom; past it gRPC itself
+    answers RESOURCE_EXHAUSTED, and once they end calls are served again."""
+    from reward_server.service import grpc_server
+
+    release = asyncio.Event()
+
+    async def held_info(self: Any, request: Any, context: Any) -> Any:
+        await release.wait()  # a call in progress that does not end yet
+        return pb.InfoResponse()
+
+    monkeypatch.setattr(grpc_server.RewardServicer, "Info", held_info)
+    bound = 2 + grpc_server.GRPC_HEADROOM
+    async with Running(make_service(queue_capacity=2)) as running:
+        held = [asyncio.ensure_future(running.stub.Info(pb.InfoRequest())) for _ in range(bound)]
+        await asyncio.sleep(0.5)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await running.stub.Info(pb.InfoRequest(), timeout=5)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        release.set()
+        await asyncio.gather(*held)
+        assert len((await running.stub.Score(_needs_encoder(9))).rewards) == 1
+
+
+async def test_an_ipv6_host_is_bracketed_for_grpc() -> None:
+    from reward_server.service.grpc_server import create_server
+
+    server, port = create_server(make_service(), "::1", 0)
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"[::1]:{port}") as channel:
+            health = await RewardStub(channel).Health(pb.HealthRequest())
+        assert health.status == pb.HealthResponse.Status.SERVING
+    finally:
+        await server.stop(None)
 
 
 async def test_oversized_message_is_resource_exhausted_without_retry_after() -> None:

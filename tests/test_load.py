@@ -166,6 +166,32 @@ def test_two_worker_processes_share_the_ports(onnx_model_dir: Path) -> None:
         assert server.wait(60) == 0
 
 
+def test_workers_asked_for_port_0_share_one_chosen_port(onnx_model_dir: Path) -> None:
+    """``--port 0 --grpc-port 0`` with two workers: the supervisor chooses each port once and
+    both workers listen on it (each choosing its own would give two unrelated ports)."""
+    server = ServerProcess(onnx_model_dir, "--workers", "2", "--port", "0", "--grpc-port", "0")
+    server.start(wait=False)
+    try:
+        deadline = time.monotonic() + 120
+        while server.log().count("gRPC listening on") < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        log = server.log()
+        chosen = dict(re.findall(r"(port|grpc_port) 0: every worker listens on (\d+)", log))
+        assert set(chosen) == {"port", "grpc_port"}, server.log_tail()
+        grpc_ports = re.findall(r"gRPC listening on 127\.0\.0\.1:(\d+)", log)
+        assert grpc_ports == [chosen["grpc_port"]] * 2, server.log_tail()
+        server.port, server.grpc_port = int(chosen["port"]), int(chosen["grpc_port"])
+        server.url = f"http://127.0.0.1:{server.port}"
+        server.wait_ready(60)
+        body = {"items": unique_items(seed=400, items=1, strategies=3)}
+        assert post(server.url, body).status_code == 200
+        assert len(grpc_score(server, body)["rewards"]) == 1
+        server.terminate()
+        assert server.wait(60) == 0
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize("delay", [0.0, 0.5, 2.0])
 def test_sigterm_while_workers_start_is_a_clean_stop(onnx_model_dir: Path, delay: float) -> None:
     """A stop that lands while the workers start or load is a requested stop: exit 0."""

@@ -479,6 +479,15 @@ def test_settings_flags_then_env_then_defaults() -> None:
             "body_timeout (--body-timeout / SDE2_BODY_TIMEOUT) must be a finite number",
         ),
         ({"SDE2_REQUEST_TIMEOUT": "nan"}, "request_timeout (--request-timeout"),
+        (
+            {"SDE2_DRAIN_TIMEOUT": "1e308"},  # finite, but no wait can last that long
+            "drain_timeout (--drain-timeout / SDE2_DRAIN_TIMEOUT) must be at most 31536000 s",
+        ),
+        ({"SDE2_KEEP_ALIVE_TIMEOUT": str(10**12)}, "keep_alive_timeout (--keep-alive-timeout"),
+        (
+            {"SDE2_MAX_BODY_BYTES": str(2**31)},  # past gRPC's 32-bit message limit
+            "max_body_bytes (--max-body-bytes / SDE2_MAX_BODY_BYTES) must be at most 2147483647",
+        ),
         ({"SDE2_LOG_LEVEL": "verbose"}, "log_level (--log-level / SDE2_LOG_LEVEL) must be one of"),
         ({"SDE2_INTRA_OP_THREADS": "0"}, "intra_op_threads (--intra-op-threads"),
     ],

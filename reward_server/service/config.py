@@ -28,6 +28,8 @@ _AT_LEAST_ONE = (
     "max_request_tokens", "math_workers", "max_explain_cells",
 )  # fmt: skip
 _POSITIVE = ("request_timeout", "math_timeout", "header_timeout", "body_timeout")
+_MAX_BODY = 2**31 - 1
+_MAX_SECONDS = 365 * 86400
 
 
 @dataclass(frozen=True)
@@ -240,9 +242,15 @@ class Settings:
         for name in ("intra_op_threads", "encoder_streams", "encoder_batch_tokens", "chunk_tokens"):
             value = getattr(self, name)
             rules.append((name, value is None or value >= 1, "an integer >= 1 (or unset)"))
+        # Sizes past 2**31 - 1 do not fit gRPC's (32-bit) message limit.
+        rules.append(("max_body_bytes", self.max_body_bytes <= _MAX_BODY, f"at most {_MAX_BODY}"))
+        keep_alive_ok = self.keep_alive_timeout <= _MAX_SECONDS
+        rules.append(("keep_alive_timeout", keep_alive_ok, f"at most {_MAX_SECONDS} s"))
         for f in dataclasses.fields(self):  # "inf" and "1e400" parse as floats: no duration
             value = getattr(self, f.name)
             if isinstance(value, float):
+                # Durations past a year overflow the waits (thread joins, timers) they bound.
+                rules.insert(0, (f.name, value <= _MAX_SECONDS, f"at most {_MAX_SECONDS} s"))
                 rules.insert(0, (f.name, math.isfinite(value), "a finite number"))
         for name, ok, rule in rules:
             if not ok:

@@ -61,11 +61,12 @@ class RewardServicer:
 
     async def _scored(self, request: pb.ScoreRequest, context: Context, method: str) -> Scored:
         """The service's answer to a ``ScoreRequest``, with its phase timings as trailers."""
-        body = request_to_json(request)
+        authorization = _authorization(context)
+        self.service.authorize(authorization)  # before any work on the message
         scored = await self.service.score(
-            lambda: ScoreRequest.model_validate_json(body),
-            authorization=_authorization(context),
-            size=lambda: len(body),
+            lambda: ScoreRequest.model_validate_json(request_to_json(request)),
+            authorization=authorization,
+            size=request.ByteSize,
             timeout=context.time_remaining(),
             explain=method == "Explain",
         )
@@ -134,21 +135,39 @@ def generic_handler(servicer: RewardServicer) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
 
+#: Calls in progress beyond the admission queue's capacity (see :func:`create_server`).
+GRPC_HEADROOM = 8
+
+
+def grpc_address(host: str, port: int) -> str:
+    """``host:port`` as gRPC parses it: an IPv6 address in brackets.
+
+    >>> grpc_address("::1", 50051), grpc_address("0.0.0.0", 50051)
+    ('[::1]:50051', '0.0.0.0:50051')
+    """
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
 def create_server(
     service: ScoringService, host: str, port: int, *, reuse_port: bool = False
 ) -> tuple[grpc.aio.Server, int]:
     """A started-later ``grpc.aio`` server on ``host:port``; returns it and the bound port."""
     limit = service.settings.max_body_bytes
     server = grpc.aio.server(
+        # gRPC's core receives each message whole before a handler runs (HTTP reads a body only
+        # once admitted): the calls in progress, and so the messages held, are bounded here;
+        # past it gRPC answers RESOURCE_EXHAUSTED itself. The headroom keeps Info and Health
+        # answering while the scoring calls fill the queue.
+        maximum_concurrent_rpcs=service.settings.queue_capacity + GRPC_HEADROOM,
         options=[
             ("grpc.so_reuseport", 1 if reuse_port else 0),
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", max(limit, 64 * 1024 * 1024)),
-        ]
+        ],
     )
     server.add_generic_rpc_handlers((generic_handler(RewardServicer(service)),))
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = server.add_insecure_port(grpc_address(host, port))
     except RuntimeError:  # what grpc raises for a port in use
         bound = 0
     if bound == 0:

@@ -254,6 +254,26 @@ def _worker_main(settings: Settings, index: int) -> None:
     sys.exit(asyncio.run(serve_async(settings, reuse_port=True)))
 
 
+def _concrete_ports(settings: Settings, held: list[socket.socket]) -> Settings:
+    """Port 0 ("any free port") chosen once, for every worker: each choosing its own would
+    listen on a port of its own. Each chosen port stays bound in ``held`` (with
+    ``SO_REUSEPORT``, never listening: it receives no connection) while the workers run, so
+    that nothing else takes it before they bind it."""
+
+    def chosen(name: str) -> int:
+        sock = socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((settings.host, 0))
+        held.append(sock)
+        port = int(sock.getsockname()[1])
+        log.info("%s 0: every worker listens on %d", name, port)
+        return port
+
+    port = chosen("port") if settings.port == 0 else settings.port
+    grpc_port = chosen("grpc_port") if settings.grpc_port == 0 else settings.grpc_port
+    return dataclasses.replace(settings, port=port, grpc_port=grpc_port)
+
+
 def _run_workers(settings: Settings) -> int:
     """Supervise ``settings.workers`` processes; forward SIGTERM/SIGINT; exit when all have."""
     from reward_server.encoders.batched import available_cpus
@@ -262,7 +282,10 @@ def _run_workers(settings: Settings) -> int:
     # Resolve (and, for the default model, export) once here, not concurrently in each worker.
     model = str(resolve_model_dir(settings)) if runs_export(settings.backend) else settings.model
     threads = settings.intra_op_threads or max(1, available_cpus() // settings.workers)
-    child = dataclasses.replace(settings, model=model, intra_op_threads=threads)
+    held: list[socket.socket] = []  # the ports chosen for "0", until the workers exit
+    child = dataclasses.replace(
+        _concrete_ports(settings, held), model=model, intra_op_threads=threads
+    )
     ctx = multiprocessing.get_context("spawn")
     procs = [
         ctx.Process(target=_worker_main, args=(child, i), name=f"sde2-worker-{i}")
@@ -302,6 +325,8 @@ def _run_workers(settings: Settings) -> int:
                 status = status or 1
                 log.error("%s exited with %s; stopping the others", proc.name, proc.exitcode)
                 stop_all(signal.SIGTERM)
+    for sock in held:
+        sock.close()
     return status
 
 
