@@ -279,3 +279,53 @@ def test_one_pasted_completion(server: ServerProcess, browser: Any) -> None:
     assert outcome == completion[start:end] == "“20”"
     reasoning = browser.find_element(By.CSS_SELECTOR, "#completion .reasoning").text
     assert reasoning.startswith("ﬁrst subtract")
+
+
+def _component_rows(driver: Any) -> dict[str, tuple[float, str]]:
+    """Each component row's shown share of the reward (its value) and the hint under it."""
+    from selenium.webdriver.common.by import By
+
+    rows = {}
+    for row in driver.find_elements(By.CSS_SELECTOR, "#components tr[data-component]"):
+        share = row.find_elements(By.CSS_SELECTOR, "td.num span[data-value]")[-1]
+        hint = row.find_element(By.CSS_SELECTOR, "td.num .hint").text
+        rows[row.get_attribute("data-component")] = (float(share.get_attribute("data-value")), hint)
+    return rows
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_each_components_share_names_what_it_multiplies(
+    server: ServerProcess, browser: Any, normalize: bool
+) -> None:
+    """Under each component's share, ``w × R̃_k`` (normalized) or ``w × R_k`` (normalization
+    off, where the share is the weight times the raw value), as /v1/explain computes it."""
+    from selenium.webdriver.common.by import By
+
+    browser.get(server.url + "/inspect")
+    fill(browser, GROUP, GOLD)
+    box = browser.find_element(By.ID, "normalize")
+    if box.is_selected() != normalize:
+        box.click()
+    run_with_keyboard(browser)
+    wait_for(browser, "#item-detail")
+    body = {
+        "items": [{"completion": c, "answer": GOLD} for c in GROUP],
+        "normalize": normalize,
+        "params": {"similarity_threshold": 0.8},
+    }
+    item = httpx.post(server.url + "/v1/explain", json=body, timeout=60).json()["explanation"]
+    want = item["items"][0]
+    term = "R̃_k" if normalize else "R_k"
+    header = browser.find_element(By.CSS_SELECTOR, "#components thead").text
+    assert f"w · {term}" in header
+    assert f"Σ_k w_k · {term}" in browser.find_element(By.ID, "components").text
+    rows = _component_rows(browser)
+    assert set(rows) == set(want["components"])
+    for key, (share, hint) in rows.items():
+        n = want["normalization"][key]
+        factor = n["normalized"] if normalize else want["components"][key]["value"]
+        assert share == n["contribution"]
+        assert share == pytest.approx(n["weight"] * factor)
+        weight, shown = hint.removeprefix("w ").split(" × ")
+        assert float(weight) == n["weight"]
+        assert float(shown) == pytest.approx(factor, abs=1e-4), (key, hint)

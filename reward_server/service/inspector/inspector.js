@@ -233,10 +233,11 @@ function select(k, request, focus = true) {
   }
   if (focus) $(`#summary button[data-item="${k}"]`).focus();
   const completion = String(request.body.items[k].completion ?? "");
-  $("#detail").replaceChildren(detail(items[k], completion));
+  const normalized = last.response.explanation.normalize;
+  $("#detail").replaceChildren(detail(items[k], completion, normalized));
 }
 
-function detail(item, completion) {
+function detail(item, completion, normalized) {
   const root = el("article", { id: "item-detail", "data-item": item.index });
   root.append(
     el(
@@ -260,7 +261,7 @@ function detail(item, completion) {
   geometry.append(el("div", { class: "strategies-box" }, el("h3", { text: "Strategies (Uniq walk)" }), strategyList(item)));
   geometry.append(el("div", { class: "heatmap-box" }, el("h3", { text: "Cosines of H" }), heatmap(item)));
   root.append(geometry);
-  root.append(el("h3", { text: "Reward components" }), components(item));
+  root.append(el("h3", { text: "Reward components" }), components(item, normalized));
   if (item.ignored.length > 0 || item.ignored_total > 0) {
     root.append(el("h3", { text: `Ignored by the parser (${item.ignored_total})` }), ignoredTable(item));
   }
@@ -441,14 +442,17 @@ function bar(value, scale) {
   return box;
 }
 
-function components(item) {
+// Each component's share of the reward: w · R̃_k normalized over the batch, or w · R_k when the
+// request turned normalization off (the explanation's "contribution" is then w times the raw value).
+function components(item, normalized) {
+  const term = normalized ? "R̃_k" : "R_k";
   const keys = Object.keys(item.components);
   const scaleRaw = Math.max(1, ...keys.map((k) => Math.abs(item.components[k].value)));
   const scaleNorm = Math.max(1, ...keys.map((k) => Math.abs(item.normalization[k].contribution)));
   const table = el("table", { id: "components" });
   table.append(el("thead", {}, el("tr", {},
     el("th", { text: "" }), el("th", { text: "raw R_k (formula and inputs)" }),
-    el("th", { text: "batch mean / std" }), el("th", { text: "w · R̃_k" }))));
+    el("th", { text: "batch mean / std" }), el("th", { text: `w · ${term}` }))));
   const body = el("tbody");
   for (const key of keys) {
     const c = item.components[key];
@@ -464,12 +468,12 @@ function components(item) {
       el("td", { class: "num", text: `${fmt(n.mean)} / ${fmt(n.std)}` }),
       el("td", { class: "num" },
         el("span", { "data-value": n.contribution, text: `${signed(n.contribution, 4)}` }),
-        el("div", { class: "hint", text: `w ${n.weight} × ${signed(n.normalized, 4)}` }),
+        el("div", { class: "hint", text: `w ${n.weight} × ${signed(normalized ? n.normalized : c.value, 4)}` }),
         bar(n.contribution, scaleNorm)),
     ));
   }
   body.append(el("tr", {},
-    el("th", { text: "R" }), el("td", { text: "final reward = Σ_k w_k · R̃_k" }), el("td"),
+    el("th", { text: "R" }), el("td", { text: `final reward = Σ_k w_k · ${term}` }), el("td"),
     el("td", { class: "num" }, el("strong", { text: signed(item.reward) }))));
   table.append(body);
   return table;
