@@ -166,6 +166,7 @@ async def test_calls_in_progress_are_bounded_past_the_queue(
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await running.stub.Info(pb.InfoRequest(), timeout=5)
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert err.value.details() == "Concurrent RPC limit exceeded!"  # as the proto says
         release.set()
         await asyncio.gather(*held)
         assert len((await running.stub.Score(_needs_encoder(9))).rewards) == 1
