@@ -231,6 +231,7 @@ def test_an_explanation_larger_than_max_explain_cells_is_422_before_the_work() -
         (problem,) = r.json()["detail"]
         assert problem["field"] == "items" and problem["type"] == "explanation_too_large"
         assert "196608 cosine-matrix entries" in problem["msg"]
+        assert "limit of 131072 per request (max_explain_cells)" in problem["msg"]
         assert "max_explain_cells" in problem["msg"]
         assert encoder.calls == [["warm up"]]  # refused before the encoder
         assert c.post("/v1/score", json=three).status_code == 200

@@ -203,6 +203,22 @@ def _constant(encoder: Encoder | None) -> Callable[[], Encoder]:
     return load
 
 
+#: The 422 ``type`` of each per-request work limit a batch can exceed.
+_LIMIT_KINDS = {
+    "max_request_tokens": "too_many_tokens",
+    "max_explain_cells": "explanation_too_large",
+}
+
+
+def _over_limit(
+    loc_map: LocMap | None, need: str, limit: int, setting: str, advice: str
+) -> RequestInvalid:
+    """The 422 at ``items`` of a batch needing more work than the per-request ``setting``
+    (``limit``) allows: what it needs, the limit, and what to do."""
+    msg = f"{need}, more than this server's limit of {limit} per request ({setting}): {advice}"
+    return RequestInvalid.one(_mapped(loc_map, ("items",)), msg, _LIMIT_KINDS[setting])
+
+
 @dataclass(frozen=True)
 class _CachedReward:
     """A request rewarded in the pool trip that prepared it (every embedding cached), with the
@@ -399,12 +415,8 @@ class ScoringService:
             return
         needed = sum(map(estimate_tokens, texts))
         if needed > limit:
-            msg = (
-                f"needs about {needed} encoder tokens ({len(texts)} distinct strategy texts), "
-                f"more than this server's limit of {limit} per request (max_request_tokens): "
-                "split the batch"
-            )
-            raise RequestInvalid.one(_mapped(loc_map, ("items",)), msg, "too_many_tokens")
+            need = f"needs about {needed} encoder tokens ({len(texts)} distinct strategy texts)"
+            raise _over_limit(loc_map, need, limit, "max_request_tokens", "split the batch")
 
     def check_explanation_size(self, prepared: PreparedBatch, loc_map: LocMap | None) -> None:
         """At most ``max_explain_cells`` cosine-matrix entries per explanation (``m²`` an item):
@@ -413,12 +425,12 @@ class ScoringService:
         limit = self.settings.max_explain_cells
         cells = sum(len(a.parsed.strategies) ** 2 for a in prepared.analyses)
         if cells > limit:
-            msg = (
-                f"explaining this batch needs {cells} cosine-matrix entries (the sum of m² over "
-                f"its items), more than this server's limit of {limit} (max_explain_cells): "
-                "explain fewer items, or with a lower max_strategies"
+            need = (
+                f"explaining this batch needs {cells} cosine-matrix entries "
+                "(the sum of m² over its items)"
             )
-            raise RequestInvalid.one(_mapped(loc_map, ("items",)), msg, "explanation_too_large")
+            advice = "explain fewer items, or with a lower max_strategies"
+            raise _over_limit(loc_map, need, limit, "max_explain_cells", advice)
 
     async def _in_pool(self, fn: Callable[[], T], pool: ThreadPoolExecutor | None = None) -> T:
         return await asyncio.get_running_loop().run_in_executor(pool or self._cpu, fn)
