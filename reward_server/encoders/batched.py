@@ -47,7 +47,7 @@ from reward_server.encoders.base import (
     EncodeStats,
     Provider,
 )
-from reward_server.encoders.model_store import read_manifest
+from reward_server.encoders.model_store import verify_manifest
 from reward_server.encoders.tokenization import encode_ids, load_tokenizer
 
 #: A text joins a batch only if it is at least this share of the batch's longest (padding waste).
@@ -145,7 +145,7 @@ class BatchedEncoder(ABC):
         min_row_fill: float = MIN_ROW_FILL,
     ) -> None:
         self.model_dir = Path(model_dir)
-        self.manifest = read_manifest(self.model_dir)
+        self.manifest = verify_manifest(self.model_dir)
         self.variant: str = str(self.manifest.get("variant", "fp32"))
         self.provider: Provider = provider
         self.max_seq_length = int(self.manifest.get("max_seq_length", MAX_SEQ_LENGTH))

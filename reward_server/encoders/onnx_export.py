@@ -518,16 +518,6 @@ def _model_name(src: SourceModel) -> str:
     return src.folder.name
 
 
-def verify_manifest(model_dir: Path) -> dict[str, Any]:
-    """Load ``manifest.json`` and check every listed file's sha256; raise if one differs."""
-    manifest: dict[str, Any] = json.loads((model_dir / MANIFEST_FILE).read_text(encoding="utf-8"))
-    for name, digest in manifest.get("files", {}).items():
-        actual = sha256_file(model_dir / name)
-        if actual != digest:
-            raise ValueError(f"{model_dir / name}: sha256 {actual} does not match the manifest")
-    return manifest
-
-
 # --------------------------------------------------------------------------------------------
 # command line
 

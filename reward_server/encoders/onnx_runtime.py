@@ -30,7 +30,7 @@ import numpy.typing as npt
 
 from reward_server.encoders.base import Provider
 from reward_server.encoders.batched import MIN_ROW_FILL, BatchedEncoder
-from reward_server.encoders.model_store import MODEL_FILE
+from reward_server.encoders.model_store import EXPORT_AGAIN, MODEL_FILE, ModelLoadError
 
 log = logging.getLogger(__name__)
 
@@ -187,12 +187,16 @@ class OnnxEncoder(BatchedEncoder):
             else [ort_provider]
         )
         disabled = list(CPU_DISABLED_OPTIMIZERS) if self.provider == "cpu" else []
-        session = ort.InferenceSession(
-            str(self.model_dir / MODEL_FILE),
-            sess_options=options,
-            providers=providers,
-            disabled_optimizers=disabled,
-        )
+        graph = self.model_dir / MODEL_FILE
+        try:
+            session = ort.InferenceSession(
+                str(graph), sess_options=options, providers=providers, disabled_optimizers=disabled
+            )
+        except _load_errors(ort) as exc:
+            # A damaged graph with no manifest to check it against (a bare model.onnx).
+            raise ModelLoadError(
+                f"onnxruntime cannot load {graph} ({exc}): {EXPORT_AGAIN}"
+            ) from None
         check_session_provider(self.provider, session.get_providers())
         fused_residuals = "SkipLayerNormalization" in self.manifest.get("graph_ops", {})
         if self.provider == "cpu" and fused_residuals:
@@ -216,3 +220,11 @@ class OnnxEncoder(BatchedEncoder):
         binding.bind_output(self._output_name, "cuda", self._device_id)
         self._session.run_with_iobinding(binding)
         return binding.copy_outputs_to_cpu()[0]
+
+
+def _load_errors(ort: Any) -> tuple[type[Exception], ...]:
+    """What onnxruntime raises for a graph it cannot load (each a bare ``Exception`` subclass
+    of its binding)."""
+    state = ort.capi.onnxruntime_pybind11_state
+    return (state.Fail, state.InvalidProtobuf, state.InvalidArgument, state.InvalidGraph,
+            state.NoSuchFile)  # fmt: skip

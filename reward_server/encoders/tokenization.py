@@ -17,6 +17,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from reward_server.encoders.base import MAX_SEQ_LENGTH
+from reward_server.encoders.model_store import EXPORT_AGAIN, ModelLoadError
 
 #: The file name the tokenizer lives in, in both Hugging Face folders and our exports.
 TOKENIZER_FILE = "tokenizer.json"
@@ -38,7 +39,13 @@ def load_tokenizer(model_dir: str | Path, max_length: int = MAX_SEQ_LENGTH) -> T
     path = Path(model_dir) / TOKENIZER_FILE
     if not path.is_file():
         raise FileNotFoundError(f"no {TOKENIZER_FILE} in {model_dir}")
-    return configure_tokenizer(Tokenizer.from_file(str(path)), max_length)
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as exc:  # the tokenizers library raises a bare Exception on a bad file
+        raise ModelLoadError(
+            f"{path} is not a readable tokenizer ({exc}): {EXPORT_AGAIN}"
+        ) from None
+    return configure_tokenizer(tokenizer, max_length)
 
 
 def save_configured_tokenizer(

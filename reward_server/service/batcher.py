@@ -187,6 +187,7 @@ class Batcher:
         self._queued_tokens = 0
         self._admitted = 0
         self._stopping = False
+        self._stopped = False  # the worker has returned (set under the lock as it does)
         self._busy_until = 0.0  # monotonic estimate of when the running batch ends
         self._running: list[_Job] = []  # the running batch's jobs
         #: Exponential moving average of encoder throughput (estimated tokens per second);
@@ -253,7 +254,7 @@ class Batcher:
             list(texts), sum(map(estimate_tokens, texts)), deadline, submitted=time.monotonic()
         )
         with self._cond:
-            if self._stopping and not self._thread.is_alive():
+            if self._stopped:
                 raise ShuttingDown("the encoder worker has stopped")
             self._jobs.append(job)
             self._queued_tokens += job.tokens
@@ -267,7 +268,7 @@ class Batcher:
         :meth:`submit` them). Such a request takes nothing from the encoder, so it neither
         waits in the queue nor joins a batch; its ``encode_seconds`` is the lookup's time."""
         with self._cond:
-            if self._stopping and not self._thread.is_alive():
+            if self._stopped:
                 return None  # submit() says why
         start = time.monotonic()
         found = self.encoder.peek(texts)
@@ -301,6 +302,9 @@ class Batcher:
                 while not self._jobs and not self._stopping:
                     self._cond.wait()
                 if not self._jobs:  # stopping and nothing left
+                    # Under the lock: a job submitted from now on is refused, never left
+                    # queued for a worker that has returned.
+                    self._stopped = True
                     return
                 taken = self._take_locked()
                 tokens = sum(j.tokens for j in taken)
