@@ -14,19 +14,21 @@ import argparse
 import json
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
-from reward_server.core import NonFiniteRewardError, RewardParams, finish_batch, prepare_batch
+from reward_server.core import NonFiniteRewardError, finish_batch
 from reward_server.core.explain import ExplainLimits, explain_batch
+from reward_server.jsonl_files import InputError, emit
 from reward_server.math_judge import IsolatedMathJudge
 from reward_server.offline import (
-    InputError,
     add_encoder_arguments,
+    add_math_timeout_argument,
     add_recipe_arguments,
+    check_model,
     embed_with_progress,
-    read_items,
+    prepare_input,
+    report_timeouts,
 )
 
 Json = dict[str, Any]
@@ -221,33 +223,29 @@ def render(explanation: Json) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``sde2-reward explain`` (those of ``score`` that apply, plus the view)."""
-    parser.add_argument("--in", dest="input", required=True, help="input JSONL (as for score)")
+    parser.add_argument(
+        "--in", dest="input", type=Path, required=True, help="input JSONL (as for score)"
+    )
     add_recipe_arguments(parser)
     parser.add_argument("--params", default="{}", help="reward parameters as JSON")
     parser.add_argument("--no-normalize", action="store_true", help="sum raw components")
     parser.add_argument("--item", type=int, default=None, help="report only this item (0-based)")
     parser.add_argument("--json", action="store_true", help="print the explanation as JSON")
-    parser.add_argument("--math-timeout", type=float, default=2.0, help="seconds per math check")
+    add_math_timeout_argument(parser)
     add_encoder_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Explain ``--in`` on stdout; exit status 2 on bad input."""
-    judge = IsolatedMathJudge(time_limit=max(args.math_timeout, 1e-3))
+    """Explain ``--in`` on stdout; exit status 2 on bad input or arguments (the input is read,
+    checked and prepared as ``score`` does: :func:`~reward_server.offline.prepare_input`)."""
+    command = "sde2-reward explain"
+    judge = IsolatedMathJudge(time_limit=args.math_timeout)  # starts a process only if used
     try:
-        params = RewardParams.model_validate_json(args.params)
-        with open(args.input, encoding="utf-8") as f:
-            items = list(read_items(f))
+        check_model(args.backend, args.model)
+        inputs, prepared = prepare_input(args, judge, diagnostics=True)
+        items = inputs.items
         if args.item is not None and not 0 <= args.item < len(items):
             raise InputError(f"--item {args.item}: the file has {len(items)} items")
-        prepared = prepare_batch(
-            items,
-            recipe=args.recipe,
-            answer_type=args.answer_type,
-            params=params,
-            diagnostics=True,
-            math_judge=judge,
-        )
         embeddings = embed_with_progress(prepared.texts, args.backend, args.model, not args.quiet)
         normalize = not args.no_normalize
         score = finish_batch(prepared, embeddings, normalize=normalize)
@@ -260,15 +258,16 @@ def run(args: argparse.Namespace) -> int:
             math_judge=judge,
             limits=ExplainLimits(),
         )
-    except (InputError, ValidationError, NonFiniteRewardError, ValueError, OSError) as exc:
-        print(f"sde2-reward explain: {exc}", file=sys.stderr)
+    except (NonFiniteRewardError, ValueError, OSError, RuntimeError) as exc:
+        print(f"{command}: {exc}", file=sys.stderr)
         return 2
     finally:
         judge.close()
+    report_timeouts(judge, args.math_timeout)
     if args.item is not None:
         explanation["items"] = [explanation["items"][args.item]]
     if args.json:
-        sys.stdout.write(json.dumps(explanation, ensure_ascii=False, indent=1) + "\n")
+        text = json.dumps(explanation, ensure_ascii=False, indent=1) + "\n"
     else:
-        sys.stdout.write(render(explanation))
-    return 0
+        text = render(explanation)
+    return emit(command, Path("-"), [text])

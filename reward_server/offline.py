@@ -4,61 +4,161 @@ Each input line is one SPEC §6 item (``completion``, ``answer``, optional ``pro
 ``num_tokens``). The whole file is one batch, so normalization and group advantages are those of
 a single ``/v1/score`` request holding every line. Each output line holds the item's diagnostics
 (SPEC §6 ``items[]``) plus its components, normalized components, reward and advantage.
+
+Each line is parsed as the server parses a request (pydantic's strict JSON): what the server
+refuses with a 422 — a lone surrogate such as ``"\\ud800"``, ``"3"`` for a number — is refused
+here too, naming the file, the line and the field, and never reaches the tokenizer or the output.
+The output is checked before any work and written atomically: a failed write leaves the previous
+file as it was, never a shorter file that looks complete.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO, get_args
+from typing import Any, get_args
 
 import numpy as np
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from reward_server.core import (
     RECIPES,
     AnswerType,
     BatchScore,
+    InvalidBatch,
     NonFiniteRewardError,
+    PreparedBatch,
     RewardParams,
     ScoreItem,
     finish_batch,
     prepare_batch,
 )
 from reward_server.encoders.base import EMBEDDING_DIM, Encoder
-from reward_server.encoders.loading import BACKENDS, Backend
+from reward_server.encoders.loading import BACKENDS, Backend, runs_export
+from reward_server.encoders.model_store import ModelExportError, is_export, local_model_folder
+from reward_server.jsonl_files import (
+    InputError,
+    OutputError,
+    check_output,
+    emit,
+    json_error,
+    json_type,
+    jsonl_lines,
+)
 from reward_server.math_judge import IsolatedMathJudge
 
 #: Texts per encoder call: small enough for a live progress bar, large enough to batch well.
 CHUNK = 256
+#: The longest ``--math-timeout``: the server's bound on its timeouts (a year). Beyond ~68 years
+#: the judge's ``select()`` overflows, and ``inf`` would mean a check that never ends.
+MAX_MATH_TIMEOUT_S = 365 * 86400.0
+_ITEM: TypeAdapter[ScoreItem] = TypeAdapter(ScoreItem)
 
 
-class InputError(ValueError):
-    """A malformed input line, reported with its line number and field."""
+def item_error(path: Path, number: int, exc: ValidationError) -> InputError:
+    """The first issue of an item line, as the file's line and the field's name."""
+    first = exc.errors()[0]
+    if first["type"] == "json_invalid":
+        return json_error(path, number, str(first["msg"]).removeprefix("Invalid JSON: "))
+    if not first["loc"]:
+        got = json_type(first.get("input"))
+        return InputError(f"{path}: line {number}: expected a JSON object, got {got}")
+    where = ".".join(str(p) for p in first["loc"])
+    return InputError(f"{path}: line {number}: {where}: {first['msg']}")
 
 
-def read_items(lines: TextIO) -> Iterator[ScoreItem]:
-    """Parse JSONL items, naming the line and field of the first bad one."""
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
+def read_items(path: Path) -> Iterator[tuple[int, ScoreItem]]:
+    """``(line number, item)`` of each item line of ``path``, parsed as the server parses a
+    request: strict types (``"3"`` is no number), no unknown fields, no lone surrogates."""
+    for number, text in jsonl_lines(path):
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"line {number}: not JSON ({exc.msg})") from exc
-        if not isinstance(record, dict):
-            raise InputError(f"line {number}: expected a JSON object, got {type(record).__name__}")
-        try:
-            yield ScoreItem(**record)
+            yield number, _ITEM.validate_json(text)
         except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"]) or "item"
-            raise InputError(f"line {number}: {where}: {first['msg']}") from exc
-        except TypeError as exc:  # unexpected keyword arguments
-            raise InputError(f"line {number}: {exc}") from exc
+            raise item_error(path, number, exc) from None
+
+
+@dataclass(frozen=True)
+class InputItems:
+    """The items of an input file with the line each came from: a batch error names an item by
+    its index (``items.3.group``), which the user finds by its line."""
+
+    path: Path
+    items: list[ScoreItem]
+    lines: list[int]
+
+    def batch_error(self, exc: InvalidBatch) -> InputError:
+        """``exc`` with its item index turned into the file's line."""
+        loc = exc.loc
+        index = loc[1] if len(loc) >= 2 and loc[0] == "items" else None
+        if isinstance(index, int) and 0 <= index < len(self.lines):
+            field = ".".join(str(p) for p in loc[2:]) or "item"
+            return InputError(f"{self.path}: line {self.lines[index]}: {field}: {exc.message}")
+        if loc == ("items",):
+            return InputError(f"{self.path}: {exc.message}")
+        return InputError(str(exc))
+
+
+def load_items(path: Path) -> InputItems:
+    """Every item of ``path`` with its line number (:func:`read_items`)."""
+    pairs = list(read_items(path))
+    return InputItems(path, [item for _, item in pairs], [number for number, _ in pairs])
+
+
+def params_from_flag(text: str) -> RewardParams:
+    """``--params`` validated, its first issue on one line naming the parameter."""
+    try:
+        return RewardParams.model_validate_json(text)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "params"
+        more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+        raise InputError(f"--params: {where}: {first['msg']}{more}") from None
+
+
+def math_timeout(text: str) -> float:
+    """``--math-timeout``: seconds, a finite number > 0 (the server's rule), at most a year.
+
+    ``0`` or ``-5`` would stop every check at once and ``inf`` or ``nan`` never (or crash the
+    judge): either way a wrong verdict, never silently clamped.
+
+    >>> math_timeout("2.5")
+    2.5
+    >>> math_timeout("inf")
+    Traceback (most recent call last):
+    ...
+    argparse.ArgumentTypeError: must be a finite number of seconds > 0 (at most 31536000), got 'inf'
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (math.isfinite(value) and 0 < value <= MAX_MATH_TIMEOUT_S):
+        raise argparse.ArgumentTypeError(
+            f"must be a finite number of seconds > 0 (at most {MAX_MATH_TIMEOUT_S:.0f}), "
+            f"got {text!r}"
+        )
+    return value
+
+
+def check_model(backend: Backend, model: str | None) -> None:
+    """Refuse a ``--model`` that names no usable folder before the parse (the encoder loads only
+    after it, which may be minutes later). A name that is no local path is a hub id, tried when
+    the encoder loads."""
+    if model is None:
+        return
+    try:
+        folder = local_model_folder(model)
+    except FileNotFoundError as exc:
+        raise InputError(f"--model: {exc}") from None
+    if folder is not None and not runs_export(backend) and is_export(folder):
+        raise InputError(
+            f"--model: {folder} is an ONNX export; the {backend} backend needs the model folder"
+        )
 
 
 def encode_with_progress(encoder: Encoder, texts: Sequence[str], show: bool) -> np.ndarray:
@@ -78,12 +178,44 @@ def embed_with_progress(
     texts: Sequence[str], backend: Backend, model: str | None, show: bool
 ) -> np.ndarray:
     """The embeddings of ``texts`` behind a progress bar; the encoder is loaded only when some
-    text needs it (loading costs seconds, and a batch may need no encoder at all)."""
+    text needs it (loading costs seconds, and a batch may need no encoder at all). A model that
+    cannot be loaded is an :class:`InputError` naming ``--model``."""
     if not texts:
         return np.zeros((0, EMBEDDING_DIM), np.float32)
     from reward_server.encoders.loading import load_encoder
 
-    return encode_with_progress(load_encoder(backend, model), texts, show)
+    try:
+        encoder = load_encoder(backend, model)
+    except (OSError, ModelExportError) as exc:
+        raise InputError(f"--model {model or '(default)'}: cannot load the encoder: {exc}") from exc
+    return encode_with_progress(encoder, texts, show)
+
+
+def prepare_input(
+    args: argparse.Namespace, judge: IsolatedMathJudge, diagnostics: bool
+) -> tuple[InputItems, PreparedBatch]:
+    """Read ``--in`` and run the batch's phase 1; every error an :class:`InputError` naming the
+    file and line (or the flag)."""
+    params = params_from_flag(args.params)
+    inputs = load_items(args.input)
+    try:
+        prepared = prepare_batch(
+            inputs.items,
+            recipe=args.recipe,
+            answer_type=args.answer_type,
+            params=params,
+            diagnostics=diagnostics,
+            math_judge=judge,
+        )
+    except InvalidBatch as exc:
+        raise inputs.batch_error(exc) from None
+    return inputs, prepared
+
+
+def report_timeouts(judge: IsolatedMathJudge, limit: float) -> None:
+    """Say how many math checks ran out of time: each counted as not equivalent."""
+    if judge.timeouts:
+        print(f"{judge.timeouts} math checks ran past {limit} s (not equivalent)", file=sys.stderr)
 
 
 def output_records(score: BatchScore) -> Iterator[dict[str, Any]]:
@@ -113,6 +245,16 @@ def add_encoder_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+def add_math_timeout_argument(parser: argparse.ArgumentParser) -> None:
+    """``--math-timeout`` (:func:`math_timeout`), the same rule for ``score`` and ``explain``."""
+    parser.add_argument(
+        "--math-timeout",
+        type=math_timeout,
+        default=2.0,
+        help="seconds one answer-type=math check may run before it counts as not equivalent",
+    )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``sde2-reward score``."""
     parser.add_argument("--in", dest="input", type=Path, required=True, help="input JSONL")
@@ -121,62 +263,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--params", default="{}", help="reward parameters as JSON, e.g. '{\"explore_cap\": 0.7}'"
     )
-    parser.add_argument(
-        "--math-timeout",
-        type=float,
-        default=2.0,
-        help="seconds one answer-type=math check may run before it counts as not equivalent",
-    )
+    add_math_timeout_argument(parser)
     parser.add_argument("--no-normalize", action="store_true", help="sum raw components")
     parser.add_argument("--diagnostics", action="store_true", help="Uniq/Div for every item")
     add_encoder_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Score ``--in`` into ``--out``; exit status 2 on bad input."""
-    if args.math_timeout <= 0:
-        print(
-            f"sde2-reward score: --math-timeout must be > 0, got {args.math_timeout}",
-            file=sys.stderr,
-        )
+    """Score ``--in`` into ``--out``; exit status 2 on bad input or arguments, 1 when the output
+    cannot be written."""
+    command = "sde2-reward score"
+    try:
+        check_output(args.out)
+        check_model(args.backend, args.model)
+    except (OutputError, InputError) as exc:
+        print(f"{command}: {exc}", file=sys.stderr)
         return 2
     judge = IsolatedMathJudge(time_limit=args.math_timeout)  # starts a process only if used
     try:
-        params = RewardParams.model_validate_json(args.params)
-        with args.input.open(encoding="utf-8") as f:
-            items = list(read_items(f))
-        prepared = prepare_batch(
-            items,
-            recipe=args.recipe,
-            answer_type=args.answer_type,
-            params=params,
-            diagnostics=args.diagnostics,
-            math_judge=judge,
-        )
-    except (InputError, ValidationError, ValueError, OSError, RuntimeError) as exc:
-        print(f"sde2-reward score: {exc}", file=sys.stderr)
+        inputs, prepared = prepare_input(args, judge, args.diagnostics)
+    except (ValueError, OSError, RuntimeError) as exc:  # InputError is a ValueError
+        print(f"{command}: {exc}", file=sys.stderr)
         return 2
     finally:
         judge.close()
-    if judge.timeouts:
-        print(
-            f"{judge.timeouts} math checks ran past {args.math_timeout} s (not equivalent)",
-            file=sys.stderr,
-        )
+    report_timeouts(judge, args.math_timeout)
     show = not args.quiet
     if show:
-        print(f"{len(items)} items, {len(prepared.texts)} texts to embed", file=sys.stderr)
-    embeddings = embed_with_progress(prepared.texts, args.backend, args.model, show)
+        print(f"{len(inputs.items)} items, {len(prepared.texts)} texts to embed", file=sys.stderr)
     try:
+        embeddings = embed_with_progress(prepared.texts, args.backend, args.model, show)
         score = finish_batch(prepared, embeddings, normalize=not args.no_normalize)
-    except NonFiniteRewardError as exc:
-        print(f"sde2-reward score: {exc}", file=sys.stderr)
+    except (InputError, NonFiniteRewardError) as exc:
+        print(f"{command}: {exc}", file=sys.stderr)
         return 2
-    out = sys.stdout if str(args.out) == "-" else args.out.open("w", encoding="utf-8")
-    try:
-        for record in output_records(score):
-            out.write(json.dumps(record, ensure_ascii=False) + "\n")
-    finally:
-        if out is not sys.stdout:
-            out.close()
-    return 0
+    lines = (json.dumps(record, ensure_ascii=False) + "\n" for record in output_records(score))
+    return emit(command, args.out, lines)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import sys
 import time
 from pathlib import Path
 
@@ -130,10 +132,17 @@ def test_model_ref_and_read_run(tmp_path: Path) -> None:
     assert ModelRef.parse(str(gguf)) == ModelRef(str(tmp_path), "m.Q4.gguf")
     assert ModelRef.parse("org/model").kwargs() == {}
     runfile = tmp_path / "r.jsonl"
-    rows = [{"completion": "a", "answer": "1", "num_tokens": 3}, {"completion": "b", "answer": "2"}]
+    rows: list[dict[str, object]] = [
+        {"completion": "a", "answer": "1"},
+        {"completion": "b", "answer": "2"},
+    ]
     runfile.write_text("\n".join(json.dumps(r) for r in rows))
     run = read_run(f"base={runfile}")
     assert run.method == "base" and run.num_tokens is None and run.answers == ["1", "2"]
+    rows[0]["num_tokens"] = 3  # on some lines only: no #TOK of the run, refused
+    runfile.write_text("\n".join(json.dumps(r) for r in rows))
+    with pytest.raises(ValueError, match=r"num_tokens is missing on line 2"):
+        read_run(f"base={runfile}")
 
 
 def test_read_run_takes_gold_numbers_as_written_and_refuses_missing_ones(tmp_path: Path) -> None:
@@ -144,7 +153,7 @@ def test_read_run_takes_gold_numbers_as_written_and_refuses_missing_ones(tmp_pat
     runfile.write_text("\n".join(json.dumps(r) for r in rows))
     assert read_run(f"x={runfile}").answers == ["0.00001", "20000000000000000"]
     runfile.write_text(json.dumps({"completion": "a", "answer": None}))
-    with pytest.raises(SystemExit, match=r"r\.jsonl: completion 1, answer: the gold answer is"):
+    with pytest.raises(ValueError, match=r"r\.jsonl: line 1: answer: the gold answer is"):
         read_run(f"x={runfile}")
 
 
@@ -160,3 +169,125 @@ def test_sde2_train_stops_in_seconds_on_a_wrong_reward_url() -> None:
     with pytest.raises(RewardServiceError, match=r"get info after 3 attempt"):
         train.build_trainer(train.build_parser().parse_args(["--model", "x", "--reward-url", dead]))
     assert time.monotonic() - start < 15
+
+
+def write_rows(path: Path, rows: list[object]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+GSM = {"question": "What is 2+2?", "answer": "2+2=4\n#### 4"}
+MED = {"question": "q", "opa": "a", "opb": "b", "opc": "c", "opd": "d", "cop": 0}
+
+
+@pytest.mark.parametrize(
+    ("dataset", "bad", "message"),
+    [
+        (
+            "gsm8k",
+            {**GSM, "question": None},
+            "line 2: question: must be a non-empty string, got null",
+        ),
+        ("gsm8k", {**GSM, "question": "  "}, "line 2: question: must be a non-empty string"),
+        (
+            "gsm8k",
+            {**GSM, "answer": "blah ####  "},
+            "line 2: answer: GSM8K answer with nothing after",
+        ),
+        ("gsm8k", {**GSM, "answer": 5}, "line 2: answer: must be a non-empty string, got 5"),
+        ("gsm8k", [1, 2], "line 2: expected a JSON object, got array"),
+        ("medmcqa", {**MED, "cop": 1.7}, "line 2: cop: must be an integer option index from 0"),
+        ("medmcqa", {**MED, "cop": True}, "line 2: cop: must be an integer option index"),
+        ("medmcqa", {**MED, "cop": None}, "line 2: cop: must be an integer option index"),
+        ("medmcqa", {**MED, "cop": "e"}, "line 2: cop: 'e' is not an option letter A-D"),
+        ("medmcqa", {**MED, "cop": "AB"}, "line 2: cop: 'AB' is not an option letter A-D"),
+        ("medmcqa", {**MED, "opa": None}, "line 2: opa: must be a string, got null"),
+        ("medmcqa", {**MED, "question": None}, "line 2: question: must be a non-empty string"),
+        ("aime", {"Problem": "p", "Answer": 12.9}, "line 2: answer: an AIME answer is an integer"),
+        ("aime", {"Problem": "p", "Answer": True}, "line 2: answer: an AIME answer is an integer"),
+        ("aime", {"Problem": "", "Answer": 12}, "line 2: problem: must be a non-empty string"),
+    ],
+)
+def test_bad_rows_are_refused_naming_file_line_and_field(
+    tmp_path: Path, dataset: str, bad: object, message: str
+) -> None:
+    good = {"gsm8k": GSM, "medmcqa": MED, "aime": {"Problem": "p", "Answer": "7"}}[dataset]
+    data = write_rows(tmp_path / "d.jsonl", [good, bad])
+    with pytest.raises(ValueError, match=re.escape(f"{data}: {message}")):
+        load_examples(dataset, data)  # type: ignore[arg-type]
+
+
+def test_data_lines_split_on_newlines_only_and_a_bom_is_accepted(tmp_path: Path) -> None:
+    """U+2028 may stand in a JSON string: it ends no line, so the line numbers hold."""
+    data = tmp_path / "d.jsonl"
+    first = json.dumps({**GSM, "question": "a\u2028b"}, ensure_ascii=False)
+    data.write_text("\ufeff" + first + "\r\n" + json.dumps(GSM) + "\n", encoding="utf-8")
+    assert [e.question for e in load_examples("gsm8k", data)] == ["a\u2028b", GSM["question"]]
+    data.write_text(first + "\n" + json.dumps({**GSM, "question": None}) + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=re.escape(f"{data}: line 2: question")):
+        load_examples("gsm8k", data)
+
+
+@pytest.mark.parametrize("source", ["no_such.jsonl", "data/none.parquet", "a/b/c", "x.csv"])
+def test_a_missing_file_is_never_taken_for_a_hub_id(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, source: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, "datasets", None)  # any hub access fails the test
+    with pytest.raises(FileNotFoundError, match="no such file or folder"):
+        load_examples("gsm8k", source)
+
+
+def dead_url() -> str:
+    from tests.server_process import free_port
+
+    return f"http://127.0.0.1:{free_port()}"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--max-length", "64", "--max-new-tokens", "64"], "--max-length (64) must exceed"),
+        (["--resume", "{tmp}/no-checkpoint"], "--resume: no checkpoint folder"),
+        (["--weight", "sd"], "--weight must look like key=value"),
+        (["--weight", "sd=abc"], "--param/--weight: weights.sd:"),
+        (["--param", "similarity_threshold=2"], "--param/--weight: similarity_threshold:"),
+        (["--param", "weights=5", "--weight", "sd=0"], "--param weights must be a JSON object"),
+        (["--data", "{tmp}/none.jsonl"], "--data: no such file or folder"),
+        (["--data", "{tmp}/bad.jsonl"], "--data: {tmp}/bad.jsonl: line 2: question"),
+        (["--reward-url", "localhost:1"], "--reward-url: reward server URL must start with"),
+        (["--output-dir", "{tmp}/bad.jsonl"], "--output-dir {tmp}/bad.jsonl: is a file"),
+        (["--limit", "0"], "--limit must be >= 1"),
+    ],
+)
+def test_sde2_train_checks_arguments_and_data_before_anything_loads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    """An argparse error (usage, message, status 2) in moments: no server probe, no model
+    load (the model does not exist), no output folder."""
+    from trainer_client.train import main
+
+    write_rows(tmp_path / "bad.jsonl", [GSM, {**GSM, "question": None}])
+    out = tmp_path / "out"
+    argv = ["--model", str(tmp_path / "no-model"), "--reward-url", dead_url()]
+    argv += ["--data", str(GSM8K_DIR), "--output-dir", str(out)]
+    start = time.monotonic()
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, *(a.format(tmp=tmp_path) for a in extra)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: sde2-train") and message.format(tmp=tmp_path) in err
+    assert not out.exists() and time.monotonic() - start < 5
+
+
+def test_sde2_train_reports_a_wrong_reward_url_on_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from trainer_client.train import main
+
+    argv = ["--model", str(tmp_path / "no-model"), "--reward-url", dead_url()]
+    argv += ["--data", str(GSM8K_DIR), "--limit", "2", "--output-dir", str(tmp_path / "out")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("sde2-train: reward service failed to get info after 3 attempt")
+    assert not any("Traceback" in line for line in err)

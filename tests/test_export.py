@@ -302,7 +302,9 @@ def test_an_older_export_in_a_read_only_cache_still_serves(
 
     monkeypatch.setattr(model_store, "file_lock", read_only_lock)
     monkeypatch.setattr(model_store, "export_in_subprocess", no_export)
-    assert_the_older_export_serves(tmp_path, caplog, "Read-only", OSError)
+    assert_the_older_export_serves(tmp_path, caplog, "Read-only", model_store.ModelExportError)
+    with pytest.raises(model_store.ModelExportError, match="set SDE2_CACHE_DIR"):  # what to do
+        model_store.ensure_default_model(root=tmp_path / "empty")
 
 
 def assert_the_older_export_serves(

@@ -105,5 +105,7 @@ def test_offline_math_survives_a_pathological_answer(
     captured = capsys.readouterr()
     assert [json.loads(line)["correct"] for line in captured.out.splitlines()] == [False, True]
     assert "1 math checks ran past 1.0 s" in captured.err
-    assert main([*args, "--math-timeout", "0"]) == 2
-    assert "--math-timeout" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # an argument error: usage and exit status 2
+        main([*args, "--math-timeout", "0"])
+    assert exc.value.code == 2
+    assert "argument --math-timeout" in capsys.readouterr().err

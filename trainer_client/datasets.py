@@ -12,13 +12,18 @@ from local files needs no ``datasets``):
 
 from __future__ import annotations
 
+import functools
 import json
+import numbers
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import pydantic_core
+
+from reward_server.jsonl_files import jsonl_lines, parse_json_line
 from trainer_client.prompts import TaskKind, build_messages, build_text_prompt
 
 DatasetName = Literal["gsm8k", "medmcqa", "aime"]
@@ -61,40 +66,110 @@ class Example:
         }
 
 
-def _read_json_rows(path: Path) -> Iterator[dict[str, Any]]:
-    text = path.read_text(encoding="utf-8")
-    if path.suffix == ".json" and text.lstrip().startswith("["):
-        yield from json.loads(text)
-        return
-    for n, line in enumerate(text.splitlines(), 1):
-        if line.strip():
+class DataError(ValueError):
+    """A data row that is no question with a gold answer: the message names the file and line
+    (or the hub row) and the field. A wrong value is refused, never ``str()``-ed into a question
+    such as ``"None"`` or a gold no answer matches."""
+
+
+#: Suffixes of data files: a source ending in one is a file, never a hub id.
+FILE_SUFFIXES = (".jsonl", ".json", ".jsonlines", ".parquet", ".csv")
+
+
+def looks_like_path(source: str) -> bool:
+    """Whether a source that is not on disk was meant as a file or folder rather than a hub id
+    (``name`` or ``org/name``, optionally with ``:config``): then it is reported missing
+    instead of being sent to the hub.
+
+    >>> [looks_like_path(s) for s in ("openai/gsm8k:main", "gsm8k", "org/name")]
+    [False, False, False]
+    >>> [looks_like_path(s) for s in ("train.jsonl", "data/x.csv", "a/b/c", "./x", "~/d")]
+    [True, True, True, True, True]
+    """
+    name = source.partition(":")[0]
+    return (
+        source.startswith((".", "/", "~"))
+        or "\\" in source
+        or name.count("/") > 1
+        or name.lower().endswith(FILE_SUFFIXES)
+    )
+
+
+def _described(row: Mapping[str, Any], name: str) -> str:
+    """A field's value for a message (``missing`` when absent)."""
+    if name not in row:
+        return "missing"
+    try:
+        return json.dumps(row[name], ensure_ascii=False)[:80]
+    except (TypeError, ValueError):
+        return repr(row[name])[:80]
+
+
+def _text(row: Mapping[str, Any], name: str) -> str:
+    """The non-empty string field ``name`` of ``row``."""
+    value = row.get(name)
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{name}: must be a non-empty string, got {_described(row, name)}")
+    return value
+
+
+def _read_text(path: Path) -> str:
+    """A whole UTF-8 file (a BOM accepted); a decoding error names its line."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise DataError(f"{path}: line {line}: not UTF-8 (byte 0x{raw[exc.start]:02x})") from None
+
+
+def _json_file_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    """``(where, row)`` of a JSONL file (where: its line) or of a ``.json`` file holding one
+    array (where: the element). Lines end at ``\\n`` only, so line numbers are an editor's."""
+    if path.suffix == ".json":
+        text = _read_text(path)
+        if text.lstrip().startswith("["):
             try:
-                yield json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{n}: not a JSON line: {exc}") from exc
+                rows = pydantic_core.from_json(text)
+            except ValueError as exc:
+                raise DataError(f"{path}: not JSON ({exc})") from None
+            for i, row in enumerate(rows, 1):
+                yield f"{path}: element {i} of the array", row
+            return
+    for number, line in jsonl_lines(path):  # errors name the file and line
+        yield f"{path}: line {number}", parse_json_line(path, number, line)
 
 
-def read_rows(source: str | Path, split: str = "train") -> Iterator[dict[str, Any]]:
-    """Rows from a ``.jsonl``/``.json`` file, a folder holding ``{split}.jsonl``, or a hub id.
+def read_located_rows(source: str | Path, split: str = "train") -> Iterator[tuple[str, Any]]:
+    """``(where, row)`` from a ``.jsonl``/``.json`` file, a folder holding ``{split}.jsonl``, or
+    a hub id; ``where`` names the file and line (or the hub row) for error messages.
 
-    A hub id may carry a config after a colon (``openai/gsm8k:main``).
+    A hub id may carry a config after a colon (``openai/gsm8k:main``). A missing local path is
+    a :class:`FileNotFoundError`, never a hub id (see :func:`looks_like_path`).
     """
     path = Path(source)
     if path.is_file():
-        yield from _read_json_rows(path)
+        yield from _json_file_rows(path)
         return
     if path.is_dir():
         for name in (f"{split}.jsonl", f"{split}.json", f"{split}.jsonlines"):
             if (path / name).is_file():
-                yield from _read_json_rows(path / name)
+                yield from _json_file_rows(path / name)
                 return
         raise FileNotFoundError(f"no {split}.jsonl in {path}")
-    if str(source).startswith((".", "/", "~")):
+    if looks_like_path(str(source)):
         raise FileNotFoundError(f"no such file or folder: {source}")
     import datasets  # deferred: only hub sources need it
 
     hub_id, _, config = str(source).partition(":")
-    yield from datasets.load_dataset(hub_id, config or None, split=split)
+    for i, row in enumerate(datasets.load_dataset(hub_id, config or None, split=split)):
+        yield f"{source} ({split}) row {i}", row
+
+
+def read_rows(source: str | Path, split: str = "train") -> Iterator[Any]:
+    """The rows of :func:`read_located_rows`, without their locations."""
+    for _, row in read_located_rows(source, split):
+        yield row
 
 
 def _field(row: Mapping[str, Any], *names: str) -> Any:
@@ -102,54 +177,123 @@ def _field(row: Mapping[str, Any], *names: str) -> Any:
     for name in names:
         if name in lowered and lowered[name] is not None:
             return lowered[name]
-    raise KeyError(f"row has none of the fields {names}: {sorted(row)}")
+    raise ValueError(f"row has none of the fields {names}: {sorted(row)}")
 
 
 def gsm8k_gold(answer: str) -> str:
-    """The gold number after the last ``####`` (thousands separators removed)."""
+    """The gold number after the last ``####`` (thousands separators removed); an answer
+    with nothing there has no gold."""
     if "####" not in answer:
         raise ValueError(f"GSM8K answer without '####': {answer[-80:]!r}")
-    return answer.rsplit("####", 1)[1].strip().replace(",", "")
+    gold = answer.rsplit("####", 1)[1].strip().replace(",", "")
+    if not gold:
+        raise ValueError(f"GSM8K answer with nothing after '####': {answer[-80:]!r}")
+    return gold
 
 
-def gsm8k_examples(rows: Iterable[Mapping[str, Any]]) -> Iterator[Example]:
-    """GSM8K rows to examples."""
-    for i, row in enumerate(rows):
-        yield Example(str(row["question"]), gsm8k_gold(str(row["answer"])), "numeric", str(i))
+def gsm8k_example(row: Mapping[str, Any], index: int) -> Example:
+    """One GSM8K row: a non-empty ``question`` and an ``answer`` string ending in ``#### gold``."""
+    question = _text(row, "question")
+    answer = _text(row, "answer")
+    try:
+        gold = gsm8k_gold(answer)
+    except ValueError as exc:
+        raise ValueError(f"answer: {exc}") from None
+    return Example(question, gold, "numeric", str(index))
 
 
 def medmcqa_letter(cop: Any, cop_base: int = 0) -> str:
-    """The gold letter from ``cop`` (an index from ``cop_base``, or already a letter)."""
-    if isinstance(cop, str) and cop.strip().upper() in LETTERS and not cop.strip().isdigit():
-        return cop.strip().upper()
+    """The gold letter from ``cop``: an integer index from ``cop_base``, or a letter A-D. A
+    float, a bool (an int to Python) or a digit string is refused, not rounded or parsed.
+
+    >>> medmcqa_letter(0), medmcqa_letter(4, cop_base=1), medmcqa_letter(" c ")
+    ('A', 'D', 'C')
+    >>> medmcqa_letter(True)
+    Traceback (most recent call last):
+    ...
+    ValueError: cop: must be an integer option index from 0 (or a letter A-D), got True
+    """
+    if isinstance(cop, str):
+        letter = cop.strip().upper()
+        if len(letter) == 1 and letter in LETTERS:
+            return letter
+        raise ValueError(f"cop: {cop!r} is not an option letter A-D")
+    if isinstance(cop, bool) or not isinstance(cop, numbers.Integral):
+        raise ValueError(
+            f"cop: must be an integer option index from {cop_base} (or a letter A-D), got {cop!r}"
+        )
     index = int(cop) - cop_base
     if not 0 <= index < len(LETTERS):
-        raise ValueError(f"cop={cop!r} is not an option index from {cop_base}")
+        raise ValueError(f"cop: {cop!r} is not an option index from {cop_base}")
     return LETTERS[index]
 
 
 def medmcqa_question(row: Mapping[str, Any]) -> str:
-    """The question followed by its lettered options."""
-    options = "\n".join(f"{L}. {row[f'op{L.lower()}']}" for L in LETTERS)
-    return f"{row['question']}\n\n{options}"
+    """The question followed by its lettered options (each option a string)."""
+    options = []
+    for letter in LETTERS:
+        key = f"op{letter.lower()}"
+        if not isinstance(row.get(key), str):
+            raise ValueError(f"{key}: must be a string, got {_described(row, key)}")
+        options.append(f"{letter}. {row[key]}")
+    return f"{_text(row, 'question')}\n\n" + "\n".join(options)
+
+
+def medmcqa_example(row: Mapping[str, Any], index: int, cop_base: int = 0) -> Example:
+    """One MedMCQA row (choice matcher, letter gold)."""
+    gold = medmcqa_letter(row.get("cop"), cop_base)
+    return Example(medmcqa_question(row), gold, "choice", str(row.get("id", index)))
+
+
+def aime_example(row: Mapping[str, Any], index: int) -> Example:
+    """One AIME row; the answer must be an integer 0..999 (a JSON integer or its digits)."""
+    answer = _field(row, "answer")
+    raw = answer.strip() if isinstance(answer, str) else answer
+    if isinstance(raw, int) and not isinstance(raw, bool) and 0 <= raw <= 999:
+        gold = str(raw)
+    elif isinstance(raw, str) and re.fullmatch(r"\d{1,3}", raw):
+        gold = str(int(raw))
+    else:
+        raise ValueError(f"answer: an AIME answer is an integer 0-999, got {answer!r}")
+    question = _field(row, "problem", "question")
+    if not isinstance(question, str) or not question.strip():
+        raise ValueError(f"problem: must be a non-empty string, got {question!r}")
+    ident = row.get("ID", row.get("id", index))
+    return Example(question, gold, "numeric", str(ident))
+
+
+Converter = Callable[[Mapping[str, Any], int], Example]
+
+
+def example_at(where: str, row: Any, index: int, convert: Converter) -> Example:
+    """``convert(row, index)``, any error a :class:`DataError` naming ``where``."""
+    if not isinstance(row, Mapping):
+        kind = "array" if isinstance(row, list) else type(row).__name__
+        raise DataError(f"{where}: expected a JSON object, got {kind}")
+    try:
+        return convert(row, index)
+    except ValueError as exc:
+        raise DataError(f"{where}: {exc}") from None
+
+
+def _examples(rows: Iterable[Any], convert: Converter) -> Iterator[Example]:
+    for i, row in enumerate(rows):
+        yield example_at(f"row {i}", row, i, convert)
+
+
+def gsm8k_examples(rows: Iterable[Mapping[str, Any]]) -> Iterator[Example]:
+    """GSM8K rows to examples."""
+    return _examples(rows, gsm8k_example)
 
 
 def medmcqa_examples(rows: Iterable[Mapping[str, Any]], cop_base: int = 0) -> Iterator[Example]:
     """MedMCQA rows to examples (choice matcher, letter gold)."""
-    for i, row in enumerate(rows):
-        gold = medmcqa_letter(row["cop"], cop_base)
-        yield Example(medmcqa_question(row), gold, "choice", str(row.get("id", i)))
+    return _examples(rows, functools.partial(medmcqa_example, cop_base=cop_base))
 
 
 def aime_examples(rows: Iterable[Mapping[str, Any]]) -> Iterator[Example]:
     """AIME rows to examples; answers must be integers 0..999."""
-    for i, row in enumerate(rows):
-        raw = str(_field(row, "answer")).strip()
-        if not re.fullmatch(r"\d{1,3}", raw):
-            raise ValueError(f"AIME answer must be an integer 0-999, got {raw!r}")
-        question = str(_field(row, "problem", "question"))
-        ident = row.get("ID", row.get("id", i))
-        yield Example(question, str(int(raw)), "numeric", str(ident))
+    return _examples(rows, aime_example)
 
 
 def load_examples(
@@ -159,22 +303,23 @@ def load_examples(
     limit: int | None = None,
     cop_base: int = 0,
 ) -> list[Example]:
-    """Examples of one dataset from ``source`` (default: its hub id), at most ``limit``."""
+    """Examples of one dataset from ``source`` (default: its hub id), at most ``limit``.
+
+    A bad row is a :class:`DataError` naming the file and line (or hub row) and the field.
+    """
     if name not in DATASETS:
         raise ValueError(f"dataset must be one of {DATASETS}, got {name!r}")
-    rows = read_rows(source or DEFAULT_SOURCES[name], split)
-    examples: Iterator[Example]
-    if name == "gsm8k":
-        examples = gsm8k_examples(rows)
-    elif name == "medmcqa":
-        examples = medmcqa_examples(rows, cop_base)
-    else:
-        examples = aime_examples(rows)
+    converters: dict[str, Converter] = {
+        "gsm8k": gsm8k_example,
+        "medmcqa": functools.partial(medmcqa_example, cop_base=cop_base),
+        "aime": aime_example,
+    }
+    convert = converters[name]
     out: list[Example] = []
-    for ex in examples:
+    for index, (where, row) in enumerate(read_located_rows(source or DEFAULT_SOURCES[name], split)):
         if limit is not None and len(out) >= limit:
             break
-        out.append(ex)
+        out.append(example_at(where, row, index, convert))
     if not out:
         raise ValueError(f"no {name} examples in {source} ({split})")
     return out

@@ -2,7 +2,8 @@
 
 A run is either generated here (``--model``, on ``--dataset`` questions, with the
 multi-strategy prompt) or read from a JSONL of completions (``--completions NAME=FILE``; each line
-has ``completion`` and ``answer``, optionally ``answer_type`` and ``num_tokens``). Every
+has ``completion`` and ``answer``, optionally ``answer_type`` and ``num_tokens`` — the latter on
+every line or on none; a wrong type is refused naming the file, line and field). Every
 completion is scored by the server with ``diagnostics`` on — the same parser and matchers as the
 training reward, so ACC here is the reward's own notion of correct — and summarized as ACC with
 its 95% Wilson interval, S-ACC, #STR, #TOK (policy tokenizer), Words and distinct strategies.
@@ -19,13 +20,24 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple, get_args
 
+from reward_server.core import AnswerType
 from reward_server.core.answers import gold_text
+from reward_server.jsonl_files import (
+    InputError,
+    OutputError,
+    check_output,
+    emit,
+    json_type,
+    jsonl_lines,
+    parse_json_line,
+    write_atomically,
+)
 from trainer_client.client import RewardClient
 from trainer_client.datasets import DATASETS, DEFAULT_SOURCES, Example, load_examples
 from trainer_client.metrics import RunMetrics, markdown_table, summarize
-from trainer_client.retry import RetryPolicy
+from trainer_client.retry import RetryPolicy, RewardServiceError
 
 log = logging.getLogger("sde2.eval")
 SCORE_CHUNK = 256  # items per scoring request: well under the server's default max_items
@@ -81,30 +93,103 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def read_run(spec: str) -> Run:
-    """``NAME=FILE`` to a run; a run must use one answer type (one scoring request family)."""
-    name, sep, path = spec.partition("=")
+class RunFileError(ValueError):
+    """A completions file that cannot be a run; the message names the file, the line and the
+    field (a wrong value is refused, never coerced: ACC and #TOK are evaluation signal)."""
+
+
+ANSWER_TYPES: tuple[str, ...] = get_args(AnswerType)
+
+
+class RunRow(NamedTuple):
+    """One line of a completions file, checked."""
+
+    line: int
+    completion: str
+    answer: str
+    answer_type: str
+    num_tokens: int | None
+
+
+def run_row(path: Path, number: int, record: Any) -> RunRow:
+    """The checked fields of line ``number``: a wrong type is a :class:`RunFileError` naming
+    the file, the line and the field (``null`` is no completion, 9.9 no token count)."""
+    where = f"{path}: line {number}"
+    if not isinstance(record, dict):
+        raise RunFileError(f"{where}: expected a JSON object, got {json_type(record)}")
+    completion = record.get("completion")
+    if not isinstance(completion, str):
+        got = "missing" if "completion" not in record else json_type(completion)
+        raise RunFileError(f"{where}: completion: must be a string, got {got}")
+    try:
+        gold = gold_text(record.get("answer"))
+    except ValueError as exc:
+        raise RunFileError(f"{where}: answer: {exc}") from None
+    answer_type = record.get("answer_type", "numeric")
+    if answer_type not in ANSWER_TYPES:
+        shown = json.dumps(answer_type)
+        raise RunFileError(f"{where}: answer_type: one of {', '.join(ANSWER_TYPES)}, got {shown}")
+    tokens = record.get("num_tokens")
+    if tokens is not None and (
+        isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0
+    ):
+        shown = json.dumps(tokens)
+        raise RunFileError(f"{where}: num_tokens: must be an integer >= 0, got {shown}")
+    return RunRow(number, completion, gold, answer_type, tokens)
+
+
+def _lines_list(numbers: Sequence[int], most: int = 10) -> str:
+    """Line numbers for a message, the first ``most`` of them.
+
+    >>> _lines_list([2, 3]), _lines_list(range(1, 15), 3)
+    ('2, 3', '1, 2, 3 and 11 more')
+    """
+    shown = ", ".join(map(str, numbers[:most]))
+    return shown if len(numbers) <= most else f"{shown} and {len(numbers) - most} more"
+
+
+def read_run(spec: str, limit: int | None = None) -> Run:
+    """``NAME=FILE`` to a run of at most ``limit`` completions (the first ones).
+
+    A run must use one answer type (one scoring request family), and give ``num_tokens`` on
+    every line or on none: a mean over some lines would not be the run's #TOK.
+    """
+    name, sep, where = spec.partition("=")
     if not sep:
-        name, path = Path(spec).stem, spec
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+        name, where = Path(spec).stem, spec
+    path = Path(where)
+    if path.is_dir():
+        raise RunFileError(f"{path}: is a folder, not a JSONL file of completions")
+    rows: list[RunRow] = []
+    try:
+        for number, text in jsonl_lines(path):
+            if limit is not None and len(rows) >= limit:
+                break
+            rows.append(run_row(path, number, parse_json_line(path, number, text)))
+    except InputError as exc:
+        raise RunFileError(str(exc)) from None
+    except OSError as exc:
+        raise RunFileError(f"{path}: {exc.strerror or exc}") from None
     if not rows:
-        raise SystemExit(f"{path}: no completions")
-    types = {str(r.get("answer_type", "numeric")) for r in rows}
+        raise RunFileError(f"{path}: no completions")
+    types = {row.answer_type for row in rows}
     if len(types) > 1:
-        raise SystemExit(f"{path}: mixed answer types {sorted(types)}; split the file")
-    have_tokens = all(r.get("num_tokens") is not None for r in rows)
-    answers = []
-    for line, row in enumerate(rows, 1):
-        try:
-            answers.append(gold_text(row.get("answer")))
-        except ValueError as exc:
-            raise SystemExit(f"{path}: completion {line}, answer: {exc}") from None
+        raise RunFileError(f"{path}: mixed answer types {sorted(types)}; split the file")
+    lacking = [row.line for row in rows if row.num_tokens is None]
+    if lacking and len(lacking) < len(rows):
+        raise RunFileError(
+            f"{path}: num_tokens is missing on line{'s' if len(lacking) > 1 else ''} "
+            f"{_lines_list(lacking)}: give it on every line or on none (then --tokenizer counts "
+            "them)"
+        )
     return Run(
         method=name,
-        completions=[str(r["completion"]) for r in rows],
-        answers=answers,
+        completions=[row.completion for row in rows],
+        answers=[row.answer for row in rows],
         answer_type=types.pop(),
-        num_tokens=[int(r["num_tokens"]) for r in rows] if have_tokens else None,
+        num_tokens=None
+        if lacking
+        else [row.num_tokens for row in rows if row.num_tokens is not None],
     )
 
 
@@ -214,24 +299,64 @@ def plot_runs(rows: Sequence[RunMetrics], path: Path) -> bool:
     return True
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``sde2-eval``."""
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse arguments that cannot work (``parser.error``: usage, exit status 2) before
+    anything is read, generated or scored."""
     if not args.model and not args.completions:
-        raise SystemExit("give --model to generate, or --completions NAME=FILE to read runs")
+        parser.error("give --model to generate, or --completions NAME=FILE to read runs")
+    if args.limit is not None and args.limit < 1:
+        parser.error(f"--limit must be >= 1, got {args.limit}")
+    try:
+        RewardClient(args.reward_url).close()  # checks the URLs' form; connects to nothing
+    except ValueError as exc:
+        parser.error(f"--reward-url: {exc}")
+    outputs = {
+        "--json": args.json,
+        "--plot": args.plot,
+        "--save-completions": args.save_completions,
+    }
+    for flag, path in outputs.items():
+        if path is not None:
+            try:
+                check_output(path, flag)
+            except OutputError as exc:
+                parser.error(str(exc))
+
+
+def save_run(run: Run, path: Path) -> None:
+    """The generated run as JSONL (``--completions`` reads it back)."""
+    lines = (
+        json.dumps({"completion": c, "answer": a, "answer_type": run.answer_type, "num_tokens": t})
+        + "\n"
+        for c, a, t in zip(run.completions, run.answers, run.num_tokens or [], strict=True)
+    )
+    write_atomically(path, lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``sde2-eval``; exit status 2 on a bad argument, file or request, 1 when
+    an output cannot be written."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_arguments(parser, args)
+    try:  # read first: a bad file stops the command before minutes of generation
+        read = [read_run(spec, args.limit) for spec in args.completions]
+    except RunFileError as exc:
+        print(f"sde2-eval: {exc}", file=sys.stderr)
+        return 2
     runs: list[Run] = []
     tokenizer: Any = None
     if args.model:
-        examples = load_examples(args.dataset, args.data, args.split, args.limit, args.cop_base)
+        try:
+            examples = load_examples(args.dataset, args.data, args.split, args.limit, args.cop_base)
+        except (ValueError, OSError) as exc:
+            print(f"sde2-eval: --data: {exc}", file=sys.stderr)
+            return 2
         run, tokenizer = generate_run(args, examples)
         runs.append(run)
         if args.save_completions:
-            with args.save_completions.open("w") as f:
-                for c, a, t in zip(run.completions, run.answers, run.num_tokens or [], strict=True):
-                    row = {"completion": c, "answer": a, "answer_type": run.answer_type}
-                    f.write(json.dumps({**row, "num_tokens": t}) + "\n")
-    read = [read_run(spec) for spec in args.completions]
+            save_run(run, args.save_completions)
     if any(r.num_tokens is None for r in read) and (args.tokenizer or args.model):
         if tokenizer is None:
             from trainer_client.modeling import ModelRef, load_tokenizer
@@ -243,18 +368,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs.extend(read)
 
     retry = RetryPolicy(max_attempts=None, deadline=600.0)  # the deadline rules
-    with RewardClient(args.reward_url, retry=retry) as client:
-        rows = [score_run(client, r, args.recipe) for r in runs]
-    print(markdown_table(rows))
+    try:
+        with RewardClient(args.reward_url, retry=retry) as client:
+            rows = [score_run(client, r, args.recipe) for r in runs]
+    except RewardServiceError as exc:  # a 422 carries the server's reason
+        print(f"sde2-eval: {exc}", file=sys.stderr)
+        return 2
+    status = emit("sde2-eval", Path("-"), [markdown_table(rows) + "\n"])  # quiet on `| head`
     payload = {"runs": [r.as_dict() for r in rows]}
     if args.json:
-        args.json.write_text(json.dumps(payload, indent=1))
+        try:
+            write_atomically(args.json, [json.dumps(payload, indent=1)])
+        except OSError as exc:
+            print(f"sde2-eval: cannot write {args.json}: {exc.strerror or exc}", file=sys.stderr)
+            status = status or 1
     if args.plot:
         if len(rows) < 2:
             log.warning("--plot compares methods: give at least two runs")
         elif plot_runs(rows, args.plot):
             log.info("plot written to %s", args.plot)
-    return 0
+    return status
 
 
 if __name__ == "__main__":

@@ -21,8 +21,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from reward_server.core import RECIPES, RewardParams
-from trainer_client.datasets import DATASETS, DEFAULT_SOURCES, load_examples
+from trainer_client.datasets import (
+    DATASETS,
+    DEFAULT_SOURCES,
+    Example,
+    load_examples,
+    looks_like_path,
+)
 from trainer_client.retry import RetryPolicy, RewardServiceError
 
 log = logging.getLogger("sde2.train")
@@ -47,14 +55,73 @@ def parse_assignments(pairs: Sequence[str], what: str) -> dict[str, Any]:
     return out
 
 
+class FlagError(ValueError):
+    """An argument or input that cannot work, found before the model loads; ``main`` reports
+    it as argparse does (usage, the message, exit status 2)."""
+
+
 def reward_params(args: argparse.Namespace) -> dict[str, Any]:
     """SPEC §4 parameters from ``--param`` and ``--weight``, validated (a typo fails now)."""
     params = parse_assignments(args.param, "--param")
     weights = parse_assignments(args.weight, "--weight")
     if weights:
-        params["weights"] = {**params.get("weights", {}), **weights}
+        given = params.get("weights", {})
+        if not isinstance(given, dict):
+            raise FlagError(f"--param weights must be a JSON object, got {given!r}")
+        params["weights"] = {**given, **weights}
     RewardParams(**params)
     return params
+
+
+def checked_reward_params(args: argparse.Namespace) -> dict[str, Any]:
+    """:func:`reward_params`, each problem a one-line :class:`FlagError` naming the flag."""
+    try:
+        return reward_params(args)
+    except argparse.ArgumentTypeError as exc:
+        raise FlagError(str(exc)) from None
+    except ValidationError as exc:
+        issues = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'params'}: {e['msg']}" for e in exc.errors()
+        )
+        raise FlagError(f"--param/--weight: {issues}") from None
+
+
+def check_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The reward parameters, once every flag that needs no file or network is known to work:
+    a run must not load a model (minutes) to fail on a typo."""
+    from trainer_client.client import RewardClient
+
+    try:
+        RewardClient(args.reward_url).close()  # checks the URLs' form; connects to nothing
+    except ValueError as exc:
+        raise FlagError(f"--reward-url: {exc}") from None
+    if args.max_length <= args.max_new_tokens:
+        raise FlagError(
+            f"--max-length ({args.max_length}) must exceed --max-new-tokens "
+            f"({args.max_new_tokens}): the prompt needs room"
+        )
+    if args.limit is not None and args.limit < 1:
+        raise FlagError(f"--limit must be >= 1, got {args.limit}")
+    if args.resume and args.resume != "latest" and not Path(args.resume).is_dir():
+        raise FlagError(f"--resume: no checkpoint folder {args.resume}")
+    out = Path(args.output_dir)
+    if out.exists() and not out.is_dir():
+        raise FlagError(f"--output-dir {out}: is a file, not a folder")
+    return checked_reward_params(args)
+
+
+def local_data(args: argparse.Namespace) -> bool:
+    """Whether ``--data`` names a local file or folder (or was meant to): reading it costs
+    milliseconds, so it is checked first; a hub dataset is fetched after the server probe."""
+    return args.data is not None and (Path(args.data).exists() or looks_like_path(args.data))
+
+
+def training_examples(args: argparse.Namespace) -> list[Example]:
+    """The ``--data`` questions, read and checked (a bad row names its file and line)."""
+    try:
+        return load_examples(args.dataset, args.data, args.split, args.limit, args.cop_base)
+    except (ValueError, OSError) as exc:
+        raise FlagError(f"--data: {exc}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -140,15 +207,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def build_dataset(args: argparse.Namespace, tokenizer: Any, conversational: bool) -> Any:
-    """Prompts with their gold columns, dropping prompts that leave no room to answer."""
+def build_dataset(
+    args: argparse.Namespace,
+    tokenizer: Any,
+    conversational: bool,
+    examples: list[Example] | None = None,
+) -> Any:
+    """Prompts with their gold columns, dropping prompts that leave no room to answer;
+    ``examples`` already read (:func:`training_examples`) or read now."""
     from datasets import Dataset
 
-    examples = load_examples(args.dataset, args.data, args.split, args.limit, args.cop_base)
+    examples = examples if examples is not None else training_examples(args)
     rows = [ex.record(conversational) for ex in examples]
     budget = args.max_length - args.max_new_tokens
     if budget <= 0:
-        raise SystemExit("--max-length must exceed --max-new-tokens")
+        raise FlagError("--max-length must exceed --max-new-tokens")
 
     def prompt_tokens(row: dict[str, Any]) -> int:
         if conversational:
@@ -166,12 +239,17 @@ def build_dataset(args: argparse.Namespace, tokenizer: Any, conversational: bool
 
 
 def build_trainer(
-    args: argparse.Namespace, model: Any = None, tokenizer: Any = None
+    args: argparse.Namespace,
+    model: Any = None,
+    tokenizer: Any = None,
+    examples: list[Example] | None = None,
 ) -> tuple[Any, Any]:
     """The GRPOTrainer and the reward holder (:class:`~trainer_client.trl.SDE2Reward`).
 
     ``model``/``tokenizer`` may be passed preloaded (tests reuse one load across trainers);
-    otherwise they are loaded from ``--model``.
+    otherwise they are loaded from ``--model``, after the flags, the reward server and the
+    data are checked (:class:`FlagError`, :class:`RewardServiceError`): a model takes minutes
+    to load, and nothing is loaded or created to fail on one of those.
     """
     from trl import GRPOTrainer
 
@@ -186,18 +264,19 @@ def build_trainer(
     )
     from trainer_client.trl import SDE2Reward
 
-    params = reward_params(args)
+    params = check_flags(args)
     retry = RetryPolicy(max_attempts=args.reward_retries, deadline=args.reward_deadline)
     with RewardClient(args.reward_url, retry=retry) as probe:  # fail fast on a wrong URL
         info = probe.info(retry=PROBE_RETRY)
     log.info("reward server: %s (%d replica(s))", info.get("encoder"), len(args.reward_url))
+    examples = examples if examples is not None else training_examples(args)
 
     ref = ModelRef.parse(args.model, args.gguf_file)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(ref)
     quantize = not args.no_4bit and can_load_4bit(ref)
     model = model if model is not None else load_model(ref, quantize_4bit=quantize)
     conversational = has_chat_template(tokenizer)
-    dataset = build_dataset(args, tokenizer, conversational)
+    dataset = build_dataset(args, tokenizer, conversational, examples)
     answer_type = dataset[0]["answer_type"]
 
     holder = SDE2Reward(
@@ -294,8 +373,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    args = build_parser().parse_args(argv)
-    trainer, _ = build_trainer(args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:  # the cheap checks first: the server probe and the model come after
+        check_flags(args)
+        examples = training_examples(args) if local_data(args) else None
+    except FlagError as exc:
+        parser.error(str(exc))
+    try:
+        trainer, _ = build_trainer(args, examples=examples)
+    except (FlagError, RewardServiceError) as exc:
+        print(f"sde2-train: {exc}", file=sys.stderr)
+        return 2
     try:
         trainer.train(resume_from_checkpoint=resume_target(args))
     except RewardServiceError as exc:

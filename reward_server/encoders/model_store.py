@@ -273,6 +273,36 @@ def ensure_default_model(
     return _ensure(None, DEFAULT_MODEL_NAME, variant, root, export_args)
 
 
+def local_model_folder(model: str) -> Path | None:
+    """The local folder ``model`` names (an export, or a model folder to export), or None for a
+    hub id; :class:`FileNotFoundError` saying what is wrong when it names a path that is
+    neither. Checks the path only (no export, no download): cheap enough to run first.
+
+    A hub id is ``name`` or ``owner/name``; anything starting with ``.``, ``/`` or ``~``, or
+    with more than one ``/`` or a ``\\``, is a path.
+    """
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if is_export(path):
+            return path
+        if (path / MANIFEST_FILE).is_file():
+            raise FileNotFoundError(
+                f"{path} holds {MANIFEST_FILE} but no {MODEL_FILE}: an incomplete export; "
+                + EXPORT_AGAIN
+            )
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"{path} is neither an ONNX export (no {MANIFEST_FILE}) nor a model folder "
+                "(no config.json)"
+            )
+        return path
+    if path.exists():
+        raise FileNotFoundError(f"model {model!r} is a file, not a folder")
+    if model.startswith((".", "/", "~")) or model.count("/") > 1 or "\\" in model:
+        raise FileNotFoundError(f"model {model!r}: no such folder")
+    return None
+
+
 def resolve_model(
     model: str | None,
     variant: str = "fp32",
@@ -292,26 +322,13 @@ def resolve_model(
     """
     if model is None:
         return ensure_default_model(variant, root=root, export_args=export_args)
-    path = Path(model).expanduser()
-    if path.is_dir():
+    path = local_model_folder(model)
+    if path is not None:
         if is_export(path):
             return path.resolve()
-        if (path / MANIFEST_FILE).is_file():
-            raise FileNotFoundError(
-                f"{path} holds {MANIFEST_FILE} but no {MODEL_FILE}: an incomplete export; "
-                + EXPORT_AGAIN
-            )
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(
-                f"{path} is neither an ONNX export (no {MANIFEST_FILE}) nor a model folder "
-                "(no config.json)"
-            )
         entry = f"{_safe_name(path.resolve().name)}-{folder_fingerprint(path)}"
         return _ensure(str(path.resolve()), entry, variant, root, export_args)
-    if path.exists():
-        raise FileNotFoundError(f"model {model!r} is a file, not a folder")
-    if model.startswith((".", "/", "~")):
-        raise FileNotFoundError(f"model {model!r}: no such folder")
+    path = Path(model)
     try:
         return _ensure(model, _safe_name(model), variant, root, export_args)
     except ModelExportError as exc:  # a hub id, or a local folder's name mistyped

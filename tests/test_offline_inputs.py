@@ -1,0 +1,182 @@
+"""``sde2-reward score`` and ``explain`` on hostile inputs and outputs: lines parsed as the server
+parses them (a lone surrogate is refused, naming the file and line), arguments checked before any
+work, and an output that is either written whole or left as it was."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from reward_server.cli import main
+from tests.hostile import PATHOLOGICAL_MATH
+
+REPO = Path(__file__).resolve().parents[1]
+GOOD = {"completion": "<answer>4</answer>", "answer": "4"}
+#: A lone surrogate escape: valid for json.loads, a 422 for the server.
+SURROGATE_LINE = '{"completion": "<answer>4\\ud800</answer>", "answer": "4"}'
+
+
+def write_lines(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def score_argv(src: Path, out: str | Path, *extra: str) -> list[str]:
+    """A score command that needs no encoder (the cfl recipe)."""
+    return ["score", "--in", str(src), "--out", str(out), "--recipe", "cfl", "--quiet", *extra]
+
+
+def run_cli(*argv: str, **kwargs: Any) -> subprocess.CompletedProcess[bytes]:
+    """``sde2-reward`` in a child process (for pipes and resource limits)."""
+    cmd = [sys.executable, "-m", "reward_server.cli", *argv]
+    streams = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **kwargs}
+    return subprocess.run(cmd, cwd=REPO, timeout=120, check=False, **streams)
+
+
+def test_a_lone_surrogate_is_refused_naming_file_and_line_and_the_old_output_stays(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = write_lines(tmp_path / "in.jsonl", [json.dumps(GOOD)] * 3 + [SURROGATE_LINE])
+    out = tmp_path / "out.jsonl"
+    out.write_text("previous\n")
+    assert main(score_argv(src, out)) == 2
+    err = capsys.readouterr().err
+    assert f"{src}: line 4: not JSON" in err and "surrogate" in err
+    assert out.read_text() == "previous\n"
+    assert main(["explain", "--in", str(src), "--quiet"]) == 2
+    assert f"{src}: line 4: not JSON" in capsys.readouterr().err
+
+
+def test_reading_accepts_a_bom_and_names_lines_not_byte_offsets(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(b"\xef\xbb\xbf" + (json.dumps(GOOD) + "\n").encode() * 2)
+    assert main(score_argv(src, "-")) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 2
+    latin1 = json.dumps({"completion": "caf\u00e9", "answer": "4"}, ensure_ascii=False).encode(
+        "latin-1"
+    )
+    src.write_bytes(b"\n".join([json.dumps(GOOD).encode(), b"", latin1]) + b"\n")
+    assert main(score_argv(src, "-")) == 2
+    assert f"{src}: line 3: not UTF-8 (byte 0xe9 at column 20)" in capsys.readouterr().err
+
+
+def test_an_item_index_error_is_reported_as_the_files_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``items.1.group`` is the second item, on line 3 after a blank line."""
+    src = write_lines(
+        tmp_path / "in.jsonl", [json.dumps({**GOOD, "group": "g"}), "", json.dumps(GOOD)]
+    )
+    assert main(score_argv(src, "-")) == 2
+    assert f"{src}: line 3: group: either every item carries a group id" in capsys.readouterr().err
+    assert main(["explain", "--in", str(src), "--quiet"]) == 2
+    assert f"{src}: line 3: group:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0", "-5", "1e300"])
+@pytest.mark.parametrize("command", ["score", "explain"])
+def test_math_timeout_must_be_a_finite_positive_number(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str, value: str
+) -> None:
+    src = write_lines(tmp_path / "in.jsonl", [json.dumps(GOOD)])
+    argv = ["--in", str(src), "--quiet", "--math-timeout", value]
+    with pytest.raises(SystemExit) as exc:
+        main([command, *argv, *(["--out", "-"] if command == "score" else [])])
+    assert exc.value.code == 2
+    assert "argument --math-timeout: must be a finite number of seconds > 0" in (
+        capsys.readouterr().err
+    )
+
+
+def test_explain_reports_timed_out_math_checks_as_score_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rows = [{"completion": f"<answer>{PATHOLOGICAL_MATH[0]}</answer>", "answer": "$5$"}]
+    src = write_lines(tmp_path / "in.jsonl", [json.dumps(r) for r in rows])
+    argv = ["explain", "--in", str(src), "--quiet", "--answer-type", "math", "--recipe", "cfl"]
+    assert main([*argv, "--math-timeout", "1"]) == 0
+    assert "1 math checks ran past 1.0 s (not equivalent)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("out", "message"),
+    [
+        ("adir", "--out {tmp}/adir: is a folder"),
+        ("nope/x.jsonl", "--out {tmp}/nope/x.jsonl: no folder"),
+    ],
+)
+def test_an_unwritable_out_is_refused_before_the_input_is_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], out: str, message: str
+) -> None:
+    (tmp_path / "adir").mkdir()
+    src = write_lines(tmp_path / "in.jsonl", ["not json"])  # never read
+    assert main(score_argv(src, tmp_path / out)) == 2
+    err = capsys.readouterr().err
+    assert message.format(tmp=tmp_path) in err and "line 1" not in err
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ("/nonexistent/model", "--model: model '/nonexistent/model': no such folder"),
+        ("{tmp}", "--model: {tmp} is neither an ONNX export (no manifest.json) nor a model folder"),
+    ],
+)
+def test_a_model_that_is_no_model_is_refused_before_the_input_is_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], model: str, message: str
+) -> None:
+    src = write_lines(tmp_path / "in.jsonl", ["not json"])  # never read
+    model = model.format(tmp=tmp_path)
+    assert main(score_argv(src, "-", "--model", model)) == 2
+    assert main(["explain", "--in", str(src), "--model", model]) == 2
+    err = capsys.readouterr().err
+    assert err.count(message.format(tmp=tmp_path)) == 2 and "line 1" not in err
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full")
+def test_a_full_disk_is_one_line_naming_the_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = write_lines(tmp_path / "in.jsonl", [json.dumps(GOOD)])
+    assert main(score_argv(src, "/dev/full")) == 1
+    assert "sde2-reward score: cannot write /dev/full: No space left on device" in (
+        capsys.readouterr().err
+    )
+
+
+def test_a_write_that_fails_midway_leaves_the_previous_file(tmp_path: Path) -> None:
+    """The file size limit stops the write after 64 kB: no partial file that looks complete."""
+    src = write_lines(tmp_path / "in.jsonl", [json.dumps(GOOD)] * 2000)  # ~600 kB of output
+    out = tmp_path / "out.jsonl"
+    out.write_text("previous\n")
+
+    def limit_file_size() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, resource.RLIM_INFINITY))
+
+    proc = run_cli(*score_argv(src, out), preexec_fn=limit_file_size)
+    assert proc.returncode == 1
+    assert proc.stderr.decode().strip() == f"sde2-reward score: cannot write {out}: File too large"
+    assert out.read_text() == "previous\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.jsonl"]
+
+
+def test_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
+    """``sde2-reward score --out - | head`` once head has gone: no traceback, SIGPIPE's status."""
+    src = write_lines(tmp_path / "in.jsonl", [json.dumps(GOOD)] * 50)
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = run_cli(*score_argv(src, "-"), stdout=write_end)
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 141
+    assert proc.stderr == b""
