@@ -9,7 +9,8 @@
 - ``unfused``: the graph exported again with onnxruntime's attention fusion off (``MatMul``,
   ``Softmax``, ``Transpose`` and ``Add`` for the mask); needs the ``export`` extra (torch).
 
-Everything else (tokenizer, manifest) is the export's own. None is what ``sde2-reward
+Everything else (tokenizer, manifest) is the export's own, the manifest's checksum of the
+graph excepted. None is what ``sde2-reward
 export`` writes: they exist to be measured against it (``benchmarks/README.md``, thirteenth
 and fourteenth passes).
 
@@ -21,30 +22,36 @@ and fourteenth passes).
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 import tempfile
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from reward_server.encoders.base import EMBEDDING_DIM
-from reward_server.encoders.model_store import MODEL_FILE, resolve_model
+from reward_server.encoders.model_store import MANIFEST_FILE, MODEL_FILE, resolve_model, sha256_file
 
 NUM_HEADS = 12
 #: The ONNX opset whose ``Attention`` takes ``nonpad_kv_seqlen``.
 ONNX_ATTENTION_OPSET = 24
 
 
-def _copy_export(export: Path, out: Path) -> Path:
-    """A fresh copy of the export folder at ``out`` (its graph to be replaced)."""
+def _with_graph(export: Path, out: Path, save: Callable[[str], object]) -> None:
+    """A fresh copy of the export folder at ``out`` whose graph ``save`` writes (given the
+    path), its manifest's checksum of the graph updated: servers check it at load."""
     if out.exists():
         shutil.rmtree(out)
     shutil.copytree(export, out)
-    return out
+    save(str(out / MODEL_FILE))
+    manifest = json.loads((out / MANIFEST_FILE).read_text(encoding="utf-8"))
+    manifest.setdefault("files", {})[MODEL_FILE] = sha256_file(out / MODEL_FILE)
+    (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
 
 
 def write_mha(export: Path, out: Path) -> Counter[str]:
@@ -80,7 +87,7 @@ def write_mha(export: Path, out: Path) -> Counter[str]:
         ]
     del graph.node[:]
     graph.node.extend(nodes)
-    onnx.save(model, str(_copy_export(export, out) / MODEL_FILE))
+    _with_graph(export, out, partial(onnx.save, model))
     return Counter(n.op_type for n in nodes)
 
 
@@ -129,7 +136,7 @@ def write_onnx24(export: Path, out: Path) -> Counter[str]:
     for opset in model.opset_import:
         if opset.domain in ("", "ai.onnx"):
             opset.version = ONNX_ATTENTION_OPSET
-    onnx.save(model, str(_copy_export(export, out) / MODEL_FILE))
+    _with_graph(export, out, partial(onnx.save, model))
     return Counter(n.op_type for n in nodes)
 
 
@@ -157,7 +164,7 @@ def write_unfused(export: Path, out: Path) -> Counter[str]:
             use_gpu=False,
             optimization_options=options,
         )
-        fused.save_model_to_file(str(_copy_export(export, out) / MODEL_FILE))
+        _with_graph(export, out, fused.save_model_to_file)
     return Counter(n.op_type for n in fused.model.graph.node)
 
 

@@ -253,6 +253,20 @@ def test_score_benchmark_runs_end_to_end(
     assert "line breaks leave the rewards as they were: yes" in out
 
 
+def test_idle_benchmark_runs_end_to_end(
+    onnx_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A short run of ``benchmarks/overhead_idle.py``: a p50 for each setting, the same rewards."""
+    from benchmarks import overhead_idle
+
+    argv = ["--steps", "2", "--cycles", "1", "--port", "18743", "--model", str(onnx_model_dir)]
+    assert overhead_idle.main(argv) == 0
+    out = capsys.readouterr().out
+    for name in overhead_idle.SETTINGS:
+        assert re.search(rf"{re.escape(name)} +[0-9.]+\n", out), out
+    assert "rewards: the same in every setting" in out
+
+
 def test_servers_benchmark_compares_sides_end_to_end(
     onnx_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
