@@ -486,6 +486,10 @@ def test_settings_flags_then_env_then_defaults() -> None:
         ),
         ({"SDE2_KEEP_ALIVE_TIMEOUT": str(10**12)}, "keep_alive_timeout (--keep-alive-timeout"),
         (
+            {"SDE2_API_KEY": "clé secrète"},  # no header or gRPC metadata can carry it
+            "api_key (SDE2_API_KEY) must be printable ASCII without spaces, got a value not shown",
+        ),
+        (
             {"SDE2_MAX_BODY_BYTES": str(2**31)},  # past gRPC's 32-bit message limit
             "max_body_bytes (--max-body-bytes / SDE2_MAX_BODY_BYTES) must be at most 2147483647",
         ),

@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import math
 import os
+import re
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ _AT_LEAST_ONE = (
 )  # fmt: skip
 _POSITIVE = ("request_timeout", "math_timeout", "header_timeout", "body_timeout")
 _MAX_BODY = 2**31 - 1
+_BEARER_KEY = re.compile(r"[\x21-\x7e]+")
 _MAX_SECONDS = 365 * 86400
 
 
@@ -244,6 +246,10 @@ class Settings:
             rules.append((name, value is None or value >= 1, "an integer >= 1 (or unset)"))
         # Sizes past 2**31 - 1 do not fit gRPC's (32-bit) message limit.
         rules.append(("max_body_bytes", self.max_body_bytes <= _MAX_BODY, f"at most {_MAX_BODY}"))
+        # An Authorization header and gRPC metadata carry printable ASCII: any other key could
+        # never be sent, and every client would get a 401 no one can explain.
+        key_ok = self.api_key is None or _BEARER_KEY.fullmatch(self.api_key) is not None
+        rules.append(("api_key", key_ok, "printable ASCII without spaces"))
         keep_alive_ok = self.keep_alive_timeout <= _MAX_SECONDS
         rules.append(("keep_alive_timeout", keep_alive_ok, f"at most {_MAX_SECONDS} s"))
         for f in dataclasses.fields(self):  # "inf" and "1e400" parse as floats: no duration
@@ -252,12 +258,16 @@ class Settings:
                 # Durations past a year overflow the waits (thread joins, timers) they bound.
                 rules.insert(0, (f.name, value <= _MAX_SECONDS, f"at most {_MAX_SECONDS} s"))
                 rules.insert(0, (f.name, math.isfinite(value), "a finite number"))
+        env_only = {f.name for f in dataclasses.fields(self) if f.metadata.get("env")}
         for name, ok, rule in rules:
             if not ok:
-                raise ValueError(
-                    f"{name} (--{name.replace('_', '-')} / {env_name(name)}) must be {rule}, "
-                    f"got {getattr(self, name)!r}"
+                flag = "" if name in env_only else f"--{name.replace('_', '-')} / "
+                got = (
+                    "a value not shown (a secret)"
+                    if name == "api_key"
+                    else repr(getattr(self, name))
                 )
+                raise ValueError(f"{name} ({flag}{env_name(name)}) must be {rule}, got {got}")
 
     def public(self) -> dict[str, Any]:
         """What ``/v1/info`` (and gRPC ``Info``) report of the settings, as ``limits``: each field
