@@ -276,3 +276,26 @@ def test_an_explanation_past_the_deadline_is_503(monkeypatch: pytest.MonkeyPatch
         assert r.status_code == 503, r.text[:300]
         assert "deadline" in r.json()["detail"]
         assert c.post("/v1/score", json=body).status_code == 200
+
+
+async def test_a_grpc_answer_over_the_send_limit_is_refused_not_counted_ok(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An Explain answer larger than the messages the server sends is INVALID_ARGUMENT naming
+    ``items`` and its size (gRPC would fail it after the work, telling the client nothing) and is
+    not counted as answered; the same body's Score, small, is answered."""
+    from reward_server.service import grpc_server
+
+    monkeypatch.setattr(grpc_server, "MIN_SEND_BYTES", 30_000)
+    body = {"items": step_items(seed=5, prompts=2, generations=4)}
+    service = make_service(max_body_bytes=35_000)  # the request: 24 KB; its explanation: 50 KB
+    async with Running(service) as running:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await running.stub.Explain(request_from_dict(body))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        details = err.value.details() or ""
+        assert details.startswith("items: the answer is ") and "limit of 35000" in details
+        assert len((await running.stub.Score(request_from_dict(body))).rewards) == 8
+    text = service.metrics.render().decode()
+    assert 'sde2_requests_total{route="grpc:Explain",status="OK"}' not in text
+    assert 'sde2_requests_total{route="grpc:Score",status="OK"} 1.0' in text

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable
-from typing import Any, NoReturn, TypeAlias
+from typing import Any, NoReturn, TypeAlias, TypeVar
 
 import grpc
 
@@ -38,6 +38,7 @@ from reward_server.service.pipeline import Scored, ScoringService
 from reward_server.service.schemas import ScoreRequest
 
 Context: TypeAlias = grpc.aio.ServicerContext
+Reply = TypeVar("Reply", pb.ScoreResponse, pb.ExplainResponse)
 
 
 async def abort(
@@ -58,6 +59,7 @@ class RewardServicer:
 
     def __init__(self, service: ScoringService) -> None:
         self.service = service
+        self.send_limit = send_limit(service)
 
     async def _scored(self, request: pb.ScoreRequest, context: Context, method: str) -> Scored:
         """The service's answer to a ``ScoreRequest``, with its phase timings as trailers."""
@@ -72,18 +74,32 @@ class RewardServicer:
         )
         timings = tuple((f"x-{k}-time", f"{v * 1000:.3f}") for k, v in scored.timings.items())
         context.set_trailing_metadata(timings)
-        self.service.metrics.requests.labels(f"grpc:{method}", "OK").inc()
         return scored
+
+    def _sent(self, method: str, reply: Reply) -> Reply:
+        """``reply``, counted as answered, once it fits the messages this server sends: past
+        that gRPC would fail it after the work, to a client told nothing of why."""
+        size = reply.ByteSize()
+        if size > self.send_limit:
+            msg = (
+                f"the answer is {size} bytes, more than this server's gRPC message limit of "
+                f"{self.send_limit}: send fewer items (POST /v1/explain has no such limit)"
+            )
+            raise RequestInvalid.one(("items",), msg, "answer_too_large")
+        self.service.metrics.requests.labels(f"grpc:{method}", "OK").inc()
+        return reply
 
     async def Score(self, request: pb.ScoreRequest, context: Context) -> pb.ScoreResponse:
         """Score one batch (``POST /v1/score``)."""
-        return scored_to_proto(await self._scored(request, context, "Score"))
+        scored = await self._scored(request, context, "Score")
+        return self._sent("Score", scored_to_proto(scored))
 
     async def Explain(self, request: pb.ScoreRequest, context: Context) -> pb.ExplainResponse:
         """Score one batch and explain every item (``POST /v1/explain``)."""
         scored = await self._scored(request, context, "Explain")
         explanation = json.dumps(scored.explanation, ensure_ascii=False)
-        return pb.ExplainResponse(score=scored_to_proto(scored), explanation_json=explanation)
+        reply = pb.ExplainResponse(score=scored_to_proto(scored), explanation_json=explanation)
+        return self._sent("Explain", reply)
 
     async def Info(self, request: pb.InfoRequest, context: Context) -> pb.InfoResponse:
         """Encoder, variant, provider, version, defaults and limits (``GET /v1/info``); the
@@ -135,6 +151,16 @@ def generic_handler(servicer: RewardServicer) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
 
+#: The smallest limit on the messages the server sends (answers may outgrow their request).
+MIN_SEND_BYTES = 64 * 1024 * 1024
+
+
+def send_limit(service: ScoringService) -> int:
+    """The largest message the server sends: ``max_body_bytes``, and at least
+    :data:`MIN_SEND_BYTES`."""
+    return max(service.settings.max_body_bytes, MIN_SEND_BYTES)
+
+
 #: Calls in progress beyond the admission queue's capacity (see :func:`create_server`).
 GRPC_HEADROOM = 8
 
@@ -162,7 +188,7 @@ def create_server(
         options=[
             ("grpc.so_reuseport", 1 if reuse_port else 0),
             ("grpc.max_receive_message_length", limit),
-            ("grpc.max_send_message_length", max(limit, 64 * 1024 * 1024)),
+            ("grpc.max_send_message_length", send_limit(service)),
         ],
     )
     server.add_generic_rpc_handlers((generic_handler(RewardServicer(service)),))
