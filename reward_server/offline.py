@@ -51,12 +51,10 @@ from reward_server.jsonl_files import (
     jsonl_lines,
 )
 from reward_server.math_judge import IsolatedMathJudge
+from reward_server.service.config import MAX_SECONDS
 
 #: Texts per encoder call: small enough for a live progress bar, large enough to batch well.
 CHUNK = 256
-#: The longest ``--math-timeout``: the server's bound on its timeouts (a year). Beyond ~68 years
-#: the judge's ``select()`` overflows, and ``inf`` would mean a check that never ends.
-MAX_MATH_TIMEOUT_S = 365 * 86400.0
 _ITEM: TypeAdapter[ScoreItem] = TypeAdapter(ScoreItem)
 
 
@@ -121,7 +119,9 @@ def params_from_flag(text: str) -> RewardParams:
 
 
 def math_timeout(text: str) -> float:
-    """``--math-timeout``: seconds, a finite number > 0 (the server's rule), at most a year.
+    """``--math-timeout``: seconds, a finite number > 0, at most a year (the server's rule,
+    :data:`~reward_server.service.config.MAX_SECONDS`: beyond ~68 years the judge's ``select()``
+    overflows, and ``inf`` would mean a check that never ends).
 
     ``0`` or ``-5`` would stop every check at once and ``inf`` or ``nan`` never (or crash the
     judge): either way a wrong verdict, never silently clamped.
@@ -137,10 +137,9 @@ def math_timeout(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not (math.isfinite(value) and 0 < value <= MAX_MATH_TIMEOUT_S):
+    if not (math.isfinite(value) and 0 < value <= MAX_SECONDS):
         raise argparse.ArgumentTypeError(
-            f"must be a finite number of seconds > 0 (at most {MAX_MATH_TIMEOUT_S:.0f}), "
-            f"got {text!r}"
+            f"must be a finite number of seconds > 0 (at most {MAX_SECONDS}), got {text!r}"
         )
     return value
 

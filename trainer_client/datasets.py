@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 import pydantic_core
 
+from reward_server.encoders.model_store import names_a_path
 from reward_server.jsonl_files import jsonl_lines, parse_json_line
 from trainer_client.prompts import TaskKind, build_messages, build_text_prompt
 
@@ -87,12 +88,7 @@ def looks_like_path(source: str) -> bool:
     [True, True, True, True, True]
     """
     name = source.partition(":")[0]
-    return (
-        source.startswith((".", "/", "~"))
-        or "\\" in source
-        or name.count("/") > 1
-        or name.lower().endswith(FILE_SUFFIXES)
-    )
+    return names_a_path(name) or "\\" in source or name.lower().endswith(FILE_SUFFIXES)
 
 
 def _described(row: Mapping[str, Any], name: str) -> str:
@@ -164,12 +160,6 @@ def read_located_rows(source: str | Path, split: str = "train") -> Iterator[tupl
     hub_id, _, config = str(source).partition(":")
     for i, row in enumerate(datasets.load_dataset(hub_id, config or None, split=split)):
         yield f"{source} ({split}) row {i}", row
-
-
-def read_rows(source: str | Path, split: str = "train") -> Iterator[Any]:
-    """The rows of :func:`read_located_rows`, without their locations."""
-    for _, row in read_located_rows(source, split):
-        yield row
 
 
 def _field(row: Mapping[str, Any], *names: str) -> Any:

@@ -32,7 +32,7 @@ from reward_server.jsonl_files import (
     json_type,
     jsonl_lines,
     parse_json_line,
-    write_atomically,
+    write_output,
 )
 from trainer_client.client import RewardClient
 from trainer_client.datasets import DATASETS, DEFAULT_SOURCES, Example, load_examples
@@ -330,7 +330,7 @@ def save_run(run: Run, path: Path) -> None:
         + "\n"
         for c, a, t in zip(run.completions, run.answers, run.num_tokens or [], strict=True)
     )
-    write_atomically(path, lines)
+    write_output(path, lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -377,11 +377,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     status = emit("sde2-eval", Path("-"), [markdown_table(rows) + "\n"])  # quiet on `| head`
     payload = {"runs": [r.as_dict() for r in rows]}
     if args.json:
-        try:
-            write_atomically(args.json, [json.dumps(payload, indent=1)])
-        except OSError as exc:
-            print(f"sde2-eval: cannot write {args.json}: {exc.strerror or exc}", file=sys.stderr)
-            status = status or 1
+        written = emit("sde2-eval", args.json, [json.dumps(payload, indent=1)])
+        status = status or written
     if args.plot:
         if len(rows) < 2:
             log.warning("--plot compares methods: give at least two runs")

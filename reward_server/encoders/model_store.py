@@ -278,8 +278,7 @@ def local_model_folder(model: str) -> Path | None:
     hub id; :class:`FileNotFoundError` saying what is wrong when it names a path that is
     neither. Checks the path only (no export, no download): cheap enough to run first.
 
-    A hub id is ``name`` or ``owner/name``; anything starting with ``.``, ``/`` or ``~``, or
-    with more than one ``/`` or a ``\\``, is a path.
+    Whether a name that is not on disk is a path is :func:`names_a_path`'s rule.
     """
     path = Path(model).expanduser()
     if path.is_dir():
@@ -298,9 +297,19 @@ def local_model_folder(model: str) -> Path | None:
         return path
     if path.exists():
         raise FileNotFoundError(f"model {model!r} is a file, not a folder")
-    if model.startswith((".", "/", "~")) or model.count("/") > 1 or "\\" in model:
+    if names_a_path(model):
         raise FileNotFoundError(f"model {model!r}: no such folder")
     return None
+
+
+def names_a_path(name: str) -> bool:
+    """Whether ``name`` can only be a path, never a hub id (``name`` or ``owner/name``): it
+    starts with ``.``, ``/`` or ``~``, or holds more than one ``/`` or a ``\\``.
+
+    >>> [names_a_path(n) for n in ("org/name", "name", "./name", "a/b/c", "~/m", r"a\\b")]
+    [False, False, True, True, True, True]
+    """
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name
 
 
 def resolve_model(

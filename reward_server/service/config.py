@@ -31,7 +31,8 @@ _AT_LEAST_ONE = (
 _POSITIVE = ("request_timeout", "math_timeout", "header_timeout", "body_timeout")
 _MAX_BODY = 2**31 - 1
 _BEARER_KEY = re.compile(r"[\x21-\x7e]+")
-_MAX_SECONDS = 365 * 86400
+#: The longest duration any setting may take (a year): longer overflows the waits it bounds.
+MAX_SECONDS = 365 * 86400
 
 
 @dataclass(frozen=True)
@@ -250,13 +251,13 @@ class Settings:
         # never be sent, and every client would get a 401 no one can explain.
         key_ok = self.api_key is None or _BEARER_KEY.fullmatch(self.api_key) is not None
         rules.append(("api_key", key_ok, "printable ASCII without spaces"))
-        keep_alive_ok = self.keep_alive_timeout <= _MAX_SECONDS
-        rules.append(("keep_alive_timeout", keep_alive_ok, f"at most {_MAX_SECONDS} s"))
+        keep_alive_ok = self.keep_alive_timeout <= MAX_SECONDS
+        rules.append(("keep_alive_timeout", keep_alive_ok, f"at most {MAX_SECONDS} s"))
         for f in dataclasses.fields(self):  # "inf" and "1e400" parse as floats: no duration
             value = getattr(self, f.name)
             if isinstance(value, float):
                 # Durations past a year overflow the waits (thread joins, timers) they bound.
-                rules.insert(0, (f.name, value <= _MAX_SECONDS, f"at most {_MAX_SECONDS} s"))
+                rules.insert(0, (f.name, value <= MAX_SECONDS, f"at most {MAX_SECONDS} s"))
                 rules.insert(0, (f.name, math.isfinite(value), "a finite number"))
         env_only = {f.name for f in dataclasses.fields(self) if f.metadata.get("env")}
         for name, ok, rule in rules:

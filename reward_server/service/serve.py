@@ -78,15 +78,18 @@ def build_encoder(settings: Settings) -> Encoder:
     )
 
 
-def reuse_port_socket(host: str, port: int) -> socket.socket:
-    """A listening socket other worker processes can bind too (``SO_REUSEPORT``)."""
+def reuse_port_socket(host: str, port: int, *, listen: bool = True) -> socket.socket:
+    """A socket bound to ``host:port`` that other worker processes can bind too
+    (``SO_REUSEPORT``); listening, unless ``listen`` is false (it then only holds the port:
+    the kernel hands connections to listening sockets only)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
-    sock.listen(2048)
-    sock.set_inheritable(True)
+    if listen:
+        sock.listen(2048)
+        sock.set_inheritable(True)
     return sock
 
 
@@ -261,9 +264,7 @@ def _concrete_ports(settings: Settings, held: list[socket.socket]) -> Settings:
     that nothing else takes it before they bind it."""
 
     def chosen(name: str) -> int:
-        sock = socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind((settings.host, 0))
+        sock = reuse_port_socket(settings.host, 0, listen=False)
         held.append(sock)
         port = int(sock.getsockname()[1])
         log.info("%s 0: every worker listens on %d", name, port)
