@@ -40,7 +40,12 @@ from reward_server.core import (
 )
 from reward_server.encoders.base import EMBEDDING_DIM, Encoder
 from reward_server.encoders.loading import BACKENDS, Backend, runs_export
-from reward_server.encoders.model_store import ModelExportError, is_export, local_model_folder
+from reward_server.encoders.model_store import (
+    ModelExportError,
+    ModelLoadError,
+    is_export,
+    local_model_folder,
+)
 from reward_server.jsonl_files import (
     InputError,
     OutputError,
@@ -185,7 +190,7 @@ def embed_with_progress(
 
     try:
         encoder = load_encoder(backend, model)
-    except (OSError, ModelExportError) as exc:
+    except (OSError, ModelExportError, ModelLoadError) as exc:
         raise InputError(f"--model {model or '(default)'}: cannot load the encoder: {exc}") from exc
     return encode_with_progress(encoder, texts, show)
 

@@ -180,3 +180,32 @@ def test_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
         os.close(write_end)
     assert proc.returncode == 141
     assert proc.stderr == b""
+
+
+@pytest.mark.parametrize("command", ["score", "explain"])
+def test_a_damaged_model_is_one_line_naming_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    """An export whose graph no longer matches its manifest passes the early --model check
+    (it is an export) and is refused when the encoder loads: one line naming the file, exit
+    status 2, no traceback."""
+    import shutil
+
+    from tests.service_fixtures import real_model_dir
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(real_model_dir(), damaged)
+    graph = damaged / "model.onnx"
+    data = bytearray(graph.read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 4096] = bytes(4096)
+    graph.write_bytes(bytes(data))
+    block = "<strategy><reasoning>{}</reasoning><strategy_outcome>1</strategy_outcome></strategy>"
+    completion = block.format("add them") + block.format("count up")  # needs the encoder
+    src = write_lines(
+        tmp_path / "in.jsonl", [json.dumps({"completion": completion, "answer": "2"})]
+    )
+    argv = [command, "--in", str(src), "--model", str(damaged), "--quiet"]
+    assert main([*argv, "--out", "-"] if command == "score" else argv) == 2
+    err = capsys.readouterr().err
+    assert f"{graph}: sha256" in err and "does not match manifest.json" in err
+    assert "Traceback" not in err
