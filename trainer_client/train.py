@@ -208,20 +208,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def build_dataset(
-    args: argparse.Namespace,
-    tokenizer: Any,
-    conversational: bool,
-    examples: list[Example] | None = None,
+    args: argparse.Namespace, tokenizer: Any, conversational: bool, examples: list[Example]
 ) -> Any:
-    """Prompts with their gold columns, dropping prompts that leave no room to answer;
-    ``examples`` already read (:func:`training_examples`) or read now."""
+    """The ``examples`` (:func:`training_examples`) as prompts with their gold columns,
+    dropping prompts that leave no room to answer (:func:`check_flags` made sure there is
+    some: ``--max-length`` exceeds ``--max-new-tokens``)."""
     from datasets import Dataset
 
-    examples = examples if examples is not None else training_examples(args)
     rows = [ex.record(conversational) for ex in examples]
     budget = args.max_length - args.max_new_tokens
-    if budget <= 0:
-        raise FlagError("--max-length must exceed --max-new-tokens")
 
     def prompt_tokens(row: dict[str, Any]) -> int:
         if conversational:
@@ -243,13 +238,15 @@ def build_trainer(
     model: Any = None,
     tokenizer: Any = None,
     examples: list[Example] | None = None,
+    params: dict[str, Any] | None = None,
 ) -> tuple[Any, Any]:
     """The GRPOTrainer and the reward holder (:class:`~trainer_client.trl.SDE2Reward`).
 
     ``model``/``tokenizer`` may be passed preloaded (tests reuse one load across trainers);
     otherwise they are loaded from ``--model``, after the flags, the reward server and the
     data are checked (:class:`FlagError`, :class:`RewardServiceError`): a model takes minutes
-    to load, and nothing is loaded or created to fail on one of those.
+    to load, and nothing is loaded or created to fail on one of those. ``examples`` and
+    ``params`` a caller already read and checked (:func:`main`) are not read or checked again.
     """
     from trl import GRPOTrainer
 
@@ -264,7 +261,7 @@ def build_trainer(
     )
     from trainer_client.trl import SDE2Reward
 
-    params = check_flags(args)
+    params = params if params is not None else check_flags(args)
     retry = RetryPolicy(max_attempts=args.reward_retries, deadline=args.reward_deadline)
     with RewardClient(args.reward_url, retry=retry) as probe:  # fail fast on a wrong URL
         info = probe.info(retry=PROBE_RETRY)
@@ -376,12 +373,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:  # the cheap checks first: the server probe and the model come after
-        check_flags(args)
+        params = check_flags(args)
         examples = training_examples(args) if local_data(args) else None
     except FlagError as exc:
         parser.error(str(exc))
     try:
-        trainer, _ = build_trainer(args, examples=examples)
+        trainer, _ = build_trainer(args, examples=examples, params=params)
     except (FlagError, RewardServiceError) as exc:
         print(f"sde2-train: {exc}", file=sys.stderr)
         return 2
