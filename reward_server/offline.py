@@ -21,14 +21,14 @@ import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
 import numpy as np
 from pydantic import TypeAdapter, ValidationError
 
 from reward_server.core import (
+    ANSWER_TYPES,
     RECIPES,
-    AnswerType,
     BatchScore,
     InvalidBatch,
     NonFiniteRewardError,
@@ -236,9 +236,9 @@ def output_records(score: BatchScore) -> Iterator[dict[str, Any]]:
 
 def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
     """``--recipe`` and ``--answer-type``, their choices read from the core (the registered
-    recipes when the parser is built, and :data:`AnswerType`)."""
+    recipes when the parser is built, and :data:`ANSWER_TYPES`)."""
     parser.add_argument("--recipe", choices=list(RECIPES), default="sde2")
-    parser.add_argument("--answer-type", choices=get_args(AnswerType), default="numeric")
+    parser.add_argument("--answer-type", choices=ANSWER_TYPES, default="numeric")
 
 
 def add_encoder_arguments(parser: argparse.ArgumentParser) -> None:

@@ -151,6 +151,95 @@ def test_retry_after_seconds_is_honoured(status: int) -> None:
     assert len(sleeps) == 1 and 7.0 <= sleeps[0] <= 7.0 * 1.1
 
 
+def test_retry_after_holds_for_the_replica_that_sent_it() -> None:
+    """A busy replica's Retry-After does not delay a retry going to another, idle one; a retry
+    coming back to the busy one waits what is left of it."""
+    busy = httpx.Response(429, headers={"retry-after": "45"}, json={"detail": "busy"})
+    transport = Scripted([busy])
+    sleeps: list[float] = []
+    rc = RewardClient(
+        [A, B],
+        retry=policy(backoff_base=0.2, retry_after_jitter=0.0),
+        transport=httpx.MockTransport(transport),
+        sleep=sleeps.append,
+    )
+    assert len(rc.score(ONE)) == 1
+    assert [u.split("/v1")[0] for u in transport.urls] == [A, B]
+    assert len(sleeps) == 1 and 0.1 <= sleeps[0] <= 0.2  # the backoff of a first retry
+    # A asks for 45 s, B fails at once, the third try (back on A) waits what is left of the 45 s.
+    transport = Scripted([busy, httpx.ConnectError("refused")])
+    sleeps.clear()
+    rc = RewardClient(
+        [A, B],
+        retry=policy(backoff_base=0.2, retry_after_jitter=0.0),
+        transport=httpx.MockTransport(transport),
+        sleep=sleeps.append,
+    )
+    assert len(rc.score(ONE)) == 1
+    assert [u.split("/v1")[0] for u in transport.urls] == [A, B, A]
+    assert 0.1 <= sleeps[0] <= 0.2 and 44.0 <= sleeps[1] <= 45.0
+    # A later answer of the same replica without the header ends its hold (backoff again).
+    transport = Scripted([busy, httpx.Response(500, text="failed")])
+    sleeps.clear()
+    rc = RewardClient(
+        A,
+        retry=policy(backoff_base=0.2, retry_after_jitter=0.0),
+        transport=httpx.MockTransport(transport),
+        sleep=sleeps.append,
+    )
+    assert len(rc.score(ONE)) == 1
+    assert sleeps[0] == 45.0 and 0.2 <= sleeps[1] <= 0.4
+
+
+def test_retry_policy_bounds_and_long_runs() -> None:
+    """Retrying to a deadline runs through thousands of tries: the backoff stays bounded (2**k
+    overflowed a float at k = 1024) and the error lists the first and last attempts."""
+    p = policy(max_attempts=None, deadline=1e9, backoff_base=0.5, backoff_max=20.0)
+    assert 10.0 <= p.delay(5000) <= 20.0
+    for bad in ({"backoff_base": float("nan")}, {"retry_after_jitter": -1.0}, {"deadline": -1.0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            RetryPolicy(**bad)
+    transport = Scripted([httpx.Response(503, text=f"down {i}") for i in range(1500)])
+    rc = RewardClient(
+        A,
+        retry=policy(max_attempts=1200, backoff_base=0.0),
+        transport=httpx.MockTransport(transport),
+        sleep=lambda s: None,
+    )
+    with pytest.raises(RewardServiceError, match="after 1200 attempt") as err:
+        rc.score(ONE)
+    assert len(err.value.attempts) == 1200
+    message = str(err.value)
+    assert "#1 " in message and "#1200 " in message and "(1194 more)" in message
+    assert "#600 " not in message and len(message) < 1000
+
+
+@pytest.mark.parametrize("client", ["blocking", "asyncio"])
+def test_an_answer_for_other_items_is_refused(client: str) -> None:
+    """An answer holding fewer results than items sent (a misrouting proxy) would shift every
+    reward after the gap onto other completions: it is an error."""
+    calls: list[dict[str, Any]] = []
+    score = core_handler(calls)
+
+    def short(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        fewer = {**body, "items": body["items"][:-1]}
+        return score(httpx.Request("POST", request.url, json=fewer))
+
+    items = batch(1, 3)
+    if client == "blocking":
+        with pytest.raises(RewardServiceError, match="2 results for 3"):
+            RewardClient(A, transport=httpx.MockTransport(short)).score(items)
+    else:
+
+        async def run() -> None:
+            async with AsyncRewardClient(A, transport=httpx.MockTransport(short)) as rc:
+                await rc.score(items)
+
+        with pytest.raises(RewardServiceError, match="2 results for 3"):
+            asyncio.run(run())
+
+
 def test_retry_after_http_date_and_cap() -> None:
     now = time.time()
     date = email.utils.formatdate(now + 30, usegmt=True)
@@ -402,7 +491,9 @@ async def test_async_client_retries_and_shards() -> None:
     ) as rc:
         result = await rc.score(batch(), diagnostics=True)
     assert isinstance(result, ScoreResult) and len(result) == 12
-    assert len(sleeps) == 2 and any(2.0 <= s <= 2.2 for s in sleeps)
+    # Each retry goes to the other replica: a backoff (first or second retry), never B's 2 s
+    # Retry-After stretched by its jitter.
+    assert len(sleeps) == 2 and all(0.5 <= s < 2.0 for s in sleeps)
     with RewardClient(A, transport=httpx.MockTransport(core_handler([]))) as one:
         assert result.rewards == pytest.approx(one.score(batch(), diagnostics=True).rewards)
 

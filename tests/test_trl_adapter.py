@@ -120,6 +120,30 @@ def test_reasoning_content_is_scored_with_the_content(reward_server: ServerProce
     assert asyncio.run(fn(**kw)) != pytest.approx(whole)  # without the reasoning: no strategies
 
 
+def test_reasoning_under_every_name_transformers_uses(reward_server: ServerProcess) -> None:  # noqa: F811
+    """TRL's gpt-oss response template puts the reasoning in ``thinking`` (transformers reads
+    ``reasoning_content``, ``thinking`` and ``reasoning`` as one): parsed by transformers' own
+    parser with TRL's own template, the reasoning is scored (it was dropped: reward -3, not +3)."""
+    from transformers.utils.chat_parsing.response_parser import parse_response
+    from trl.chat_template_utils import gptoss_template
+
+    head, tail = GOOD.split("<final_answer>")
+    output = (
+        f"<|channel|>analysis<|message|>{head}<|end|><|start|>assistant<|channel|>final"
+        f"<|message|><final_answer>{tail}<|return|>"
+    )
+    parsed = parse_response(output, gptoss_template, prefix="<|start|>assistant")
+    assert parsed.get("thinking") == head  # what TRL hands the reward function
+    assert completion_text([parsed]) == head + "\n<final_answer>" + tail
+    fn = sde2_reward(reward_server.url)
+    kw = call_kwargs([GOOD, PARTIAL], ["Q?"] * 2)
+    whole = asyncio.run(fn(**kw))
+    for field in ("thinking", "reasoning"):
+        message = {"role": "assistant", field: head, "content": "<final_answer>" + tail}
+        kw["completions"] = [[message], [{"role": "assistant", "content": PARTIAL}]]
+        assert asyncio.run(fn(**kw)) == pytest.approx(whole), field
+
+
 def test_no_nan_reaches_log_metric(reward_server: ServerProcess) -> None:  # noqa: F811
     """By default (no diagnostics) Uniq of multi-strategy completions with a correct strategy is
     never computed: the uniq metric is left out rather than logged as NaN (NaN poisons TRL's
@@ -227,6 +251,12 @@ def test_bad_params_fail_at_construction() -> None:
         sde2_reward("http://127.0.0.1:1", similarity_threshold=1.5)
     with pytest.raises(ValueError, match="recipe"):
         sde2_reward("http://127.0.0.1:1", recipe="nope")
+    # The server's address and the matcher too: each failed only at the first reward call,
+    # after the model had loaded and the first generation had run.
+    with pytest.raises(ValueError, match="http://"):
+        sde2_reward("127.0.0.1:8000")
+    with pytest.raises(ValueError, match="answer_type must be one of .*'numerc'"):
+        sde2_reward("http://127.0.0.1:1", answer_type="numerc")
 
 
 def test_verl_compute_score(reward_server: ServerProcess, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811

@@ -11,6 +11,7 @@ import pytest
 
 from reward_server.explain_report import summarize_item
 from tests.client_fixtures import ServerProcess, reward_server  # noqa: F401 - fixture
+from trainer_client.retry import RewardServiceError
 from trainer_client.trl import SDE2Reward, prompt_key
 
 pytestmark = pytest.mark.slow
@@ -91,3 +92,60 @@ def test_a_failed_explanation_leaves_the_rewards(
     assert rewards == pytest.approx(reference, abs=1e-6)
     assert "sde2/explanation" not in extra and "sde2/n_strat" in extra
     assert "no sde2/explanation column this step" in caplog.text and "422" in caplog.text
+
+
+def test_a_stalled_explanation_costs_the_column_not_the_step(
+    reward_server: ServerProcess,  # noqa: F811
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``/v1/explain`` that never answers is given up after ``EXPLAIN_TIMEOUT`` (it held the
+    step for the adapter's 180 s timeout, twice); the rewards are the server's."""
+    import time
+
+    from trainer_client import trl
+
+    monkeypatch.setattr(trl, "EXPLAIN_TIMEOUT", 0.5)
+    reference = asyncio.run(SDE2Reward(reward_server.url).sde2(**kwargs(lambda c, v: None)))
+    holder = SDE2Reward(reward_server.url, explain_extremes=True)
+
+    async def step() -> list[float | None]:
+        client = holder._get_client()
+        scored = client.request
+
+        async def stalled(method: str, path: str, *args: Any, **options: Any) -> Any:
+            if path == "/v1/explain":
+                await asyncio.sleep(3600)
+            return await scored(method, path, *args, **options)
+
+        client.request = stalled  # type: ignore[method-assign]
+        return await holder.sde2(**kwargs(lambda c, v: None))
+
+    started = time.monotonic()
+    with caplog.at_level("WARNING", logger="trainer_client.trl"):
+        rewards = asyncio.run(step())
+    assert time.monotonic() - started < 10
+    assert rewards == pytest.approx(reference, abs=1e-6)
+    assert "no sde2/explanation column this step: no answer within 0.5 s" in caplog.text
+
+
+def test_the_explanation_waits_briefly_on_a_busy_server() -> None:
+    """A busy server's ``Retry-After: 60`` held the step for a minute for a log column: the
+    explanation's one retry waits at most ``retry_after_max`` (2 s) and its jitter."""
+    from trainer_client import AsyncRewardClient
+    from trainer_client.trl import EXPLAIN_RETRY
+
+    busy = httpx.Response(503, headers={"retry-after": "60"}, json={"detail": "busy"})
+    sleeps: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+
+    async def explain() -> None:
+        transport = httpx.MockTransport(lambda request: busy)
+        async with AsyncRewardClient("http://a:1", transport=transport, sleep=sleep) as client:
+            await client.request("POST", "/v1/explain", {}, retry=EXPLAIN_RETRY)
+
+    with pytest.raises(RewardServiceError, match="after 2 attempt"):
+        asyncio.run(explain())
+    assert len(sleeps) == 1 and 2.0 <= sleeps[0] <= 2.2

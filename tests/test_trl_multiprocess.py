@@ -129,8 +129,10 @@ def test_two_processes_get_the_whole_step_rewards(
     assert sum(it.n_strat for it in whole.items[3::4]) > 0  # reasoning_content was scored
 
 
-def _failing_worker(rank: int, urls: list[str], store: str, out_dir: str) -> None:
-    """Rank 0's server is dead: both processes must stop with an error, neither may hang."""
+def _failing_worker(rank: int, urls: list[str], store: str, out_dir: str, case: str) -> None:
+    """A step that cannot be scored (``case``: rank 0's server is dead, the ranks' answer types
+    differ, rank 1 has no gold for a row): both processes must stop with an error, neither may
+    hang or return rewards."""
     import torch.distributed as dist
 
     from trainer_client.retry import RetryPolicy
@@ -144,12 +146,17 @@ def _failing_worker(rank: int, urls: list[str], store: str, out_dir: str) -> Non
     try:
         rows = step_rows()[rank::WORLD]
         fn = sde2_reward(urls[rank], retry=RetryPolicy(max_attempts=2, backoff_base=0.01))
+        columns: dict[str, list[Any]] = {"answer": [r["answer"] for r in rows]}
+        if case == "mixed answer types":
+            columns["answer_type"] = [("numeric", "exact")[rank]] * len(rows)
+        if case == "a missing gold" and rank == 1:
+            columns["answer"][0] = None
         try:
             asyncio.run(
                 fn(
                     prompts=[r["prompt"] for r in rows],
                     completions=[r["completion"] for r in rows],
-                    answer=[r["answer"] for r in rows],
+                    **columns,
                 )
             )
             outcome = "returned rewards"
@@ -161,15 +168,35 @@ def _failing_worker(rank: int, urls: list[str], store: str, out_dir: str) -> Non
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("case", ["a dead server", "mixed answer types", "a missing gold"])
 def test_a_failure_on_one_process_stops_every_process(
     reward_server: ServerProcess,  # noqa: F811
     tmp_path: Path,
+    case: str,
 ) -> None:
+    """Mixed answer types were refused in one process only (each rank checked its own slice:
+    two ranks normalized a mixed step together), and a bad gold on one rank raised before the
+    gather (the other rank got gloo's "Connection closed by peer")."""
     import torch.multiprocessing as mp
 
     dead = f"http://127.0.0.1:{free_port()}"
-    urls = [dead, reward_server.url]
-    mp.spawn(_failing_worker, args=(urls, str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD)
-    own, other = ((tmp_path / f"{r}.txt").read_text() for r in range(WORLD))
-    assert own.startswith("RewardServiceError") and dead in own
-    assert other.startswith("RewardServiceError: reward scoring failed on process(es) rank 0")
+    urls = [dead if case == "a dead server" else reward_server.url, reward_server.url]
+    args = (urls, str(tmp_path / "store"), str(tmp_path), case)
+    mp.spawn(_failing_worker, args=args, nprocs=WORLD)
+    outcomes = [(tmp_path / f"{r}.txt").read_text() for r in range(WORLD)]
+    if case == "a dead server":
+        assert outcomes[0].startswith("RewardServiceError") and dead in outcomes[0]
+        assert outcomes[1].startswith(
+            "RewardServiceError: reward scoring failed on process(es) rank 0"
+        )
+    elif case == "mixed answer types":
+        for outcome in outcomes:  # the same refusal on every rank
+            assert outcome.startswith(
+                "ValueError: one reward call must use one answer_type across processes, got "
+                "['exact', 'numeric']"
+            ), outcome
+    else:
+        assert outcomes[1].startswith("ValueError: dataset column 'answer', row 0"), outcomes[1]
+        assert outcomes[0].startswith(
+            "RewardServiceError: reward scoring failed on process(es) rank 1: ValueError"
+        ), outcomes[0]

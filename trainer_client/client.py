@@ -51,7 +51,7 @@ SCORE_PATH = "/v1/score"
 DEFAULT_TIMEOUT = 180.0  # seconds; a large step on a CPU server can take a while (OpenRLHF: 180)
 
 
-def _normalize_urls(urls: str | Sequence[str]) -> list[str]:
+def normalize_urls(urls: str | Sequence[str]) -> list[str]:
     """One or several base URLs (``http://host:port``), without trailing slashes."""
     listed = [urls] if isinstance(urls, str) else list(urls)
     # A comma-separated string is accepted too: environment variables carry one string.
@@ -187,7 +187,10 @@ class _Attempts:
         #: The base URL of the replica that answered (once :meth:`succeeded`).
         self.answered_by = ""
         self._retryable = True
-        self._retry_after: float | None = None
+        #: Each replica whose latest answer carried ``Retry-After``: when it answered (monotonic)
+        #: and the wait it asked for. The wait holds for that replica only: a retry going to
+        #: another (idle) one waits only the backoff.
+        self._held: dict[str, tuple[float, float]] = {}
 
     def url(self) -> str:
         """Where the current attempt goes."""
@@ -198,9 +201,10 @@ class _Attempts:
 
         A :class:`httpx.RequestError` is no answer: the connection failed or timed out, or the
         body could not be decoded (a corrupt compressed body from a proxy), all transient."""
+        self._held.pop(url, None)  # only the replica's latest answer counts
         if isinstance(outcome, httpx.RequestError):
             failure = Attempt(url, None, f"{type(outcome).__name__}: {outcome}")
-            retryable, retry_after = True, None
+            retryable = True
         else:
             self.data, maybe_failure, retryable = _check_response(url, outcome)
             if maybe_failure is None:
@@ -208,9 +212,11 @@ class _Attempts:
                 return True
             failure = maybe_failure
             retry_after = parse_retry_after(outcome.headers.get("retry-after"))
+            if retry_after is not None:
+                self._held[url] = (time.monotonic(), self.policy.delay(self.number, retry_after))
         self.failures.append(failure)
         self.client.failed_attempts += 1
-        self._retryable, self._retry_after = retryable, retry_after
+        self._retryable = retryable
         return False
 
     def check_stop(self, stop: threading.Event | None) -> None:
@@ -221,13 +227,23 @@ class _Attempts:
                 f"stopped trying to {self.what}: another part of the batch failed", self.failures
             )
 
+    def _wait_for(self, url: str, retry_index: int) -> float:
+        """The wait before trying ``url``: what it asked for with ``Retry-After`` (less the time
+        gone since, when other replicas were tried in between), else the backoff."""
+        if url not in self._held:
+            return self.policy.delay(retry_index)
+        answered, asked = self._held[url]
+        if url == self.failures[-1].url:
+            return asked
+        return max(0.0, answered + asked - time.monotonic())
+
     def next_wait(self) -> float:
         """Seconds to wait before the next attempt; raises the give-up error when there is none
         (not retryable, attempts used up, or the policy's deadline would pass)."""
         policy = self.policy
         attempt, self.number = self.number, self.number + 1
         if self._retryable and policy.allows(self.number):
-            wait = policy.delay(attempt, self._retry_after)
+            wait = self._wait_for(self.url(), attempt)
             deadline = policy.deadline
             if deadline is None or time.monotonic() - self.started + wait <= deadline:
                 log.warning(
@@ -255,6 +271,16 @@ def _halves_or_raise(exc: RewardRequestError, body: Mapping[str, Any]) -> list[d
     return halves
 
 
+def _answer(done: _Attempts, body: Mapping[str, Any]) -> ScoreResult:
+    """The result of one score request, holding one entry per item sent (an answer to another
+    body, from a misrouting proxy say, would shift every reward after it onto other items)."""
+    result = ScoreResult.from_json(done.data, served_by=done.answered_by)
+    if len(result) != len(body["items"]):
+        wrong = Attempt(done.answered_by, 200, f"{len(result)} results for {len(body['items'])}")
+        raise RewardServiceError(f"{_scoring(body)}: the answer does not match", [wrong])
+    return result
+
+
 def _scoring(body: Mapping[str, Any]) -> str:
     """What a score request does, for error messages."""
     return f"score {len(body['items'])} items"
@@ -276,7 +302,7 @@ class _Base:
     ) -> None:
         if max_items_per_request < 1:
             raise ValueError("max_items_per_request must be >= 1")
-        self.urls = _normalize_urls(urls)
+        self.urls = normalize_urls(urls)
         #: Larger batches are split into several requests (the server's default ``max_items``).
         self.max_items_per_request = max_items_per_request
         self.retry = retry or RetryPolicy()
@@ -420,7 +446,7 @@ class RewardClient(_Base):
             except RewardRequestError as exc:
                 halves = _halves_or_raise(exc, body)
                 return [piece for half in halves for piece in one((replica, half))]
-            return [ScoreResult.from_json(done.data, served_by=done.answered_by)]
+            return [_answer(done, body)]
 
         if len(plan.shards) == 1:
             return plan.finish([one(plan.shards[0])])
@@ -564,7 +590,7 @@ class AsyncRewardClient(_Base):
             except RewardRequestError as exc:
                 halves = _halves_or_raise(exc, body)
                 return [piece for half in halves for piece in await one(replica, half)]
-            return [ScoreResult.from_json(done.data, served_by=done.answered_by)]
+            return [_answer(done, body)]
 
         tasks = [asyncio.ensure_future(one(r, b)) for r, b in plan.shards]
         try:

@@ -20,9 +20,9 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, get_args
+from typing import Any, NamedTuple
 
-from reward_server.core import AnswerType
+from reward_server.core import ANSWER_TYPES
 from reward_server.core.answers import gold_text
 from reward_server.jsonl_files import (
     InputError,
@@ -96,9 +96,6 @@ def build_parser() -> argparse.ArgumentParser:
 class RunFileError(ValueError):
     """A completions file that cannot be a run; the message names the file, the line and the
     field (a wrong value is refused, never coerced: ACC and #TOK are evaluation signal)."""
-
-
-ANSWER_TYPES: tuple[str, ...] = get_args(AnswerType)
 
 
 class RunRow(NamedTuple):

@@ -14,6 +14,7 @@ naming every attempt, never a default value.
 from __future__ import annotations
 
 import email.utils
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -38,6 +39,10 @@ class Attempt:
         return f"{self.url}: {what} ({self.error})"
 
 
+#: An error's message lists this many attempts at each end (``attempts`` keeps them all).
+_LISTED_ENDS = 3
+
+
 class RewardServiceError(RuntimeError):
     """The reward service could not score a batch; no reward was produced.
 
@@ -48,8 +53,11 @@ class RewardServiceError(RuntimeError):
     def __init__(self, message: str, attempts: list[Attempt]) -> None:
         self.attempts = list(attempts)
         self.status = next((a.status for a in reversed(self.attempts) if a.status), None)
-        detail = "; ".join(f"#{i + 1} {a}" for i, a in enumerate(self.attempts))
-        super().__init__(f"{message} after {len(self.attempts)} attempt(s): {detail}")
+        numbered = [f"#{i + 1} {a}" for i, a in enumerate(self.attempts)]
+        if len(numbered) > 2 * _LISTED_ENDS + 1:  # retrying to a deadline makes thousands
+            left_out = len(numbered) - 2 * _LISTED_ENDS
+            numbered[_LISTED_ENDS:-_LISTED_ENDS] = [f"({left_out} more)"]
+        super().__init__(f"{message} after {len(self.attempts)} attempt(s): {'; '.join(numbered)}")
 
 
 class RewardRequestError(RewardServiceError):
@@ -100,8 +108,17 @@ class RetryPolicy:
             raise ValueError("max_attempts=None needs a deadline (else retries never end)")
         if self.max_attempts is not None and self.max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
-        if self.backoff_base < 0 or self.backoff_max < 0 or self.retry_after_max < 0:
-            raise ValueError("backoff_base, backoff_max and retry_after_max must be >= 0")
+        durations = {
+            "backoff_base": self.backoff_base,
+            "backoff_max": self.backoff_max,
+            "retry_after_max": self.retry_after_max,
+            "retry_after_jitter": self.retry_after_jitter,
+        }
+        if self.deadline is not None:
+            durations["deadline"] = self.deadline
+        for name, value in durations.items():  # NaN or a negative wait would reach time.sleep
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
     def allows(self, attempts: int) -> bool:
         """Whether another try may follow ``attempts`` tries (the deadline aside)."""
@@ -112,5 +129,6 @@ class RetryPolicy:
         if retry_after is not None:
             base = min(retry_after, self.retry_after_max)
             return base + self.rng.uniform(0.0, self.retry_after_jitter * base)
-        d = min(self.backoff_max, self.backoff_base * (2.0**retry_index))
+        # The exponent is capped: retrying to a deadline reaches indexes where 2.0**k overflows.
+        d = min(self.backoff_max, self.backoff_base * (2.0 ** min(retry_index, 64)))
         return d / 2.0 + self.rng.uniform(0.0, d / 2.0)

@@ -32,19 +32,25 @@ from collections.abc import Callable, Mapping, Sequence
 from types import MethodType
 from typing import Any
 
-from reward_server.core import RECIPES, RewardParams
+from reward_server.core import ANSWER_TYPES, RECIPES, RewardParams
 from reward_server.core.answers import gold_text
-from trainer_client.client import DEFAULT_TIMEOUT, AsyncRewardClient
+from trainer_client.client import DEFAULT_TIMEOUT, AsyncRewardClient, normalize_urls
 from trainer_client.results import ScoreResult
 from trainer_client.retry import RetryPolicy, RewardServiceError
 from trainer_client.sharding import merge
 
 log = logging.getLogger(__name__)
 
-#: The explanation column is a log: one retry at most, never a training step held for minutes.
-EXPLAIN_RETRY = RetryPolicy(max_attempts=2)
+#: The explanation column is a log: one retry at most after a short wait, and the whole
+#: request given up after :data:`EXPLAIN_TIMEOUT` seconds, never a training step held for minutes.
+EXPLAIN_RETRY = RetryPolicy(max_attempts=2, retry_after_max=2.0)
+EXPLAIN_TIMEOUT = 30.0
 
 RewardFunction = Callable[..., Any]
+
+#: Where a parsed assistant message holds the model's reasoning, first found first (the order of
+#: transformers' ``chat_template_utils._REASONING_FIELDS``).
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 def completion_text(completion: Any) -> str:
@@ -52,11 +58,14 @@ def completion_text(completion: Any) -> str:
 
     Conversational completions are ``[{"role": "assistant", "content": ...}]``; content may be a
     string or a list of typed parts (``{"type": "text", "text": ...}``). A chat template with a
-    response schema puts the model's reasoning in ``reasoning_content``: it comes first, as the
-    model wrote it (the strategies are often there). Assistant turns are joined in order (tool
-    turns in between are not the model's words).
+    response schema puts the model's reasoning in ``reasoning_content``, ``thinking`` or
+    ``reasoning`` (transformers reads the three as one, in that order; TRL's gpt-oss template
+    writes ``thinking``): it comes first, as the model wrote it (the strategies are often there).
+    Assistant turns are joined in order (tool turns in between are not the model's words).
 
     >>> completion_text([{"role": "assistant", "reasoning_content": "R", "content": "C"}])
+    'R\\nC'
+    >>> completion_text([{"role": "assistant", "thinking": "R", "content": "C"}])
     'R\\nC'
     """
     if isinstance(completion, str):
@@ -67,8 +76,8 @@ def completion_text(completion: Any) -> str:
     for message in completion:
         if message.get("role", "assistant") != "assistant":
             continue
-        reasoning = message.get("reasoning_content")
-        if isinstance(reasoning, str) and reasoning:
+        reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k)), None)
+        if isinstance(reasoning, str):
             parts.append(reasoning)
         content = message.get("content")
         if isinstance(content, str):
@@ -121,7 +130,11 @@ class SDE2Reward:
     ) -> None:
         if recipe not in RECIPES:
             raise ValueError(f"recipe must be one of {list(RECIPES)}, got {recipe!r}")
-        self.urls = [url] if isinstance(url, str) else list(url)
+        if answer_type not in ANSWER_TYPES:
+            raise ValueError(
+                f"answer_type must be one of {list(ANSWER_TYPES)}, got {answer_type!r}"
+            )
+        self.urls = normalize_urls(url)  # a URL without http:// fails here, not at the first step
         self.recipe = recipe
         self.answer_column = answer_column
         self.answer_type = answer_type
@@ -173,6 +186,32 @@ class SDE2Reward:
         **kwargs: Any,
     ) -> list[float | None]:
         """Score one TRL call; logs per-step metrics and per-completion columns when given."""
+        group = _process_group()
+        if group is None:
+            items, options = self._request(prompts, completions, completion_ids, kwargs)
+            result = await self._get_client().score(items, normalize=self.normalize, **options)
+            self.last_result = result
+            self._log(result, result, kwargs.get("log_metric"), kwargs.get("log_extra"))
+            if self.explain_extremes and kwargs.get("log_extra") is not None:
+                answer_type = options["answer_type"]
+                await self._log_extremes(items, answer_type, result, kwargs["log_extra"])
+            return list(result.rewards)
+        local, step, offset = await self._score_across_processes(
+            lambda: self._request(prompts, completions, completion_ids, kwargs), group
+        )
+        self.last_result = step
+        self._log(step, local, kwargs.get("log_metric"), kwargs.get("log_extra"))
+        return list(step.rewards[offset : offset + len(local)])
+
+    def _request(
+        self,
+        prompts: Sequence[Any],
+        completions: Sequence[Any],
+        completion_ids: Sequence[Sequence[int]] | None,
+        kwargs: Mapping[str, Any],
+    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """The items and the options of this call's score request; raises on a missing or bad
+        gold answer and on mixed answer types."""
         if self.answer_column not in kwargs:
             columns = sorted(k for k in kwargs if k not in ("trainer_state", "log_extra"))
             raise KeyError(
@@ -201,48 +240,45 @@ class SDE2Reward:
             "params": self.params or None,
             "diagnostics": self.diagnostics,
         }
-        group = _process_group()
-        if group is None:
-            result = await self._get_client().score(items, normalize=self.normalize, **options)
-            self.last_result = result
-            self._log(result, result, kwargs.get("log_metric"), kwargs.get("log_extra"))
-            if self.explain_extremes and kwargs.get("log_extra") is not None:
-                await self._log_extremes(items, answer_type, result, kwargs["log_extra"])
-            return list(result.rewards)
-        local, step, offset = await self._score_across_processes(items, options, group)
-        self.last_result = step
-        self._log(step, local, kwargs.get("log_metric"), kwargs.get("log_extra"))
-        return list(step.rewards[offset : offset + len(items)])
+        return items, options
 
     async def _score_across_processes(
-        self, items: list[dict[str, Any]], options: dict[str, Any], group: Any
+        self,
+        request: Callable[[], tuple[list[dict[str, Any]], dict[str, Any]]],
+        group: Any,
     ) -> tuple[ScoreResult, ScoreResult, int]:
         """(this slice raw, the whole step normalized, this slice's offset in the step).
 
-        Every process takes part in the gather even when its own request failed (it sends the
-        error instead), so a failure stops every process with an error rather than leaving the
-        others waiting in the collective.
+        Every process takes part in the gather even when building or sending its own request
+        failed (it sends the error instead), so a failure stops every process with an error
+        rather than leaving the others waiting in the collective. The step must use one answer
+        type across processes, as in one process (SPEC §5 normalizes over the whole step).
         """
         local: ScoreResult | None = None
         error: Exception | None = None
+        groups: list[str] = []
+        answer_type: str | None = None
         try:
+            items, options = request()
+            groups = [str(it["group"]) for it in items]
+            answer_type = options["answer_type"]
             local = await self._get_client().score(items, normalize=False, **options)
         except Exception as exc:  # re-raised below, after the others learned of it
             error = exc
-        groups = [str(it["group"]) for it in items]
         message = None if error is None else f"{type(error).__name__}: {error}"
-        gathered = _all_gather((local, groups, message), group)
+        gathered = _all_gather((local, groups, answer_type, message), group)
         if error is not None:
             raise error
-        failed = [(rank, msg) for rank, (_, _, msg) in enumerate(gathered) if msg is not None]
+        failed = [(rank, msg) for rank, (*_, msg) in enumerate(gathered) if msg is not None]
         if failed:
             raise RewardServiceError(
                 "reward scoring failed on process(es) "
                 + "; ".join(f"rank {rank}: {msg}" for rank, msg in failed),
                 [],
             )
-        shards = [shard for shard, _, _ in gathered]
-        all_groups = [g for _, gs, _ in gathered for g in gs]
+        _uniform([t for _, _, t, _ in gathered], "answer_type across processes", "")
+        shards = [shard for shard, _, _, _ in gathered]
+        all_groups = [g for _, gs, _, _ in gathered for g in gs]
         step = merge(shards, normalize=self.normalize, groups=all_groups)
         offset = sum(len(shard) for shard in shards[: _rank()])
         assert local is not None
@@ -271,12 +307,14 @@ class SDE2Reward:
         }
         if self.params:
             body["params"] = self.params
+        request = self._get_client().request(
+            "POST", "/v1/explain", body, what=f"explain {len(items)} items", retry=EXPLAIN_RETRY
+        )
         try:
-            data = await self._get_client().request(
-                "POST", "/v1/explain", body, what=f"explain {len(items)} items", retry=EXPLAIN_RETRY
-            )
-        except RewardServiceError as exc:  # the rewards stand: only the column is missing
-            log.warning("no %s/explanation column this step: %s", self.recipe, exc)
+            data = await asyncio.wait_for(request, EXPLAIN_TIMEOUT)
+        except (RewardServiceError, asyncio.TimeoutError) as exc:  # the rewards stand
+            why = exc if str(exc) else f"no answer within {EXPLAIN_TIMEOUT:g} s"
+            log.warning("no %s/explanation column this step: %s", self.recipe, why)
             return
         explained = data["explanation"]["items"]
         column: list[str | None] = [None] * len(rewards)

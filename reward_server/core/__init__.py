@@ -12,7 +12,13 @@ from reward_server.core.normalization import (
     group_advantages,
     zscore,
 )
-from reward_server.core.params import AnswerType, ComponentKey, RewardParams, Weights
+from reward_server.core.params import (
+    ANSWER_TYPES,
+    AnswerType,
+    ComponentKey,
+    RewardParams,
+    Weights,
+)
 from reward_server.core.recipes import RECIPES, Recipe, RecipeSpec
 from reward_server.core.scoring import (
     BatchScore,
@@ -26,6 +32,7 @@ from reward_server.core.scoring import (
 )
 
 __all__ = [
+    "ANSWER_TYPES",
     "RECIPES",
     "Aggregate",
     "AnswerType",

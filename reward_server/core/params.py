@@ -6,7 +6,7 @@ the core all share one definition of every constraint; a bad value is rejected w
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 ComponentKey = Literal["oc", "re", "fa", "sd", "rd", "len"]
 #: Answer matchers (SPEC §2).
 AnswerType = Literal["numeric", "choice", "exact", "math"]
+ANSWER_TYPES: tuple[AnswerType, ...] = get_args(AnswerType)
 
 
 class Weights(BaseModel):
