@@ -125,6 +125,16 @@ def test_timing_headers(client: Any) -> None:
             "params.weights.xx",
         ),
         ({"items": [{"completion": "a", "answer": "1"}], "surprise": 1}, "surprise"),
+        # Golds no completion can match: scored, every reward would be format-only, silently.
+        (
+            {"items": [{"completion": "a", "answer": "1"}, {"completion": "a", "answer": " "}]},
+            "items.1.answer",
+        ),
+        ({"items": [{"completion": "a", "answer": "**"}]}, "items.0.answer"),
+        (
+            {"items": [{"completion": "a", "answer": "1"}], "answer_type": "choice"},
+            "items.0.answer",
+        ),
         ({"items": []}, "items"),
         ({"items": {"completion": "a"}}, "items"),
         ({}, "items"),
@@ -243,6 +253,13 @@ def test_get_reward_query_parameters_and_errors(client: Any) -> None:
         assert [d["field"] for d in bad.json()["detail"]] == ["labels.0"]
     bad_q = client.post("/get_reward?recipe=x", json={"query": [], "prompts": [], "labels": []})
     assert bad_q.status_code == 422
+    # MedMCQA's cop (an index) as the label of a choice task: no answer could ever be correct.
+    for label in (1, "1"):
+        body = {"query": ["p" + c], "prompts": ["p"], "labels": [label]}
+        bad = client.post("/get_reward?answer_type=choice", json=body)
+        assert bad.status_code == 422, label
+        [detail] = bad.json()["detail"]
+        assert detail["field"] == "labels.0" and "option letter" in detail["msg"]
 
 
 @pytest.mark.parametrize(

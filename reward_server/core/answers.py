@@ -203,6 +203,30 @@ def canonical_choice(text: str) -> str | None:
     return None
 
 
+def unmatchable_gold(answer_type: AnswerType, gold: str) -> str | None:
+    """Why ``gold`` (preprocessed) cannot serve as a gold answer, or ``None`` when it can.
+
+    An empty gold (no field text, SPEC §1) has no answer to match (numerically it would even
+    equal a final answer of ``"."``), and a ``choice`` gold must be an option letter (SPEC §2):
+    without one no completion is ever correct. Scored anyway, either would turn a whole run's
+    rewards into format-only rewards without a word; the request is refused instead.
+
+    >>> unmatchable_gold("numeric", " ** "), unmatchable_gold("choice", "(B)")
+    ('the gold answer is empty', None)
+    >>> unmatchable_gold("choice", "1")
+    "answer_type 'choice' needs a gold option letter A-E, got '1' (MedMCQA's cop is 0-3: 0 is A)"
+    """
+    if not field_text(gold):
+        return "the gold answer is empty"
+    if answer_type == "choice" and canonical_choice(gold) is None:
+        shown = gold if len(gold) <= 40 else gold[:40] + "..."
+        return (
+            f"answer_type 'choice' needs a gold option letter A-E, got {shown!r} "
+            "(MedMCQA's cop is 0-3: 0 is A)"
+        )
+    return None
+
+
 def canonical_exact(text: str) -> str:
     """``N`` for ``answer_type = "exact"``: the lower-cased field text."""
     return field_text(text).lower()

@@ -31,6 +31,7 @@ from reward_server.core.answers import (
     make_matcher,
     math_equivalent,
     plain_whole_numbers,
+    unmatchable_gold,
     whole_number_digits,
 )
 from reward_server.core.components import COMPONENTS
@@ -201,6 +202,11 @@ def analyze_items(
     needs the encoder (``needs_encoder``: its recipe's)."""
     strategies, finals = list(zip(*parsed, strict=True))
     golds = {gold: preprocess(gold) for gold in dict.fromkeys(it.answer for it in items)}
+    for gold, preprocessed in golds.items():
+        problem = unmatchable_gold(answer_type, preprocessed)
+        if problem is not None:
+            first = next(i for i, it in enumerate(items) if it.answer == gold)
+            raise InvalidBatch(("items", first, "answer"), problem)
     verdicts = None
     if answer_type == "numeric":
         verdicts = _verdicts_as_strings(items, golds, strategies, finals)
