@@ -139,3 +139,21 @@ def test_dashboard_layout() -> None:
         }
         assert not mine & cells, f"{panel['title']} overlaps another panel"
         cells |= mine
+
+
+def test_success_is_one_thing_on_both_wires() -> None:
+    """HTTP counts an answered request as status "200", gRPC as "OK": every matcher on
+    ``status`` must take the two alike (the failure share read every gRPC success as a
+    failure: 1.0 for a server answering gRPC only)."""
+    matchers = [
+        (op, value)
+        for expr in expressions()
+        for op, value in re.findall(r'\bstatus\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"', expr)
+    ]
+    assert matchers, "no panel tells failures from successes"
+    for op, value in matchers:
+        if op in ("=~", "!~"):
+            hits = [re.fullmatch(value, status) is not None for status in ("200", "OK")]
+        else:
+            hits = [value == status for status in ("200", "OK")]
+        assert hits[0] == hits[1], f'status{op}"{value}" takes "200" and "OK" apart'

@@ -83,8 +83,11 @@ async def test_invalid_argument_names_the_field(hashed: Running, body: dict, fie
 
 
 async def test_info_and_health(hashed: Running) -> None:
+    before = _count(hashed, "sde2_requests_total", route="grpc:Info", status="OK")
     info = await hashed.stub.Info(pb.InfoRequest())
     assert info.encoder == "hash" and info.version
+    # Counted as its refusals (UNAVAILABLE while loading) are: only those were.
+    assert _count(hashed, "sde2_requests_total", route="grpc:Info", status="OK") == before + 1
     health = await hashed.stub.Health(pb.HealthRequest())
     assert health.status == pb.HealthResponse.Status.SERVING
 
@@ -307,3 +310,29 @@ def test_generated_code_is_not_committed() -> None:
         check=True,
     ).stdout
     assert tracked == ""
+
+
+def _count(running: Running, metric: str, **labels: str) -> float:
+    value = running.service.metrics.registry.get_sample_value(metric, labels)
+    return 0.0 if value is None else value
+
+
+async def test_calls_the_client_ends_are_counted() -> None:
+    """A call cancelled by its client, or ended by the client's deadline, while its texts wait
+    for the encoder was counted nowhere (HTTP counts a client gone as 499)."""
+    encoder = SlowEncoder(delay=1.0)
+    async with Running(make_service(encoder)) as running:
+        call = running.stub.Score(_needs_encoder(5))
+        await asyncio.sleep(0.3)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await running.stub.Score(_needs_encoder(6), timeout=0.3)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        await asyncio.sleep(1.5)  # the handlers see their cancellation
+        requests = "sde2_requests_total"
+        assert _count(running, requests, route="grpc:Score", status="CANCELLED") == 1
+        assert _count(running, requests, route="grpc:Score", status="DEADLINE_EXCEEDED") == 1
+        assert _count(running, "sde2_failures_total", reason="client_disconnect") == 1
+        assert _count(running, "sde2_failures_total", reason="deadline") == 1

@@ -16,6 +16,7 @@ from reward_server.service.pipeline import ScoringService
 from tests.doubles import HashEncoder
 from tests.service_fixtures import (  # noqa: F401  (fixtures)
     REAL_MODEL_ATOL,
+    SlowEncoder,
     assert_same_response,
     http_client,
     make_service,
@@ -325,6 +326,22 @@ def test_info_and_metrics(client: Any) -> None:
         assert f'sde2_request_phase_seconds_count{{phase="{phase}"}}' in text
     assert "sde2_batch_texts_count" in text and "sde2_queue_depth" in text
     assert "sde2_ready 1.0" in text
+
+
+def test_metrics_count_what_was_answered() -> None:
+    """Items are counted for scored requests only (a request past its deadline added its items
+    to "items scored"), and ``/v1/info``'s answers as its refusals are (only its 503s were)."""
+    service = make_service(SlowEncoder(delay=1.0), request_timeout=0.3)
+    registry = service.metrics.registry
+    with http_client(service) as c:
+        assert c.post("/v1/score", json={"items": step_items(seed=8)[:4]}).status_code == 503
+        assert registry.get_sample_value("sde2_request_items_count") == 0
+        one = {"completion": "<final_answer>4</final_answer>", "answer": "4"}  # no encoder work
+        assert c.post("/v1/score", json={"items": [one]}).status_code == 200
+        assert registry.get_sample_value("sde2_request_items_count") == 1
+        assert c.get("/v1/info").status_code == 200
+    info = {"route": "/v1/info", "status": "200"}
+    assert registry.get_sample_value("sde2_requests_total", info) == 1
 
 
 def test_metrics_count_cache_hits_and_batch_tokens() -> None:

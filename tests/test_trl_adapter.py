@@ -255,7 +255,7 @@ def test_bad_params_fail_at_construction() -> None:
     # after the model had loaded and the first generation had run.
     with pytest.raises(ValueError, match="http://"):
         sde2_reward("127.0.0.1:8000")
-    with pytest.raises(ValueError, match="answer_type must be one of .*'numerc'"):
+    with pytest.raises(ValueError, match=r"answer_type must be one of .*'numerc'"):
         sde2_reward("http://127.0.0.1:1", answer_type="numerc")
 
 

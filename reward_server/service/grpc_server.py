@@ -17,13 +17,14 @@ the matching client.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn, TypeAlias, TypeVar
 
 import grpc
 
-from reward_server.service.errors import RequestInvalid, ServiceError
+from reward_server.service.errors import ClientGone, DeadlineExceeded, RequestInvalid, ServiceError
 from reward_server.service.grpc_messages import (
     METHODS,
     SERVICE,
@@ -41,13 +42,19 @@ Context: TypeAlias = grpc.aio.ServicerContext
 Reply = TypeVar("Reply", pb.ScoreResponse, pb.ExplainResponse)
 
 
+def count(service: ScoringService, method: str, exc: ServiceError) -> grpc.StatusCode:
+    """Count a call ended by ``exc`` (under its reason, as over HTTP); its gRPC code."""
+    code = grpc.StatusCode[exc.grpc_code]
+    service.metrics.failures.labels(exc.reason).inc()
+    service.metrics.requests.labels(f"grpc:{method}", code.name).inc()
+    return code
+
+
 async def abort(
     service: ScoringService, context: Context, method: str, exc: ServiceError
 ) -> NoReturn:
     """The gRPC answer to ``exc``, counted: the one conversion of errors on this wire."""
-    code = grpc.StatusCode[exc.grpc_code]
-    service.metrics.failures.labels(exc.reason).inc()
-    service.metrics.requests.labels(f"grpc:{method}", code.name).inc()
+    code = count(service, method, exc)
     if exc.grpc_metadata:
         context.set_trailing_metadata(exc.grpc_metadata)
     await context.abort(code, exc.message)
@@ -104,7 +111,9 @@ class RewardServicer:
     async def Info(self, request: pb.InfoRequest, context: Context) -> pb.InfoResponse:
         """Encoder, variant, provider, version, defaults and limits (``GET /v1/info``); the
         model's path only to holders of the key when one is set."""
-        return info_to_proto(self.service.info_for(_authorization(context)))
+        info = info_to_proto(self.service.info_for(_authorization(context)))
+        self.service.metrics.requests.labels("grpc:Info", "OK").inc()  # as its refusals are
+        return info
 
     async def Health(self, request: pb.HealthRequest, context: Context) -> pb.HealthResponse:
         """SERVING once the model is loaded and warm (``GET /readyz``)."""
@@ -133,6 +142,14 @@ def _translated(servicer: RewardServicer, name: str) -> Callable[[Any, Context],
             return await method(request, context)
         except ServiceError as exc:
             await abort(servicer.service, context, name, exc)
+        except asyncio.CancelledError:
+            # gRPC cancels the handler when the client cancels the call or its deadline passes:
+            # no answer goes out, but the call is counted, as HTTP counts a client gone (499).
+            remaining = context.time_remaining()
+            expired = remaining is not None and remaining <= 0
+            gone = DeadlineExceeded("the client's deadline passed") if expired else ClientGone()
+            count(servicer.service, name, gone)
+            raise
 
     return handle
 

@@ -55,7 +55,9 @@ async def readyz(request: Request) -> Response:
 )
 async def info(request: Request) -> Response:
     """Open to all; the model's path only with the key, when one is set."""
-    info = service_of(request).info_for(request.headers.get("authorization"))
+    service = service_of(request)
+    info = service.info_for(request.headers.get("authorization"))
+    service.metrics.requests.labels(request.url.path, "200").inc()  # as its refusals are
     return JSONResponse(jsonable_encoder(info))
 
 

@@ -535,7 +535,6 @@ class ScoringService:
         """Encode, reward (and explain) an admitted, prepared request; time every phase. A
         request rewarded in its preparing trip (``cached``: every embedding was cached) has
         the same answer and phases, without the encoder's queue."""
-        self.metrics.items.observe(len(request.items))
         if cached is None:
             t1 = time.monotonic()
             embeddings, queue_s, encode_s = await self._embed(
@@ -562,6 +561,7 @@ class ScoringService:
             "total": t3 - t0,
         }
         self.metrics.observe_phases(timings)
+        self.metrics.items.observe(len(request.items))  # scored: a refused request's are not
         return Scored(score, timings, self.encoder_name, explanation)
 
     def _ready_batcher(self) -> Batcher:

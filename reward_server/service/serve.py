@@ -14,7 +14,8 @@ with ``SO_REUSEPORT`` (the kernel spreads connections) once its encoder is warm,
 encoder, batcher and metrics; CPU threads are split between them. On a small CPU one worker is
 best (one batcher coalesces everything and onnxruntime already uses every core); several workers
 help on large machines where one Python process cannot keep the encoder busy. ``/metrics`` then
-shows the worker that answered the scrape.
+shows the worker that answered the scrape, one at random: its counters are that worker's alone,
+so Prometheus' rates over the shared port read wrong (keep one worker where it is monitored).
 
 The module top level imports nothing heavy: ``sde2-reward`` imports it to build its parser.
 """
