@@ -338,6 +338,42 @@ def test_batcher_worker_survives_encoder_errors() -> None:
     batcher.close(5)
 
 
+def test_jobs_dropped_in_a_batch_the_encoder_fails_are_counted() -> None:
+    """A batch whose encoder call fails still reports the jobs it dropped for their deadline
+    (the failure returned before the report: the drop went uncounted)."""
+
+    class GatedBroken:
+        name = "broken"
+
+        def __init__(self) -> None:
+            self.entered, self.gate = threading.Event(), threading.Event()
+
+        def encode(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
+            self.entered.set()
+            assert self.gate.wait(5)
+            return np.zeros((len(texts) + 1, 384), np.float32)  # wrong shape: a failure
+
+    metrics = Metrics()
+    encoder = GatedBroken()
+    batcher = Batcher(encoder, capacity=8, batch_tokens=10_000, observer=metrics)
+    blocker = batcher.submit(["block"], time.monotonic() + 30)
+    assert encoder.entered.wait(5)
+    soon = time.monotonic() + 0.05
+    expired = batcher.submit(["too late"], soon)
+    failing = batcher.submit(["fails"], time.monotonic() + 30)
+    past(soon)
+    encoder.gate.set()
+    for job, error in (
+        (blocker, EncoderFailed),
+        (expired, DeadlineExceeded),
+        (failing, EncoderFailed),
+    ):
+        with pytest.raises(error):
+            job.result(5)
+    batcher.close(5)
+    assert metrics.registry.get_sample_value("sde2_batch_dropped_jobs_total") == 1
+
+
 def test_a_request_dropped_midway_leaves_the_worker_and_the_metrics_sound() -> None:
     """Two requests in one batch, one past its deadline after the first chunk: the other gets its
     rows, the dedup counter stays sound (the dropped request's texts were encoded but are not

@@ -333,6 +333,7 @@ class Batcher:
                 continue
             live.append(job)
         served = len(live)
+        failed = 0
         done: dict[str, npt.NDArray[np.float32]] = {}
         tokens = 0
         # Longest first, as the encoder plans its runs: chunks of similar lengths pad little.
@@ -349,7 +350,8 @@ class Batcher:
                 log.exception("encoder failed on a batch of %d texts", len(chunk))
                 for job in live:
                     job.future.set_exception(EncoderFailed(str(exc)))
-                return
+                failed, live = len(live), []  # reported below: the jobs dropped before count
+                break
             done.update(zip(chunk, embeddings, strict=True))
             tokens += sum(estimate_tokens(t) for t in chunk)
             now = time.monotonic()
@@ -383,7 +385,7 @@ class Batcher:
             distinct_texts=len({t for job in live for t in job.texts}),
             tokens=tokens,
             seconds=seconds,
-            dropped=len(taken) - len(live),
+            dropped=len(taken) - len(live) - failed,
         )
         try:
             self.observer.on_batch(record)
