@@ -40,7 +40,7 @@ from reward_server.core.normalization import Aggregate, aggregate
 from reward_server.core.params import AnswerType, RewardParams
 from reward_server.core.parsing import ParsedCompletion, Strategy, parse_completions
 from reward_server.core.recipes import RECIPES, Recipe, RecipeSpec
-from reward_server.core.text import preprocess
+from reward_server.core.text import field_texts, preprocess
 from reward_server.encoders.base import EMBEDDING_DIM, Encoder
 
 
@@ -202,11 +202,14 @@ def analyze_items(
     needs the encoder (``needs_encoder``: its recipe's)."""
     strategies, finals = list(zip(*parsed, strict=True))
     golds = {gold: preprocess(gold) for gold in dict.fromkeys(it.answer for it in items)}
-    for gold, preprocessed in golds.items():
-        problem = unmatchable_gold(answer_type, preprocessed)
-        if problem is not None:
-            first = next(i for i, it in enumerate(items) if it.answer == gold)
-            raise InvalidBatch(("items", first, "answer"), problem)
+    # Every gold one that some answer could match: looked at one by one only when a choice
+    # gold must hold a letter or some gold is empty (all cleaned in one pass otherwise).
+    if answer_type == "choice" or not all(field_texts(list(golds.values()))):
+        for gold, preprocessed in golds.items():
+            problem = unmatchable_gold(answer_type, preprocessed)
+            if problem is not None:
+                first = next(i for i, it in enumerate(items) if it.answer == gold)
+                raise InvalidBatch(("items", first, "answer"), problem)
     verdicts = None
     if answer_type == "numeric":
         verdicts = _verdicts_as_strings(items, golds, strategies, finals)
