@@ -3,20 +3,28 @@
 verl's pins (transformers<5.11, tensordict<=0.10.0) do not fit the dev environment, so its code
 runs in the venv ``make setup-verl`` builds (``.venv-verl``; ``make test`` builds it first), via
 ``tests/verl_checks.py`` in a subprocess; this test only starts the server, computes the
-in-process reference and compares. It is skipped only when that venv does not exist.
+in-process reference and compares. It is skipped only when that venv does not exist; the checks
+that fail before any request need neither verl nor a server and always run.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
 import os
+import pickle
+import re
 import subprocess
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from reward_server.core import ScoreItem, score_batch
+from reward_server.core import RewardParams, ScoreItem, score_batch
+from reward_server.core.params import AnswerType
+from reward_server.encoders.base import Encoder
 from reward_server.encoders.loading import load_encoder
 from tests.client_fixtures import running_server
 from tests.test_openrlhf import COMPLETIONS
@@ -24,15 +32,12 @@ from tests.test_openrlhf import COMPLETIONS
 REPO = Path(__file__).resolve().parents[1]
 VERL_PYTHON = Path(os.environ.get("SDE2_VERL_PYTHON", REPO / ".venv-verl" / "bin" / "python"))
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        not VERL_PYTHON.exists(), reason=f"{VERL_PYTHON} missing: run `make setup-verl`"
-    ),
-]
+needs_verl = pytest.mark.skipif(
+    not VERL_PYTHON.exists(), reason=f"{VERL_PYTHON} missing: run `make setup-verl`"
+)
 
 #: (case as verl's dataset row would give it, recipe, answer_type, num_tokens) for the reference.
-CASES: list[tuple[dict[str, Any], str, str, int | None]] = [
+CASES: list[tuple[dict[str, Any], str, AnswerType, int | None]] = [
     *[
         (
             {"data_source": "openai/gsm8k", "response": c, "ground_truth": "72"},
@@ -65,32 +70,92 @@ CASES: list[tuple[dict[str, Any], str, str, int | None]] = [
         "choice",
         None,
     ),
-    # Per-row overrides from extra_info: recipe and the response length for cfl's length term.
+    # A per-row response length (cfl's length term; ignored by sde2, so it must not break it).
     (
         {
             "data_source": "openai/gsm8k",
             "response": COMPLETIONS[0],
             "ground_truth": "72",
-            "extra_info": {"recipe": "cfl", "num_tokens": 1500},
+            "extra_info": {"num_tokens": 1500},
         },
-        "cfl",
+        "sde2",
         "numeric",
         1500,
     ),
 ]
 
 
+@functools.cache
+def encoder() -> Encoder:
+    """One encoder for every reference: loading it costs more than the scoring."""
+    return load_encoder("onnx")
+
+
+def gsm8k(response: str, **extra_info: Any) -> dict[str, Any]:
+    """A GSM8K row as verl's dataset gives it, gold 72."""
+    return {
+        "data_source": "openai/gsm8k",
+        "response": response,
+        "ground_truth": "72",
+        "extra_info": extra_info,
+    }
+
+
+def expected(
+    case: dict[str, Any],
+    recipe: str = "sde2",
+    answer_type: AnswerType = "numeric",
+    params: RewardParams | None = None,
+) -> float:
+    """R_final of one verl case from the in-process scorer, one unnormalized sample."""
+    num_tokens = (case.get("extra_info") or {}).get("num_tokens")
+    item = ScoreItem(case["response"], str(case["ground_truth"]), None, None, num_tokens)
+    res = score_batch(
+        [item],
+        encoder(),
+        recipe=recipe,
+        answer_type=answer_type,
+        params=params,
+        normalize=False,
+    )
+    return res.rewards[0]
+
+
 def reference() -> list[tuple[float, float]]:
     """(R_final, correct) per case from the in-process scorer, one unnormalized sample each."""
-    encoder = load_encoder("onnx")
     out = []
     for case, recipe, answer_type, num_tokens in CASES:
         item = ScoreItem(case["response"], str(case["ground_truth"]), None, None, num_tokens)
-        res = score_batch([item], encoder, recipe=recipe, answer_type=answer_type, normalize=False)
+        res = score_batch(
+            [item], encoder(), recipe=recipe, answer_type=answer_type, normalize=False
+        )
         out.append((res.rewards[0], float(res.items[0].correct)))
     return out
 
 
+def run_verl_checks(spec: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
+    """``tests/verl_checks.py`` on ``spec`` in the verl venv, against a fresh server; its report."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("SDE2_URL", None)  # the URL must come from the README's reward_kwargs
+    with running_server() as server:
+        (tmp_path / "spec.json").write_text(json.dumps({**spec, "url": server.url}))
+        proc = subprocess.run(
+            [str(VERL_PYTHON), "-m", "tests.verl_checks", str(tmp_path / "spec.json")],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
+    if proc.returncode or not lines:
+        pytest.fail(f"verl checks failed:\n{proc.stdout[-4000:]}{proc.stderr[-4000:]}")
+    report: dict[str, Any] = json.loads(lines[-1])
+    return report
+
+
+@pytest.mark.slow
+@needs_verl
 def test_verl_reads_the_readme_config_scores_exactly_and_stops_when_the_server_dies(
     tmp_path: Path,
 ) -> None:
@@ -157,3 +222,140 @@ def test_verl_reads_the_readme_config_scores_exactly_and_stops_when_the_server_d
     # Killed server: the next sample raises out of verl's reward loop, naming the failure.
     assert proc.returncode != 0 and "SCORED AFTER THE PAUSE" not in rest
     assert "RewardServiceError" in err and "reward service failed" in err, err[-2000:]
+
+
+KWARGS = "reward.custom_reward_function.reward_kwargs"
+MEDMCQA = {
+    "data_source": "medmcqa",
+    "response": "<final_answer>(B)</final_answer>",
+    "ground_truth": "B",
+}
+
+
+@pytest.mark.slow
+@needs_verl
+def test_verl_remote_manager_nested_params_and_the_recipe_per_run(tmp_path: Path) -> None:
+    """verl's own managers and batch assembly on what the README documents beyond the basics."""
+    one = gsm8k(COMPLETIONS[0])
+    cfl_rows = [gsm8k(COMPLETIONS[0], num_tokens=1500), gsm8k(COMPLETIONS[2])]
+    bad_lengths: list[Any] = [1500.9, True, -1, "1500"]
+    spec = {
+        "runs": [
+            # Ray ships the function to an actor: it must pickle (by reference, not its globals).
+            {"name": "remote", "manager": "remote", "cases": [one, MEDMCQA]},
+            # verl's dict(reward_kwargs) is shallow: a nested params.weights stays a DictConfig.
+            {
+                "name": "params",
+                "manager": "naive",
+                "overrides": [
+                    f"+{KWARGS}.params.weights.sd=0",
+                    f"+{KWARGS}.params.similarity_threshold=0.75",
+                ],
+                "cases": [one, gsm8k(COMPLETIONS[1])],
+            },
+            {
+                "name": "params_typo",
+                "manager": "naive",
+                "overrides": [f"+{KWARGS}.params.weights.sdd=0"],
+                "cases": [one],
+            },
+            # The recipe set per run: one batch, assembled by verl, per-row length honoured.
+            {
+                "name": "cfl_per_run",
+                "manager": "batch",
+                "overrides": [f"++{KWARGS}.recipe=cfl"],
+                "cases": cfl_rows,
+            },
+            # Per row, the recipe would change the result's keys within a batch.
+            {
+                "name": "recipe_per_row",
+                "manager": "batch",
+                "cases": [
+                    gsm8k(COMPLETIONS[0], recipe="sde2"),
+                    gsm8k(COMPLETIONS[0], recipe="cfl"),
+                ],
+            },
+            {
+                "name": "num_tokens",
+                "manager": "naive",
+                "cases": [gsm8k(COMPLETIONS[0], num_tokens=v) for v in bad_lengths],
+            },
+        ]
+    }
+    got = run_verl_checks(spec, tmp_path)["runs"]
+
+    remote = got["remote"]
+    assert isinstance(remote, list), remote
+    want = [expected(one), expected(MEDMCQA, answer_type="choice")]
+    assert [r["score"] for r in remote] == pytest.approx(want, abs=1e-6)
+    assert [r["acc"] for r in remote] == [1.0, 1.0]
+
+    params = RewardParams.model_validate({"weights": {"sd": 0}, "similarity_threshold": 0.75})
+    want = [expected(c, params=params) for c in (one, gsm8k(COMPLETIONS[1]))]
+    assert [r["score"] for r in got["params"]] == pytest.approx(want, abs=1e-6)
+    assert want[0] != pytest.approx(expected(one))  # the weight did change the reward
+    (typo,) = got["params_typo"]
+    assert typo["error"].startswith("ValueError: ") and "params.weights.sdd" in typo["error"]
+
+    batch = got["cfl_per_run"]
+    assert "error" not in batch, batch
+    want = [expected(c, recipe="cfl") for c in cfl_rows]
+    assert batch["scores"] == pytest.approx(want, abs=1e-6)
+    assert want[0] != pytest.approx(expected(one, recipe="cfl"))  # num_tokens was used
+    assert {"oc", "fa", "len", "acc"} <= set(batch["extra_keys"])
+
+    error = got["recipe_per_row"]["error"]
+    assert error.startswith("ValueError: extra_info['recipe']"), error
+    assert f"{KWARGS}.recipe" in error
+
+    for value, result in zip(bad_lengths, got["num_tokens"], strict=True):
+        assert result["error"].startswith("ValueError: num_tokens must be an integer >= 0"), value
+        assert result["error"].endswith(repr(value))
+
+
+class _Config(Mapping[str, Any]):
+    """Stands in for OmegaConf's ``DictConfig`` (not installed here): a Mapping, not a dict."""
+
+    def __init__(self, **values: Any) -> None:
+        self._values = values
+
+    def __getitem__(self, key: str) -> Any:
+        return self._values[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+
+def test_verl_hook_pickles_by_reference_and_refuses_bad_inputs_before_any_request() -> None:
+    """The in-process side of the checks above: fast, no verl, no server."""
+    # verl's load_module: the file by path, under a name that is not in sys.modules.
+    spec = importlib.util.spec_from_file_location(
+        "custom_module_1", REPO / "trainer_client/verl.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for name in ("compute_score", "compute_score_async"):
+        fn = getattr(module, name)
+        assert pickle.loads(pickle.dumps(fn)) is fn  # by reference: Ray's actor imports it
+
+    from trainer_client.verl import compute_score
+
+    dead: dict[str, Any] = {"url": "http://127.0.0.1:1", "max_attempts": 1}  # nothing listens there
+    for value in (1500.9, True, -1, "1500"):
+        with pytest.raises(
+            ValueError, match=r"num_tokens must be an integer >= 0.*" + re.escape(repr(value))
+        ):
+            compute_score("gsm8k", COMPLETIONS[0], "72", {"num_tokens": value}, **dead)
+    with pytest.raises(
+        ValueError, match=r"extra_info\['recipe'\] = 'cfl': set the recipe once per run"
+    ):
+        compute_score("gsm8k", COMPLETIONS[0], "72", {"recipe": "cfl"}, **dead)
+    typo = _Config(weights=_Config(sdd=0))
+    with pytest.raises(ValueError, match=r"params\.weights\.sdd: Extra inputs are not permitted"):
+        compute_score("gsm8k", COMPLETIONS[0], "72", params=typo, **dead)
+    with pytest.raises(ValueError, match=r"params\.similarity_threshold: .*less than 1"):
+        compute_score("gsm8k", COMPLETIONS[0], "72", params={"similarity_threshold": 1.5}, **dead)

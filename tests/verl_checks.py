@@ -10,10 +10,17 @@ JSON object with what verl got. Only the README's path and URL values are replac
 checkout's file and the test server).
 
 SPEC.json: ``{"url": ..., "cases": [{"data_source", "response", "ground_truth", "extra_info"}],
-"reward_kwargs": optional extra keys, "pause_file": optional}``. With ``pause_file``, after the
-report it prints ``PAUSED``, waits for that file (the caller kills the server meanwhile) and scores
-the first case once more through the manager with ``compute_score``: the exception that stops verl
-then ends this process with a traceback and a non-zero status.
+"reward_kwargs": optional extra keys, "pause_file": optional, "runs": optional}``. With
+``pause_file``, after the report it prints ``PAUSED``, waits for that file (the caller kills the
+server meanwhile) and scores the first case once more through the manager with ``compute_score``:
+the exception that stops verl then ends this process with a traceback and a non-zero status.
+
+``runs`` (instead of, or besides, ``cases``): ``[{"name", "manager", "overrides", "cases"}]``, each
+scored with ``compute_score`` under the README's Hydra overrides plus the run's own, and reported
+under ``report["runs"][name]``: ``manager`` ``naive`` (verl's ``run_single``, one result or
+``{"error"}`` per case), ``batch`` (the cases as one batch, assembled by verl's own
+``RewardLoopManager.compute_rm_score``) or ``remote`` (verl's ``RemoteRewardManager`` built by its
+``load_reward_manager``, on a one-CPU local Ray that is shut down after the run).
 """
 
 from __future__ import annotations
@@ -58,21 +65,26 @@ def localize(cfg: Any, url: str) -> Any:
     return cfg
 
 
+def compose(overrides: list[str]) -> Any:
+    """verl's own ``ppo_trainer`` config with these Hydra overrides, as ``main_ppo`` builds it."""
+    import verl
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        return hydra_compose(config_name="ppo_trainer", overrides=overrides)
+
+
 def configs(url: str) -> dict[str, Any]:
     """verl configs built from the README: its YAML, and its overrides composed by Hydra."""
-    import verl
-    from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
     yaml_text, overrides = readme_blocks()
     out = {"yaml": localize(OmegaConf.create(yaml_text), url)}
-    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
-    with initialize_config_dir(config_dir=config_dir, version_base=None):
-        composed = compose(config_name="ppo_trainer", overrides=overrides)
-        # The documentation bug this guards against: a top-level block is silently ignored.
-        legacy = compose(
-            config_name="ppo_trainer", overrides=[f"custom_reward_function.path={HOOK}"]
-        )
+    composed = compose(overrides)
+    # The documentation bug this guards against: a top-level block is silently ignored.
+    legacy = compose([f"custom_reward_function.path={HOOK}"])
     out["overrides"] = localize(composed, url)
     out["top_level_path_seen_by_verl"] = legacy.reward.custom_reward_function.path
     return out
@@ -119,6 +131,110 @@ def plain(value: Any) -> Any:
     return value.item() if hasattr(value, "item") else value
 
 
+def failure(exc: BaseException) -> dict[str, str]:
+    """What a run reports instead of a result: the exception verl would have stopped with."""
+    return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def run_naive(cfg: Any, tokenizer: Any, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each case through verl's ``naive`` manager, its result or its error."""
+    from verl.experimental.reward_loop.reward_manager.naive import NaiveRewardManager
+    from verl.trainer.ppo.reward import get_custom_reward_fn
+
+    manager = NaiveRewardManager(
+        config=cfg, tokenizer=tokenizer, compute_score=get_custom_reward_fn(cfg)
+    )
+    out: list[dict[str, Any]] = []
+    for case in cases:
+        try:
+            got = manager.loop.run_until_complete(manager.run_single(data_proto(tokenizer, case)))
+        except Exception as exc:  # reported: the caller asserts on it
+            out.append(failure(exc))
+            continue
+        out.append(plain({"score": got["reward_score"], **got["reward_extra_info"]}))
+    return out
+
+
+def run_batch(cfg: Any, tokenizer: Any, cases: list[dict[str, Any]]) -> dict[str, Any]:
+    """The cases as one batch: scored per sample by the ``naive`` manager, as a reward-loop
+    worker does, then assembled by verl's own ``RewardLoopManager.compute_rm_score``, which
+    logs every sample under the keys of the first one's result."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from verl import DataProto
+    from verl.experimental.reward_loop import reward_loop
+    from verl.experimental.reward_loop.reward_manager.naive import NaiveRewardManager
+    from verl.trainer.ppo.reward import get_custom_reward_fn
+
+    manager = NaiveRewardManager(
+        config=cfg, tokenizer=tokenizer, compute_score=get_custom_reward_fn(cfg)
+    )
+
+    class Worker:  # RewardLoopWorker.compute_score_batch, answered in process instead of by Ray
+        class compute_score_batch:  # the attribute verl calls
+            @staticmethod
+            def remote(chunk: Any) -> list[dict[str, Any]]:
+                run = manager.loop.run_until_complete
+                return [run(manager.run_single(chunk[i : i + 1])) for i in range(len(chunk))]
+
+    owner = SimpleNamespace(
+        reward_model_manager=None,
+        reward_loop_workers=[Worker()],
+        reward_manager_cls=NaiveRewardManager,
+    )
+    data = DataProto.concat([data_proto(tokenizer, case) for case in cases])
+    try:
+        with mock.patch.object(reward_loop.ray, "get", lambda refs: refs):
+            batch = reward_loop.RewardLoopManager.compute_rm_score(owner, data)
+    except Exception as exc:  # reported: the caller asserts on it
+        return failure(exc)
+    keys = batch.meta_info["reward_extra_keys"]
+    return {
+        "scores": [float(x) for x in batch.batch["rm_scores"].sum(dim=-1)],
+        "extra_keys": keys,
+        "extras": {k: [plain(v) for v in batch.non_tensor_batch[k]] for k in keys},
+    }
+
+
+def run_remote(cfg: Any, tokenizer: Any, cases: list[dict[str, Any]]) -> Any:
+    """Each case through verl's ``remote`` manager, which ships the function to a Ray actor."""
+    import ray
+    from omegaconf import open_dict
+    from verl.trainer.ppo.reward import load_reward_manager
+
+    with open_dict(cfg):
+        cfg.reward.reward_manager.name = "remote"
+        cfg.reward.num_workers = 1
+    # The actor imports trainer_client: the README's advice, PYTHONPATH in the runtime_env.
+    env = {"PYTHONPATH": str(REPO)}
+    ray.init(num_cpus=1, include_dashboard=False, runtime_env={"env_vars": env})
+    try:
+        try:
+            manager = load_reward_manager(cfg, tokenizer)
+        except Exception as exc:  # reported: the caller asserts on it
+            return failure(exc)
+        out = []
+        for case in cases:
+            got = manager.loop.run_until_complete(manager.run_single(data_proto(tokenizer, case)))
+            out.append(plain({"score": got["reward_score"], **got["reward_extra_info"]}))
+        return out
+    finally:
+        ray.shutdown()
+
+
+def runs(spec: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
+    """``spec["runs"]``, each on the README's Hydra config plus its own overrides."""
+    _, readme_overrides = readme_blocks()
+    kinds = {"naive": run_naive, "batch": run_batch, "remote": run_remote}
+    report = {}
+    for run in spec["runs"]:
+        cfg = localize(compose([*readme_overrides, *run.get("overrides", [])]), spec["url"])
+        cfg.reward.custom_reward_function.name = "compute_score"
+        report[run["name"]] = kinds[run["manager"]](cfg, tokenizer, run["cases"])
+    return report
+
+
 def main(spec_path: str) -> int:
     from omegaconf import open_dict
     from verl.experimental.reward_loop.reward_manager.naive import NaiveRewardManager
@@ -127,8 +243,13 @@ def main(spec_path: str) -> int:
     from tests.trainer_doubles import byte_level_tokenizer
 
     spec = json.loads(Path(spec_path).read_text())
-    cases = spec["cases"]
-    tokenizer = byte_level_tokenizer(["Q?"] + [c["response"] for c in cases])
+    cases = spec.get("cases", [])
+    texts = [c["response"] for c in cases]
+    texts += [c["response"] for run in spec.get("runs", []) for c in run["cases"]]
+    tokenizer = byte_level_tokenizer(["Q?", *texts])
+    if not cases:
+        print(json.dumps({"runs": runs(spec, tokenizer)}), flush=True)
+        return 0
     built = configs(spec["url"])
     report: dict[str, Any] = {"top_level_path": built.pop("top_level_path_seen_by_verl")}
     managers = {}

@@ -1,0 +1,202 @@
+"""The implementation behind :mod:`trainer_client.verl` (read that module for the user's side).
+
+It lives here, in a module that is always imported under its own name, because verl loads the
+reward file by path without registering it in ``sys.modules``: a function defined in that file
+has a ``__module__`` nobody can import, so Ray (verl's ``remote`` reward manager ships the function
+to an actor) pickles it by value with its globals, and the client cache's lock cannot be pickled.
+The file verl loads re-exports these functions, whose ``__module__`` is this importable module:
+Ray pickles them by reference and the actor imports this module itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import numbers
+import os
+import threading
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pydantic import ValidationError
+
+from reward_server.core import RewardParams
+from reward_server.core.answers import gold_text
+from trainer_client.client import AsyncRewardClient, RewardClient
+from trainer_client.results import ScoreResult
+from trainer_client.retry import RetryPolicy
+
+_Key = tuple[str, int]  # (URLs, max attempts)
+_sync_clients: dict[_Key, RewardClient] = {}
+# Keyed weakly by event loop: an AsyncClient is bound to its loop, and a dead loop's clients go.
+_async_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[_Key, AsyncRewardClient]]
+_async_clients = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+#: ``data_source`` substrings that imply a matcher other than the numeric default.
+_CHOICE_SOURCES = ("medmcqa", "mmlu", "medqa")
+
+
+def _option(name: str, extra_info: Mapping[str, Any] | None, kwargs: Mapping[str, Any]) -> Any:
+    if extra_info and extra_info.get(name) is not None:
+        return extra_info[name]
+    return kwargs.get(name)
+
+
+def _key(extra_info: Mapping[str, Any] | None, kwargs: Mapping[str, Any]) -> _Key:
+    """Which client serves this call: its URL(s) and its number of tries."""
+    url = _option("reward_url", extra_info, kwargs) or kwargs.get("url")
+    url = url or os.environ.get("SDE2_URL")
+    if not url:
+        raise ValueError(
+            "no reward server URL: set extra_info['reward_url'], pass url= through "
+            "reward.custom_reward_function.reward_kwargs, or export SDE2_URL=http://host:8000"
+        )
+    return str(url), int(kwargs.get("max_attempts") or 6)
+
+
+def _plain(value: Any) -> Any:
+    """A deep copy made of dicts and lists.
+
+    verl's ``dict(reward_kwargs)`` is shallow: a nested ``params.weights`` set through Hydra stays
+    an OmegaConf ``DictConfig`` (a ``Mapping``, not a ``dict``), which pydantic and ``json``
+    refuse. Duck-typed on the ABCs, so the adapter needs no OmegaConf import.
+    """
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, Sequence) and not isinstance(value, str | bytes | bytearray):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _params(extra_info: Mapping[str, Any] | None, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The SPEC §4 parameters that were set, validated here so a typo names its field.
+
+    Checked before the request: otherwise a misspelt key would reach the server as a 422 that
+    verl reports as a failed reward call, far from the config line that caused it.
+    """
+    raw = _option("params", extra_info, kwargs)
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"params must map SPEC §4 parameter names to values, got {raw!r}")
+    try:
+        validated = RewardParams.model_validate(_plain(raw))
+    except ValidationError as exc:
+        issues = "; ".join(
+            f"params.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
+        )
+        raise ValueError(f"reward_kwargs {issues}") from None
+    return validated.model_dump(exclude_unset=True)
+
+
+def _recipe(extra_info: Mapping[str, Any] | None, kwargs: Mapping[str, Any]) -> str:
+    """The run's recipe, from ``reward_kwargs`` only.
+
+    verl assembles a batch's logged extras with the keys of its first sample's result, and a
+    recipe decides which component keys a result has: a batch that mixed recipes would stop verl
+    with a bare ``KeyError`` on a component name. A per-sample function cannot see its batch, so
+    a per-row recipe is refused outright rather than allowed to fail some batches later.
+    """
+    if extra_info and extra_info.get("recipe") is not None:
+        raise ValueError(
+            f"extra_info['recipe'] = {extra_info['recipe']!r}: set the recipe once per run, with "
+            "reward.custom_reward_function.reward_kwargs.recipe. Each recipe returns different "
+            "component keys, and verl logs every sample of a batch under the keys of the "
+            "first one, so rows with different recipes stop verl with a KeyError"
+        )
+    return str(kwargs.get("recipe") or "sde2")
+
+
+def _num_tokens(extra_info: Mapping[str, Any] | None, kwargs: Mapping[str, Any]) -> int | None:
+    """The response length for ``cfl``'s length term: an integer count, never a coerced one.
+
+    ``int()`` would turn ``1500.9`` into 1500 and ``True`` into 1 without a word; a wrong length
+    changes the reward, so anything but a non-negative integer is an error.
+    """
+    value = _option("num_tokens", extra_info, kwargs)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(
+            f"num_tokens must be an integer >= 0 (the response's length in tokens), got {value!r}"
+        )
+    return int(value)
+
+
+def _request(
+    data_source: str,
+    solution_str: str,
+    ground_truth: Any,
+    extra_info: Mapping[str, Any] | None,
+    kwargs: Mapping[str, Any],
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    answer_type = _option("answer_type", extra_info, kwargs) or (
+        "choice" if any(s in str(data_source).lower() for s in _CHOICE_SOURCES) else "numeric"
+    )
+    try:
+        gold = gold_text(ground_truth)
+    except ValueError as exc:
+        raise ValueError(f"ground_truth of a {data_source!r} sample: {exc}") from None
+    item: dict[str, Any] = {"completion": solution_str, "answer": gold}
+    num_tokens = _num_tokens(extra_info, kwargs)
+    if num_tokens is not None:
+        item["num_tokens"] = num_tokens
+    options: dict[str, Any] = {
+        "recipe": _recipe(extra_info, kwargs),
+        "answer_type": answer_type,
+        "params": _params(extra_info, kwargs) or None,
+        "normalize": False,
+        "diagnostics": True,
+    }
+    return [item], options
+
+
+def _as_verl(result: ScoreResult) -> dict[str, Any]:
+    """verl's dict: ``score`` plus scalar per-sample extras (components and diagnostics)."""
+    it = result.items[0]
+    out: dict[str, Any] = {"score": result.rewards[0]}
+    out.update({k: v[0] for k, v in result.components.items()})
+    out.update(
+        acc=float(it.correct),
+        strategy_correct=float(it.strategy_correct),
+        n_strat=it.n_strat,
+        uniq=it.uniq if it.uniq is not None else 0,
+    )
+    return out
+
+
+def compute_score(
+    data_source: str,
+    solution_str: str,
+    ground_truth: Any,
+    extra_info: Mapping[str, Any] | None = None,
+    **kwargs: Any,
+) -> dict[str, Any]:
+    """Score one verl sample through the reward server; raises if the server cannot answer."""
+    key = _key(extra_info, kwargs)
+    items, options = _request(data_source, solution_str, ground_truth, extra_info, kwargs)
+    with _lock:
+        client = _sync_clients.get(key)
+        if client is None:
+            retry = RetryPolicy(max_attempts=key[1])
+            client = _sync_clients[key] = RewardClient(key[0], retry=retry)
+    return _as_verl(client.score(items, **options))
+
+
+async def compute_score_async(
+    data_source: str,
+    solution_str: str,
+    ground_truth: Any,
+    extra_info: Mapping[str, Any] | None = None,
+    **kwargs: Any,
+) -> dict[str, Any]:
+    """The ``async def`` variant of :func:`compute_score` (verl awaits it concurrently)."""
+    key = _key(extra_info, kwargs)
+    items, options = _request(data_source, solution_str, ground_truth, extra_info, kwargs)
+    per_loop = _async_clients.setdefault(asyncio.get_running_loop(), {})
+    client = per_loop.get(key)
+    if client is None:
+        retry = RetryPolicy(max_attempts=key[1])
+        client = per_loop[key] = AsyncRewardClient(key[0], retry=retry)
+    return _as_verl(await client.score(items, **options))
