@@ -102,7 +102,7 @@ fi
 # Dockerfile and the build arguments. Untracked files count too (git ls-files -co).
 source_hash="$(
     {
-        git ls-files -co --exclude-standard -- pyproject.toml setup.py MANIFEST.in README.md \
+        git ls-files -co --exclude-standard -- pyproject.toml setup.py MANIFEST.in README.md LICENSE \
             reward_server trainer_client protos "$dockerfile" .dockerignore | LC_ALL=C sort | while read -r f; do
             [ -f "$f" ] && printf '%s %s\n' "$(sha256sum <"$f" | cut -c1-64)" "$f"
         done

@@ -1,16 +1,21 @@
 """``sde2-reward``: the command line of the reward server (score, explain, export, serve).
 
-Each subcommand lives in the module that does the work; this file only wires them up, importing
-lazily so that ``sde2-reward score`` never pays for the server stack and ``serve`` never imports
-torch.
+Each subcommand lives in the module that does the work; this file only wires them up. Only the
+module of the subcommand being run is imported: ``sde2-reward --help`` works on a client-only
+install (``pip install sde2``, no server packages), ``sde2-reward score`` never pays for the web
+stack and ``serve`` never imports torch.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Collection, Sequence
+from types import FrameType
 
 #: subcommand -> (module, one-line help). Each module provides ``add_arguments(parser)`` and
 #: ``run(args) -> int``.
@@ -21,23 +26,91 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("reward_server.service.serve", "run the HTTP and gRPC reward server"),
 }
 
+#: Top-level packages of the optional extras -> the extra that installs them, named in the error
+#: a missing one gives instead of a traceback.
+EXTRA_OF_PACKAGE: dict[str, str] = {
+    **dict.fromkeys(
+        ("onnxruntime", "tokenizers", "fastapi", "starlette", "uvicorn", "orjson", "grpc"),
+        "server",
+    ),
+    **dict.fromkeys(("google", "prometheus_client", "psutil"), "server"),
+    **dict.fromkeys(("torch", "transformers", "sentence_transformers"), "export"),
+}
 
-def build_parser() -> argparse.ArgumentParser:
-    """The top-level parser with one subparser per subcommand."""
+#: What ``serve`` exits with when stopped by SIGTERM (its drained stop); the early handler
+#: below matches it, so that a stop is a stop whenever it comes.
+STOPPED_EXIT_CODE = 0
+
+
+def _stop_before_ready(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM before ``serve`` installed its own (draining) handler: exit now.
+
+    In a container the server is PID 1, and the kernel ignores a signal that PID 1 has no
+    handler for: without this one, a stop in the first fraction of a second (while the modules
+    import) is dropped and the runtime waits out its whole timeout, then kills (137). Nothing is
+    being served yet, so there is nothing to drain. Once another thread runs (the encoder
+    loading, possibly inside native code), a normal interpreter exit could abort in C++
+    destructors, so the process then leaves at once with ``os._exit``.
+    """
+    os.write(2, b"sde2-reward: stopped by SIGTERM during startup\n")
+    if threading.active_count() > 1:
+        os._exit(STOPPED_EXIT_CODE)
+    raise SystemExit(STOPPED_EXIT_CODE)
+
+
+def missing_extra_message(exc: ModuleNotFoundError, command: str | None = None) -> str | None:
+    """One line naming the extra that installs the module ``exc`` is about, or None when it is
+    not a package of an optional extra (a real bug, whose traceback should show). ``export``
+    needs its own extra whatever is missing (it holds the server's encoder packages too)."""
+    top = (exc.name or "").split(".")[0]
+    extra = EXTRA_OF_PACKAGE.get(top)
+    if extra is None:
+        return None
+    if command == "export":
+        extra = "export"
+    return f"{top} is not installed: this needs the {extra} extra (pip install 'sde2[{extra}]')"
+
+
+def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentParser:
+    """The top-level parser with one subparser per subcommand.
+
+    Only the subcommands in ``commands`` (default: all) get their options, which imports their
+    modules; the others are listed with their help line, so ``--help`` needs no extra installed.
+    """
     parser = argparse.ArgumentParser(prog="sde2-reward", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
-        module = importlib.import_module(module_name)
         sp = sub.add_parser(name, help=help_text, description=help_text)
-        module.add_arguments(sp)
-        sp.set_defaults(_run=module.run)
+        if commands is None or name in commands:
+            module = importlib.import_module(module_name)
+            module.add_arguments(sp)
+            sp.set_defaults(_run=module.run)
     return parser
+
+
+def requested_command(argv: Sequence[str]) -> str | None:
+    """The subcommand ``argv`` names (the first argument that is not an option), if any."""
+    first = next((arg for arg in argv if not arg.startswith("-")), None)
+    return first if first in SUBCOMMANDS else None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``sde2-reward``."""
-    args = build_parser().parse_args(argv)
-    return int(args._run(args))
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    command = requested_command(args_in)
+    # First, before any import: only the server runs as a container's PID 1 (the other commands
+    # keep the default, so that a terminated `score` does not exit 0).
+    if command == "serve" and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _stop_before_ready)
+    try:
+        args = build_parser([command] if command else []).parse_args(args_in)
+        return int(args._run(args))
+    except ModuleNotFoundError as exc:
+        message = missing_extra_message(exc, command)
+        if message is None:
+            raise
+        print(f"sde2-reward {command}: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -488,6 +488,32 @@ def test_sigterm_stops_cleanly(image: str) -> None:
         remove_container(running.name)
 
 
+@pytest.mark.parametrize("delay", [0.2, 0.6])
+def test_sigterm_during_startup_stops_at_once(image: str, delay: float) -> None:
+    """`podman stop` a fraction of a second after the start, while the server is still
+    importing (PID 1, before its draining handlers exist): the kernel drops a signal PID 1 has
+    no handler for, so without the early one (``reward_server.cli``) the stop waited out its
+    whole timeout and killed the server (137)."""
+    name = f"sde2-test-{uuid.uuid4().hex[:10]}"
+    podman(
+        "run", "-d", "--name", name, "--network", "host",
+        "-e", f"SDE2_PORT={free_port()}", "-e", f"SDE2_GRPC_PORT={free_port()}",
+        "-e", "SDE2_HOST=127.0.0.1",
+        image,
+    )  # fmt: skip
+    try:
+        time.sleep(delay)
+        t0 = time.monotonic()
+        podman("stop", "-t", "15", name, timeout=60)
+        stop_s = time.monotonic() - t0
+        code = podman("inspect", "--format", "{{.State.ExitCode}}", name).stdout.strip()
+        print(f"\nstopped {delay}s after the start in {stop_s:.2f}s, exit code {code}")
+        assert code == "0", f"exit code {code}:\n{container_logs(name)}"
+        assert stop_s < 5
+    finally:
+        remove_container(name)
+
+
 def test_math_variant_survives_pathological_answers() -> None:
     """``SERVER_EXTRAS="server math"``: the math matcher works as the image's non-root user, and
     an answer sympy would compute for hours costs ``SDE2_MATH_TIMEOUT``, not the container."""

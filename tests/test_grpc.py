@@ -6,13 +6,13 @@ import asyncio
 import importlib.util
 import re
 import time
+import tomllib
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import grpc
 import pytest
-import tomllib
 
 from reward_server.service.grpc_client import RewardStub, request_from_dict, response_to_dict
 from reward_server.service.grpc_messages import pb

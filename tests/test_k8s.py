@@ -212,6 +212,66 @@ def test_service_hpa_and_pdb_select_the_pods() -> None:
     assert pdb["spec"]["maxUnavailable"] == 1 and hpa["spec"]["minReplicas"] >= 2
 
 
+#: What one admitted request costs at peak, per byte of its body: 1678 MB resident was measured
+#: at 48 concurrent 15.5 MB bodies over a ~250 MB base, i.e. ~35 MB per 15.5 MB body.
+PEAK_PER_BODY_BYTE = 35e6 / 15.5e6
+#: The process before any request: runtime, model, encoder arenas.
+BASE_BYTES = 250e6
+#: The LRU embedding cache, per entry (config.py's ``cache_size`` comment: ~1.7 kB).
+CACHE_ENTRY_BYTES = 1.7e3
+#: A GRPO step every pod must keep admitting: 1024 completions of ~8 KB, plus JSON's overhead.
+GRPO_STEP_BYTES = 1024 * 8 * 1024 * 1.1
+_UNITS = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 1e3, "M": 1e6, "G": 1e9}
+
+
+def quantity_bytes(quantity: str) -> float:
+    """A Kubernetes memory quantity (``2560Mi``, ``8Gi``, ``1G``, ``1048576``) in bytes."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([KMGT]i|[kMG])?", quantity)
+    assert match, f"unsupported quantity {quantity!r}"
+    return float(match.group(1)) * _UNITS.get(match.group(2) or "", 1)
+
+
+@pytest.mark.parametrize("overlay", ["base", "overlays/gpu"])
+def test_memory_limit_holds_what_the_server_admits(overlay: str) -> None:
+    """The pod's memory limit covers the worst case the server's own limits admit (every
+    admission slot holding a body of the largest size), so that a burst of large requests gets
+    429/413 from the server rather than an OOM kill of the pod; and a realistic GRPO step is
+    still admitted. Both sides come from the rendered YAML, so they cannot drift apart."""
+    container = server_container(by_kind(render(overlay))["Deployment"])
+    literal = {k: str(e["value"]) for k, e in _env(container).items() if "value" in e}
+    settings = load_settings(environ=literal)
+    worst = (
+        BASE_BYTES
+        + settings.cache_size * CACHE_ENTRY_BYTES
+        + settings.queue_capacity * settings.max_body_bytes * PEAK_PER_BODY_BYTE
+    )
+    for kind in ("requests", "limits"):
+        memory = quantity_bytes(container["resources"][kind]["memory"])
+        assert memory >= worst, (
+            f"{overlay}: {kind}.memory {memory / 1e6:.0f} MB < {worst / 1e6:.0f} MB = base + cache "
+            f"+ {settings.queue_capacity} admitted x {settings.max_body_bytes / 1e6:.1f} MB bodies "
+            f"x {PEAK_PER_BODY_BYTE:.2f}"
+        )
+    assert settings.max_body_bytes >= GRPO_STEP_BYTES, "a 1024-completion GRPO step is refused"
+
+
+def test_quantity_bytes() -> None:
+    assert quantity_bytes("1Gi") == 2**30 and quantity_bytes("2560Mi") == 2560 * 2**20
+    assert quantity_bytes("1G") == 1e9 and quantity_bytes("1048576") == 2**20
+    # The old limit against the server's defaults: the arithmetic above fails it.
+    defaults = Settings()
+    worst = BASE_BYTES + defaults.queue_capacity * defaults.max_body_bytes * PEAK_PER_BODY_BYTE
+    assert quantity_bytes("1Gi") < worst
+
+
+def test_replicas_left_to_the_autoscaler() -> None:
+    """An HPA owns the count: a ``replicas`` in the Deployment would reset it on every apply."""
+    for overlay in ("base", "overlays/gpu"):
+        objects = by_kind(render(overlay))
+        assert "replicas" not in objects["Deployment"]["spec"], overlay
+        assert objects["HorizontalPodAutoscaler"]["spec"]["minReplicas"] >= 1
+
+
 def test_gpu_overlay() -> None:
     base = by_kind(render("base"))
     gpu = by_kind(render("overlays/gpu"))

@@ -681,11 +681,14 @@ def test_a_job_submitted_while_the_batcher_closes_is_served_or_refused() -> None
     lost = served = 0
     for _ in range(300):
         batcher = Batcher(HashEncoder(), capacity=4, batch_tokens=1000)
-        go = threading.Event()
+        go, first = threading.Event(), threading.Event()
         futures: list[Any] = []
 
         def submit(
-            batcher: Batcher = batcher, go: threading.Event = go, futures: list[Any] = futures
+            batcher: Batcher = batcher,
+            go: threading.Event = go,
+            first: threading.Event = first,
+            futures: list[Any] = futures,
         ) -> None:
             go.wait()
             for _ in range(50):
@@ -693,10 +696,13 @@ def test_a_job_submitted_while_the_batcher_closes_is_served_or_refused() -> None
                     futures.append(batcher.submit(["x"], time.monotonic() + 60))
                 except ShuttingDown:
                     return
+                finally:
+                    first.set()
 
         thread = threading.Thread(target=submit)
         thread.start()
         go.set()
+        first.wait(5)  # the race starts once submitting has (on a loaded machine, not always)
         batcher.close()
         thread.join()
         done, pending = wait(futures, timeout=1.0)

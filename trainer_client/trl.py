@@ -312,7 +312,7 @@ class SDE2Reward:
         )
         try:
             data = await asyncio.wait_for(request, EXPLAIN_TIMEOUT)
-        except (RewardServiceError, asyncio.TimeoutError) as exc:  # the rewards stand
+        except (TimeoutError, RewardServiceError) as exc:  # the rewards stand
             why = exc if str(exc) else f"no answer within {EXPLAIN_TIMEOUT:g} s"
             log.warning("no %s/explanation column this step: %s", self.recipe, why)
             return

@@ -10,9 +10,11 @@ that choosing an export never imports torch.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import TYPE_CHECKING, Literal, get_args
 
 from reward_server.encoders.base import Encoder, Provider
+from reward_server.encoders.model_store import ModelExportError
 
 if TYPE_CHECKING:
     from reward_server.encoders.batched import BatchedEncoder
@@ -54,6 +56,10 @@ def load_encoder(
             max_batch_tokens=max_batch_tokens,
         )
     else:
+        require_torch_stack(
+            "--backend torch (the sentence-transformers reference)",
+            "or serve the ONNX export with --backend onnx (--model / SDE2_MODEL names an export)",
+        )
         from reward_server.encoders.reference import SentenceTransformerEncoder
 
         encoder = SentenceTransformerEncoder(
@@ -96,3 +102,32 @@ def runs_export(backend: Backend) -> bool:
 
 #: The backends that run the ONNX export (``--backend`` choices of the encoder benchmarks).
 EXPORT_BACKENDS: tuple[Backend, ...] = tuple(b for b in BACKENDS if runs_export(b))
+
+
+#: What running the encoder in torch (the export, the reference backend) imports: the
+#: ``export`` extra, which a server-only install (``sde2[server]``) leaves out.
+TORCH_STACK = ("torch", "sentence_transformers")
+
+
+def require_torch_stack(needed_by: str, otherwise: str) -> None:
+    """:class:`ModelExportError` in one line, naming the ``export`` extra and ``otherwise`` (what
+    to do without it), when a package of :data:`TORCH_STACK` is not installed.
+
+    Checked before the first import: the import's own ``ModuleNotFoundError`` would surface as a
+    traceback from deep inside the export (twice, when the server runs it in a child process),
+    without saying which extra to install or that an existing export needs none of it.
+    """
+    missing = [name for name in TORCH_STACK if not _installed(name)]
+    if missing:
+        raise ModelExportError(
+            f"{needed_by} needs {' and '.join(missing)} (not installed): "
+            f"pip install 'sde2[export]', {otherwise}"
+        )
+
+
+def _installed(module: str) -> bool:
+    """Whether ``module`` can be imported, without importing it (torch takes seconds)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a broken or half-imported package
+        return False

