@@ -1,12 +1,14 @@
 """The Ray Serve application on a real local Ray cluster (``pytest -m ray``; part of ``make test``).
 
 One cluster for the module (``ray.init(num_cpus=2)`` on 127.0.0.1, CPU, two scorer replicas of
-0.5 CPU) and one ``sde2-reward serve`` process with the same model and settings beside it. What
-is checked against that process, byte for byte after JSON decoding: the HTTP ingress on every
-route, the deployment handle (from this driver and from a Ray task, as a trainer's reward worker
-runs), our client and the TRL adapter pointed at the ingress URL; then a scorer replica is killed
-during a bounded stream of requests: each request gets the right answer or 429/503, and Ray
-brings the replica back.
+0.5 CPU, the application under the route prefix ``/sde2``) and one ``sde2-reward serve`` process
+with the same model and settings beside it. What is checked against that process, byte for byte
+after JSON decoding: the HTTP ingress on every route, the deployment handle (from this driver
+and from a Ray task, as a trainer's reward worker runs), our client and the TRL adapter pointed
+at the ingress URL; then a scorer replica is killed during a bounded stream of requests: each
+request gets the right answer or 429/503, and Ray brings the replica back. What the ingress
+answers itself: /healthz with no scorer able to start (and 503, not a hang, elsewhere), and
+401 / 413 / 408 / 429 before a body is read or shipped.
 
 Both sides run onnxruntime with one thread and no embedding cache, so equal requests are equal
 encoder batches and the numbers are identical, not merely close.
@@ -16,7 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -50,16 +54,26 @@ RAY_ENV = {
     "RAY_AUTH_MODE": "disabled",
     "RAY_USAGE_STATS_ENABLED": "0",
 }
-SERVE_FLAGS = ("--intra-op-threads", "1", "--cache-size", "0")
-RAY_ARGS = {"num_replicas": 2, "num_cpus": 0.5, "cache_size": 0}
+SERVE_FLAGS = ("--intra-op-threads", "1", "--cache-size", "0", "--body-timeout", "3")
+#: ``ingress_max_bodies`` low enough for a test to fill, above the 4 clients of the kill test.
+RAY_ARGS = {
+    "num_replicas": 2,
+    "num_cpus": 0.5,
+    "cache_size": 0,
+    "body_timeout": 3,
+    "ingress_max_bodies": 6,
+}
+#: Not "/": Ray puts a prefix in both ``root_path`` and ``path``; every test goes through it.
+PREFIX = "/sde2"
 
 
 @dataclass
 class Cluster:
-    """The Ray ingress URL and the reference ``sde2-reward serve`` URL."""
+    """The Ray ingress URL (with the route prefix) and the reference ``sde2-reward serve`` URL."""
 
     ray_url: str
     serve_url: str
+    port: int  # Ray's HTTP proxy
 
 
 @contextlib.contextmanager
@@ -100,10 +114,11 @@ def cluster() -> Iterator[Cluster]:
             assert ray.util.get_node_ip_address() == "127.0.0.1"
             port = free_port()
             serve.start(http_options={"host": "127.0.0.1", "port": port})
-            serve.run(build_app({"model": str(model), **RAY_ARGS}), name="sde2", route_prefix="/")
+            app = build_app({"model": str(model), **RAY_ARGS})
+            serve.run(app, name="sde2", route_prefix=PREFIX)
             print(f"\nRay cluster and application up in {time.monotonic() - t0:.1f}s")
             reference.wait_ready()
-            yield Cluster(f"http://127.0.0.1:{port}", reference.url)
+            yield Cluster(f"http://127.0.0.1:{port}{PREFIX}", reference.url, port)
         finally:
             reference.stop()
             with contextlib.suppress(Exception):
@@ -167,15 +182,31 @@ def test_errors_and_health_match_serve(cluster: Cluster) -> None:
         got = _post(cluster.ray_url, path, body, headers)
         assert want.status_code in (401, 422)
         assert (got.status_code, got.json()) == (want.status_code, want.json())
-    # Over the body limit: 413 from the replica's own reader (the ingress forwards limit + 1).
+    # Over the body limit: 413 from the ingress, on the declared length, as the server does.
     big = b'{"items": [' + b" " * (16 * 1024 * 1024 + 10) + b"]}"
+    want = httpx.post(cluster.serve_url + "/v1/score", content=big, headers=AUTH, timeout=60)
     got = httpx.post(cluster.ray_url + "/v1/score", content=big, headers=AUTH, timeout=60)
-    assert got.status_code == 413, got.text
+    assert (got.status_code, got.json()) == (
+        want.status_code,
+        want.json(),
+    ) and want.status_code == 413
     for path in ("/healthz", "/readyz", "/v1/info"):
         want, got = httpx.get(cluster.serve_url + path), httpx.get(cluster.ray_url + path)
         assert got.status_code == want.status_code == 200 and got.json() == want.json()
     metrics = httpx.get(cluster.ray_url + "/metrics")
+    # The route as ``sde2-reward serve`` names it: without the prefix.
     assert metrics.status_code == 200 and 'sde2_requests_total{route="/v1/score"' in metrics.text
+
+
+def test_route_prefix_reaches_the_app(cluster: Cluster) -> None:
+    """Under a prefix the app sees it as ``root_path``: its routes match, and its docs page
+    loads the OpenAPI document from under the prefix."""
+    docs = httpx.get(cluster.ray_url + "/docs")
+    assert docs.status_code == 200 and f"'{PREFIX}/openapi.json'" in docs.text, docs.text[:300]
+    openapi = httpx.get(cluster.ray_url + "/openapi.json")
+    assert openapi.status_code == 200 and "/v1/score" in openapi.json()["paths"]
+    base = f"http://127.0.0.1:{cluster.port}"
+    assert httpx.get(base + "/v1/info").status_code == 404  # nothing outside the prefix
 
 
 # --- the deployment handle ------------------------------------------------------------------------
@@ -195,6 +226,23 @@ def test_handle_matches_serve(cluster: Cluster) -> None:
         handle.score(BAD_BODY)
     assert info.value.status == 422 and not info.value.retryable
     assert info.value.detail == want_422["detail"]
+
+
+def test_handle_refuses_what_json_cannot_carry(cluster: Cluster) -> None:
+    """What the HTTP route would refuse (not JSON: NaN, bytes; an unknown query keyword) is a
+    422 ``ScoreCallError`` naming the body or the keyword, not a bare ``RayTaskError``."""
+    from reward_server.service.ray_app import RewardHandle, ScoreCallError
+
+    handle = RewardHandle()
+    item = {"completion": "<final_answer>5</final_answer>", "answer": "5"}
+    for call, field in (
+        (lambda: handle.score({"items": [item], "params": {"alpha": math.nan}}), "body"),
+        (lambda: handle.score({"items": [{**item, "completion": b"5"}]}), "body"),
+        (lambda: handle.get_reward(OPENRLHF_BODY, recipee="cfl"), "query.recipee"),
+    ):
+        with pytest.raises(ScoreCallError) as info:
+            call()
+        assert info.value.status == 422 and info.value.detail[0]["field"] == field, info.value
 
 
 def test_handle_from_a_ray_task(cluster: Cluster) -> None:
@@ -241,6 +289,114 @@ def test_client_and_trl_adapter_against_the_ingress(cluster: Cluster) -> None:
     rewards = asyncio.run(on_ray_fn(**kwargs))
     assert rewards == asyncio.run(on_serve_fn(**kwargs))
     assert len(rewards) == len(items) and all(isinstance(r, float) for r in rewards)
+
+
+# --- what the ingress answers itself -------------------------------------------------------------
+
+
+def _raw(port: int, head: bytes, body: bytes = b"") -> socket.socket:
+    """A connection to Ray's proxy that has sent ``head`` (request line and headers, without the
+    blank line) and then ``body``: an upload the test can leave unfinished."""
+    conn = socket.create_connection(("127.0.0.1", port), timeout=30)
+    conn.sendall(head + b"\r\nHost: x\r\nContent-Type: application/json\r\n\r\n" + body)
+    return conn
+
+
+def _status_of(conn: socket.socket) -> tuple[int, bytes]:
+    """The status of the answer on ``conn`` and what came with it (read until the head ends)."""
+    got = b""
+    with conn:
+        while b"\r\n\r\n" not in got:
+            chunk = conn.recv(65536)
+            if not chunk:
+                break
+            got += chunk
+    return int(got.split(b" ", 2)[1]), got
+
+
+def test_ingress_refuses_before_reading_the_body(cluster: Cluster) -> None:
+    """Uploads that never finish: without the key (401) or over the limit by its declared
+    length (413) they are answered at once, unread; with the key, each holds an ingress slot
+    until the body timeout (408); beyond ``ingress_max_bodies`` held, 429 with Retry-After."""
+    post = f"POST {PREFIX}/v1/score HTTP/1.1".encode()
+    t0 = time.monotonic()
+    status, _ = _status_of(_raw(cluster.port, post + b"\r\nContent-Length: 1000", b'{"items": '))
+    assert status == 401
+    too_big = b"\r\nAuthorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: 99999999"
+    status, _ = _status_of(_raw(cluster.port, post + too_big, b'{"items": '))
+    assert status == 413
+    assert time.monotonic() - t0 < 2.5, "answered only once the upload gave up"
+
+    stalled_head = (
+        post + b"\r\nAuthorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: 1000"
+    )
+    stalled = [
+        _raw(cluster.port, stalled_head, b'{"items": ')
+        for _ in range(RAY_ARGS["ingress_max_bodies"])
+    ]
+    time.sleep(0.5)  # the proxy has handed them to the ingress
+    over = _post(cluster.ray_url, "/v1/score", diagnostic_request())
+    assert over.status_code == 429 and over.headers["retry-after"] == "1", over.text
+    t1 = time.monotonic()
+    answers = [_status_of(conn) for conn in stalled]
+    assert [status for status, _ in answers] == [408] * len(stalled), answers
+    assert time.monotonic() - t1 < RAY_ARGS["body_timeout"] + 2
+    # Slots are free again.
+    assert _post(cluster.ray_url, "/v1/score", diagnostic_request()).status_code == 200
+
+
+def test_client_disconnect_is_counted(cluster: Cluster) -> None:
+    """A client that gives up mid-request is counted as ``sde2-reward serve`` counts it (status
+    499, failure reason ``client_disconnect``) by the replica that was scoring it."""
+    line = 'sde2_failures_total{reason="client_disconnect"}'
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(cluster.ray_url + "/v1/score", json={"items": step_items(seed=77, prompts=8)},
+                   headers=AUTH, timeout=0.3)  # fmt: skip
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # /metrics shows the replica that answers: ask again
+        text = httpx.get(cluster.ray_url + "/metrics").text
+        if line in text and 'status="499"' in text:
+            return
+        time.sleep(0.3)
+    pytest.fail(f"no replica counted the disconnect: {line} missing")
+
+
+def test_no_scorer_replica_no_hang(cluster: Cluster) -> None:
+    """A scorer that cannot be placed (more CPUs than the node has): /healthz answers from the
+    ingress, /readyz and scoring answer 503 with Retry-After within their budgets (the scoring
+    budget counting the time queued for a replica), none hangs."""
+    from ray import serve
+
+    from reward_server.service.ray_app import build_app
+
+    # drain_timeout: Ray waits that long (graceful_shutdown_timeout_s) for the replica it never
+    # placed when the application is deleted.
+    args = {"model": str(real_model_dir()), "num_replicas": 1, "num_cpus": 64,
+            "request_timeout": 2, "probe_timeout_s": 1, "drain_timeout": 0}  # fmt: skip
+    app = build_app(args)
+    serve.run_many(
+        [serve.RunTarget(app, name="starved", route_prefix="/starved")],
+        wait_for_applications_running=False,
+    )
+    base = f"http://127.0.0.1:{cluster.port}/starved"
+    try:
+        deadline = time.monotonic() + 90
+        health = httpx.get(base + "/healthz", timeout=30)
+        while health.status_code == 404 and time.monotonic() < deadline:  # the route not yet up
+            time.sleep(0.5)
+            health = httpx.get(base + "/healthz", timeout=30)
+        assert (health.status_code, health.json()) == (200, {"status": "ok"})
+        for method, path, budget in (("GET", "/readyz", 1), ("POST", "/v1/score", 3)):
+            t0 = time.monotonic()
+            body = diagnostic_request() if method == "POST" else None
+            got = httpx.request(method, base + path, json=body, headers=AUTH, timeout=30)
+            took = time.monotonic() - t0
+            assert got.status_code == 503 and got.headers["retry-after"] == "1", got.text
+            assert "no scorer replica answered" in got.json()["detail"]
+            assert budget <= took < budget + 5, took
+        assert httpx.post(base + "/v1/score", json={}, timeout=30).status_code == 401
+    finally:
+        serve.delete("starved")
 
 
 # --- a replica killed under load ------------------------------------------------------------------
@@ -367,10 +523,26 @@ def test_serve_config_is_valid_and_builds() -> None:
         auto = scorer._deployment_config.autoscaling_config
         assert auto is not None and auto.min_replicas >= 1 and auto.max_replicas > auto.min_replicas
         assert auto.target_ongoing_requests == ray_app.RayOptions().target_ongoing_requests
+        # It becomes ready on a 2-CPU node: the ingress reserves no CPU, one scorer fits.
+        ingress_opts = app._bound_deployment.ray_actor_options or {}
+        scorer_opts = scorer.ray_actor_options or {}
+        assert ingress_opts.get("num_cpus") == 0, ingress_opts
+        assert scorer_opts["num_cpus"] <= 2, scorer_opts
+
+
+def test_docs_name_real_ray_commands() -> None:
+    """Ray 2.60's ``serve run`` has no ``--port``: the docs and messages point elsewhere."""
+    from reward_server.service import ray_app
+    from reward_server.service.ray_app import split_args
+
+    for text in (ray_app.__doc__ or "", (REPO / "deploy" / "README.md").read_text()):
+        assert "serve run --port" not in text and "serve run --host" not in text
+    with pytest.raises(ValueError, match="serve start --http-port"):
+        split_args({"port": 9000})
 
 
 def test_arguments_are_checked_at_build_time() -> None:
-    from reward_server.service.ray_app import split_args
+    from reward_server.service.ray_app import settings_from_args, split_args
 
     settings, options, passed = split_args({"max-items": "2048", "num_replicas": "3"})
     assert settings.max_items == 2048 and options.num_replicas == 3
@@ -382,6 +554,23 @@ def test_arguments_are_checked_at_build_time() -> None:
         ({"max_items": 0}, "max_items"),
         ({"api_key": "x"}, "SDE2_API_KEY"),
         ({"max_replicas": 0}, "max_replicas"),
+        ({"num_replicas": 2.5}, "num_replicas: expected an integer"),  # not 2
+        ({"num_replicas": "auto"}, "num_replicas"),
+        ({"max_replicas": True}, "max_replicas"),
+        ({"num_cpus": "two"}, "num_cpus"),
+        ({"header_timeout": 3}, "header_timeout.*http_options"),  # uvicorn's, not Ray's proxy's
+        ({"max_header_bytes": 2000}, "max_header_bytes"),
+        ({"keep_alive_timeout": 9}, "keep_alive_timeout_s"),
     ):
         with pytest.raises(ValueError, match=word):
             split_args(bad)
+    # YAML `key:` (null) leaves the default, for options and settings alike.
+    settings, options, passed = split_args(
+        {"min_replicas": None, "model": None, "num_replicas": 2.0}
+    )
+    assert options.min_replicas == 1 and options.num_replicas == 2
+    assert settings.model is None and passed == {}
+    # The connection limits are refused from the environment too (the replicas read it).
+    with pytest.raises(ValueError, match="SDE2_HEADER_TIMEOUT"):
+        settings_from_args({}, options, {"SDE2_HEADER_TIMEOUT": "4"})
+    assert split_args({"body_timeout": 3})[0].body_timeout == 3  # enforced by the ingress

@@ -10,8 +10,10 @@ Two deployments:
 * ``SDE2Ingress`` - the HTTP entry point behind Ray's proxy: it hands each request, whole, to
   one scorer replica and relays that replica's status, headers and body unchanged. It exists so
   that a replica dying mid-request (node lost, OOM, preemption) costs the caller a retry on
-  another replica, or a 503 with ``Retry-After``, instead of Ray's bare 500; and so that Ray's
-  queue limit reads as our 429.
+  another replica, or a 503 with ``Retry-After``, instead of Ray's bare 500; so that Ray's
+  queue limit reads as our 429; and so that no request waits unbounded for a scorer (503 when
+  none answers in time). It answers ``/healthz`` itself, and refuses a body before reading or
+  shipping it where the server would (401 without the key, 413, 408, 429): see :class:`Ingress`.
 
 Same routes, same JSON, same status codes as ``sde2-reward serve``, because the same app answers.
 One request is scored by one replica, so a step is normalized over exactly what was sent.
@@ -28,8 +30,11 @@ Start it with one command (``args`` below are ``key=value`` pairs)::
 
 Arguments: every ``sde2-reward serve`` setting by its name (``max_items=2048``; the API key only
 from ``SDE2_API_KEY`` in the replicas' environment), plus the Ray options of :class:`RayOptions`.
-``host``, ``port`` and ``grpc_port`` belong to Ray's proxy here (``serve run --port``,
-``http_options`` in the config), and ``workers`` to ``num_replicas``.
+``host``, ``port`` and ``grpc_port`` belong to Ray's proxy here (``serve start --http-host
+--http-port`` before ``serve run``, or ``http_options`` in the config), and ``workers`` to
+``num_replicas``. So do the limits uvicorn enforces for ``sde2-reward serve`` on request heads
+and idle connections (``header_timeout``, ``max_header_bytes``, ``keep_alive_timeout``): Ray's
+proxy reads the requests, so they are refused here rather than accepted and ignored.
 
 Importing this module needs Ray only when the deployments are built: ``build_app`` imports it.
 """
@@ -48,9 +53,18 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from reward_server.service.config import Settings, load_settings
+from reward_server.service.config import MAX_SECONDS, Settings, load_settings
 from reward_server.service.config import add_arguments as add_settings_arguments
-from reward_server.service.errors import Overloaded, ReplicaLost, ServiceError
+from reward_server.service.errors import (
+    BodyTimeout,
+    BodyTooLarge,
+    ClientGone,
+    Overloaded,
+    ReplicaLost,
+    ServiceError,
+    Unauthorized,
+    issue,
+)
 
 #: Ray Serve writes this logger (and its children) to each replica's own log file.
 log = logging.getLogger("ray.serve.sde2")
@@ -61,11 +75,28 @@ SCORER_NAME = "SDE2Scorer"
 INGRESS_NAME = "SDE2Ingress"
 #: Settings that mean something else under Ray (its proxy binds, replicas replace workers).
 _NOT_UNDER_RAY = {
-    "host": "Ray's proxy binds HTTP (serve run --host, http_options.host)",
-    "port": "Ray's proxy binds HTTP (serve run --port, http_options.port)",
+    "host": "Ray's proxy binds HTTP (serve start --http-host, http_options.host)",
+    "port": "Ray's proxy binds HTTP (serve start --http-port, http_options.port)",
     "grpc_port": "not served under Ray (use HTTP or the deployment handle)",
     "workers": "use num_replicas / min_replicas / max_replicas",
 }
+#: uvicorn's connection limits in ``sde2-reward serve``: Ray's proxy reads the connections here,
+#: so a value given for them would be shown in /v1/info and never enforced. Refused instead
+#: (from args and from the ``SDE2_*`` environment alike).
+_PROXY_SETTINGS = {
+    "header_timeout": "Ray's proxy reads request heads: it has no such limit (put nginx's "
+    "client_header_timeout in front); its own knobs are http_options (request_timeout_s)",
+    "max_header_bytes": "Ray's proxy reads request heads: it has no such limit (put nginx's "
+    "large_client_header_buffers in front); its own knobs are http_options",
+    "keep_alive_timeout": "Ray's proxy holds the connections: "
+    "set http_options.keep_alive_timeout_s",
+}
+_NOT_UNDER_RAY.update(_PROXY_SETTINGS)
+#: The query parameters of ``/get_reward`` (the only keywords ``RewardHandle.get_reward`` takes).
+_GET_REWARD_QUERY = ("recipe", "answer_type", "normalize")
+#: The ingress answers 503 when the scorer's answer is later than the request's own deadline by
+#: this much: the scorer's deadline answer (503 naming the phase) comes first when it can.
+_RELAY_GRACE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -102,7 +133,25 @@ class RayOptions:
     num_gpus: float = field(default=0.0, metadata={"help": "GPUs per scorer replica"})
     ingress_replicas: int = field(default=1, metadata={"help": "ingress (HTTP relay) replicas"})
     ingress_num_cpus: float = field(
-        default=0.1, metadata={"help": "CPUs reserved per ingress replica (it only relays)"}
+        default=0.0,
+        metadata={
+            "help": "CPUs reserved per ingress replica (it only relays: 0, so that a node whose "
+            "CPUs the scorers reserve still places it)"
+        },
+    )
+    ingress_max_bodies: int = field(
+        default=64,
+        metadata={
+            "help": "requests with a body one ingress replica holds at once, from upload to "
+            "answer (429 above): bounds its memory to this many max_body_bytes"
+        },
+    )
+    probe_timeout_s: float = field(
+        default=10.0,
+        metadata={
+            "help": "seconds a GET (/readyz, /v1/info, /metrics) waits for a scorer replica "
+            "before 503 (scoring requests wait request_timeout)"
+        },
     )
     attempts: int = field(
         default=3, metadata={"help": "tries per request when a scorer replica dies under it"}
@@ -120,6 +169,8 @@ class RayOptions:
             ("num_gpus", self.num_gpus >= 0),
             ("ingress_replicas", self.ingress_replicas >= 1),
             ("ingress_num_cpus", self.ingress_num_cpus >= 0),
+            ("ingress_max_bodies", self.ingress_max_bodies >= 1),
+            ("probe_timeout_s", 0 < self.probe_timeout_s <= MAX_SECONDS),
             ("attempts", self.attempts >= 1),
             ("upscale_delay_s", self.upscale_delay_s >= 0),
             ("downscale_delay_s", self.downscale_delay_s >= 0),
@@ -178,8 +229,11 @@ def split_args(args: Mapping[str, Any]) -> tuple[Settings, RayOptions, dict[str,
     setting_args: dict[str, str] = {}
     for raw_key, value in args.items():
         key = raw_key.replace("-", "_")
+        unsettable = key in ray_fields or key in setting_names - set(_NOT_UNDER_RAY) - {"api_key"}
+        if value is None and unsettable:  # YAML `key:` / `key: null`: unset, not the text "None"
+            continue
         if key in ray_fields:
-            ray_values[key] = _convert(ray_fields[key], value)
+            ray_values[key] = _convert(raw_key, ray_fields[key], value)
         elif key in _NOT_UNDER_RAY:
             raise ValueError(f"{raw_key}: {_NOT_UNDER_RAY[key]}")
         elif key == "api_key":
@@ -193,11 +247,49 @@ def split_args(args: Mapping[str, Any]) -> tuple[Settings, RayOptions, dict[str,
     return settings_from_args(setting_args, options), options, setting_args
 
 
-def _convert(f: dataclasses.Field[Any], value: Any) -> Any:
-    if value is None or str(value).lower() in ("", "none"):
+def _convert(name: str, f: dataclasses.Field[Any], value: Any) -> Any:
+    """A Ray option's value from args (YAML numbers or ``serve run`` text), or ValueError
+    naming ``name``. Only ``num_replicas`` may be unset ("none"); a count must be integral
+    (2.5 replicas is a typo, not 2)."""
+    text = str(value).strip().lower()
+    if f.name == "num_replicas" and text in ("", "none"):
         return None
-    kind = str(f.type)
-    return int(value) if kind.startswith("int") else float(value)
+    if str(f.type).startswith("int"):
+        return _integer(name, value)
+    try:
+        if isinstance(value, bool):  # YAML `yes` is True, a number to Python
+            raise TypeError(value)
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: expected a number, got {value!r}") from None
+    if not math.isfinite(number):
+        raise ValueError(f"{name}: expected a finite number, got {value!r}")
+    return number
+
+
+def _integer(name: str, value: Any) -> int:
+    """``value`` as an int when it is one (3, 3.0, "3"), else ValueError naming ``name``."""
+    try:
+        if isinstance(value, bool):  # YAML `yes` is True, an int to Python
+            raise TypeError(value)
+        number = float(value) if not isinstance(value, int) else value
+    except (TypeError, ValueError):
+        number = math.nan
+    if isinstance(number, int) or (math.isfinite(number) and number.is_integer()):
+        return int(number)
+    raise ValueError(f"{name}: expected an integer, got {value!r}")
+
+
+def refuse_proxy_settings(settings: Settings) -> None:
+    """ValueError naming each of uvicorn's connection limits set to other than its default
+    (see ``_PROXY_SETTINGS``): under Ray it would be shown and never enforced."""
+    defaults = Settings()
+    given = [n for n in _PROXY_SETTINGS if getattr(settings, n) != getattr(defaults, n)]
+    if given:
+        raise ValueError(
+            "not enforced under Ray, leave unset: "
+            + "; ".join(f"{n} (SDE2_{n.upper()}): {_PROXY_SETTINGS[n]}" for n in given)
+        )
 
 
 def settings_from_args(
@@ -220,7 +312,9 @@ def settings_from_args(
     env = dict(os.environ if environ is None else environ)
     if "intra_op_threads" not in vars(namespace) and "SDE2_INTRA_OP_THREADS" not in env:
         namespace.intra_op_threads = max(1, math.ceil(options.num_cpus))
-    return load_settings(namespace, env)
+    settings = load_settings(namespace, env)
+    refuse_proxy_settings(settings)  # here: at build time, and in each replica's environment
+    return settings
 
 
 # --- the in-process call into the FastAPI app -------------------------------------------------
@@ -233,6 +327,8 @@ class Forwarded:
     status: int = 0  # responses only
     method: str = "GET"
     path: str = "/"
+    #: The application's route prefix (Ray's ``route_prefix``), "" at "/"; see :func:`app_path`.
+    root_path: str = ""
     query: bytes = b""
     headers: tuple[tuple[bytes, bytes], ...] = ()
     body: bytes = b""
@@ -244,6 +340,27 @@ class Forwarded:
             if key.lower() == wanted:
                 return value.decode("latin-1")
         return None
+
+
+def app_path(scope: Mapping[str, Any]) -> tuple[str, str, str]:
+    """(root_path, path to hand the app, route) of a request Ray's proxy passed with ``scope``.
+
+    Ray puts an application's ``route_prefix`` both in ``root_path`` and at the head of
+    ``path``. The app gets the prefix as ``root_path`` (FastAPI's docs link ``/openapi.json``
+    under it) and the path without it, so that its routes match and its metrics name the route
+    as ``sde2-reward serve`` does (``/v1/score``). Where the rest begins with the prefix again
+    (prefix ``/v1``, path ``/v1/v1/score``) the path stays whole: Starlette strips a leading
+    ``root_path`` itself, and would strip it twice. The route is the path without the prefix in
+    every case (what the ingress itself checks).
+    """
+    root = str(scope.get("root_path", "")).rstrip("/")
+    path = str(scope["path"])
+    if not root or not (path == root or path.startswith(root + "/")):
+        return root, path, path
+    route = path[len(root) :] or "/"
+    if route == root or route.startswith(root + "/"):
+        return root, path, route
+    return root, route, route
 
 
 async def call_asgi(app: Any, request: Forwarded) -> Forwarded:
@@ -282,7 +399,7 @@ async def call_asgi(app: Any, request: Forwarded) -> Forwarded:
         "path": request.path,
         "raw_path": request.path.encode("utf-8"),
         "query_string": request.query,
-        "root_path": "",
+        "root_path": request.root_path,
         "headers": [(k.lower(), v) for k, v in request.headers],
         "client": ("127.0.0.1", 0),
         "server": ("sde2-ray", 80),
@@ -314,6 +431,28 @@ class ScoreCallError(Exception):
     def retryable(self) -> bool:
         """Worth sending again later (capacity or availability, never bad input)."""
         return self.status in (429, 503)
+
+
+def request_json(body: Any) -> bytes:
+    """``body`` as the JSON bytes a route reads, or :class:`ScoreCallError` 422 for what JSON
+    cannot carry (NaN, bytes, sets). Done by the caller: raised in a replica, it would reach the
+    caller as a bare ``RayTaskError``."""
+    try:
+        return json.dumps(body, allow_nan=False).encode()
+    except (TypeError, ValueError) as exc:
+        raise ScoreCallError(422, [issue(("body",), f"not JSON: {exc}", "json_invalid")]) from None
+
+
+def get_reward_query(query: Mapping[str, Any]) -> dict[str, Any]:
+    """``RewardHandle.get_reward``'s keywords (``/get_reward``'s query), or :class:`ScoreCallError`
+    422 naming each unknown one (a typo must not silently fall back to the default)."""
+    unknown = sorted(set(query) - set(_GET_REWARD_QUERY))
+    if unknown:
+        known = ", ".join(_GET_REWARD_QUERY)
+        issues = [issue(("query", k), f"unknown argument; known: {known}", "extra_forbidden")
+                  for k in unknown]  # fmt: skip
+        raise ScoreCallError(422, issues)
+    return dict(query)
 
 
 def _response_dict(response: Forwarded) -> dict[str, Any]:
@@ -384,10 +523,25 @@ class Scorer:
         log.info("replica ready in %.1f s: %s", time.monotonic() - t0, self.service.encoder_name)
 
     async def http(self, request: Forwarded) -> Forwarded:
-        """One HTTP request, as the ingress received it, through the app."""
-        return await call_asgi(self.app, request)
+        """One HTTP request, as the ingress received it, through the app.
 
-    async def _call(self, path: str, body: Any, query: Mapping[str, Any] | None = None) -> dict:
+        A client that disconnects reaches here as a cancellation (Ray's proxy cancels the
+        ingress's request, which cancels this one), not as the app's own disconnect: it is
+        counted as ``sde2-reward serve`` counts it (499, reason ``client_disconnect``)."""
+        try:
+            return await call_asgi(self.app, request)
+        except asyncio.CancelledError:
+            self._count_gone(request.path)
+            raise
+
+    def _count_gone(self, route: str) -> None:
+        metrics = self.service.metrics
+        metrics.failures.labels(ClientGone.reason).inc()
+        metrics.requests.labels(route, str(ClientGone.http_status)).inc()
+
+    async def _call(
+        self, path: str, body: bytes | Any, query: Mapping[str, Any] | None = None
+    ) -> dict:
         from urllib.parse import urlencode
 
         headers = [(b"content-type", b"application/json")]
@@ -399,17 +553,18 @@ class Scorer:
             path=path,
             query=urlencode(params).encode(),
             headers=tuple(headers),
-            body=json.dumps(body, allow_nan=False).encode(),
+            body=body if isinstance(body, bytes) else request_json(body),
         )
         return _response_dict(await call_asgi(self.app, request))
 
-    async def score(self, body: dict[str, Any]) -> dict[str, Any]:
-        """``POST /v1/score`` without HTTP: the request dict in, the response dict out."""
+    async def score(self, body: bytes | dict[str, Any]) -> dict[str, Any]:
+        """``POST /v1/score`` without HTTP: the request (dict, or its JSON) in, the response dict
+        out."""
         return await self._call("/v1/score", body)
 
     async def get_reward(
         self,
-        body: dict[str, Any],
+        body: bytes | dict[str, Any],
         recipe: str = "sde2",
         answer_type: str = "numeric",
         normalize: bool = False,
@@ -460,13 +615,49 @@ def call_error(exc: ServiceError) -> ScoreCallError:
     return ScoreCallError(exc.http_status, exc.detail, float(retry) if retry else None)
 
 
-class Ingress:
-    """The HTTP entry point: relays each request to one scorer replica (see the module doc)."""
+def _forwarded(response: Any) -> Forwarded:
+    """A Starlette response as the ingress sends it."""
+    return Forwarded(
+        status=response.status_code, headers=tuple(response.raw_headers), body=bytes(response.body)
+    )
 
-    def __init__(self, scorer: Any, max_body_bytes: int, attempts: int) -> None:
+
+def _no_encoder() -> Any:
+    raise RuntimeError("the ingress holds no encoder")
+
+
+class Ingress:
+    """The HTTP entry point: relays each request to one scorer replica (see the module doc).
+
+    It answers some requests itself, without a scorer: ``/healthz`` (the ingress is alive even
+    when no scorer replica is), a scoring route without the key (401 before its body is read,
+    as ``sde2-reward serve`` does), a body over ``max_body_bytes`` (413), one not received in
+    ``body_timeout`` (408), more than ``ingress_max_bodies`` at once (429), and no scorer
+    answer in time (503 with Retry-After: none running, or all of them busy).
+    """
+
+    def __init__(
+        self,
+        scorer: Any,
+        max_body_bytes: int,
+        attempts: int,
+        *,
+        setting_args: Mapping[str, str] | None = None,
+        options: RayOptions | None = None,
+    ) -> None:
+        """``setting_args`` / ``options`` as :func:`build_app` got them (the key, body and
+        request timeouts, the ingress's bounds); unset: the defaults and ``SDE2_*``."""
+        from reward_server.service.pipeline import ScoringService
+
         self.scorer = scorer
         self.max_body_bytes = max_body_bytes
         self.attempts = attempts
+        self.options = options or RayOptions()
+        # This replica's own environment (SDE2_API_KEY), as the scorer replicas read theirs.
+        self.settings = settings_from_args(setting_args or {}, self.options)
+        # The service's own constant-time key check; this service is never started.
+        self.is_authorized = ScoringService(self.settings, loader=_no_encoder).is_authorized
+        self.bodies = 0  # requests with a body held now (one event loop: no lock)
 
     def __serve_build_asgi_app__(self) -> Any:
         return _AsgiApp(self.asgi)
@@ -483,15 +674,17 @@ class Ingress:
                     return
         if scope["type"] != "http":
             raise ValueError(f"unsupported ASGI scope {scope['type']!r}")
-        body = await self._read_body(receive)
+        root, path, route = app_path(scope)
         request = Forwarded(
             method=scope["method"],
-            path=scope["path"],
+            path=path,
+            root_path=root,
             query=scope.get("query_string", b""),
             headers=tuple((bytes(k), bytes(v)) for k, v in scope.get("headers", [])),
-            body=body,
         )
-        response = await self.relay(request)
+        response = await self.answer(request, route, receive)
+        if response is None:
+            return  # the client left mid-upload: nobody reads an answer
         await send(
             {
                 "type": "http.response.start",
@@ -501,28 +694,86 @@ class Ingress:
         )
         await send({"type": "http.response.body", "body": response.body})
 
-    async def _read_body(self, receive: Any) -> bytes:
-        """At most ``max_body_bytes + 1`` bytes: the scorer's app then answers 413 itself."""
-        chunks: list[bytes] = []
-        size = 0
-        more = True
-        while more and size <= self.max_body_bytes:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                break
-            chunk = bytes(message.get("body", b""))
-            chunks.append(chunk)
-            size += len(chunk)
-            more = bool(message.get("more_body", False))
-        return b"".join(chunks)
+    async def answer(self, request: Forwarded, route: str, receive: Any) -> Forwarded | None:
+        """The answer to ``request`` for ``route`` (its body still to be received), None when
+        the client left before sending all of it."""
+        from starlette.responses import JSONResponse
 
-    async def relay(self, request: Forwarded) -> Forwarded:
-        """The scorer's answer, or 429 / 503 with Retry-After when none could give one."""
+        from reward_server.service.ops_routes import SCORING_PATHS, healthz
+
+        if request.method in ("GET", "HEAD"):
+            if route == "/healthz":
+                return _forwarded(JSONResponse(await healthz()))
+            return await self.relay(request, self.options.probe_timeout_s)
+        limit = self.max_body_bytes
+        if route in SCORING_PATHS and not self.is_authorized(request.header("authorization")):
+            return forwarded_error(Unauthorized())
+        declared = request.header("content-length")
+        if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+            return forwarded_error(BodyTooLarge(limit))
+        if self.bodies >= self.options.ingress_max_bodies:
+            held = self.options.ingress_max_bodies
+            return forwarded_error(
+                Overloaded(1, f"ingress holds {held} request bodies, retry after 1 s")
+            )
+        self.bodies += 1
         try:
-            result: Forwarded = await with_replica_retry(
-                lambda: self.scorer.http.remote(request), self.attempts
+            try:
+                body = await self._read_body(receive)
+            except ServiceError as exc:
+                return forwarded_error(exc)
+            if body is None:
+                return None
+            return await self.relay(dataclasses.replace(request, body=body))
+        finally:
+            self.bodies -= 1
+
+    async def _read_body(self, receive: Any) -> bytes | None:
+        """The whole body within ``body_timeout`` (:class:`BodyTimeout`, 408) and at most
+        ``max_body_bytes`` (:class:`BodyTooLarge`, 413, before buffering the rest); None when
+        the client disconnects first."""
+        limit = self.max_body_bytes
+
+        async def read() -> bytes | None:
+            chunks: list[bytes] = []
+            size = 0
+            more = True
+            while more:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return None
+                chunk = bytes(message.get("body", b""))
+                size += len(chunk)
+                if size > limit:
+                    raise BodyTooLarge(limit)
+                chunks.append(chunk)
+                more = bool(message.get("more_body", False))
+            return b"".join(chunks)
+
+        try:
+            return await asyncio.wait_for(read(), self.settings.body_timeout)
+        except TimeoutError:
+            raise BodyTimeout(self.settings.body_timeout) from None
+
+    async def relay(self, request: Forwarded, budget: float | None = None) -> Forwarded:
+        """The scorer's answer within ``budget`` seconds (default: the request timeout and a
+        second's grace), or 429 / 503 with Retry-After when none could give one. The budget
+        counts the time queued in Ray's router for a replica (none running, or every one busy),
+        where nothing else bounds it."""
+        if budget is None:
+            budget = self.settings.request_timeout + _RELAY_GRACE_S
+        try:
+            result: Forwarded = await asyncio.wait_for(
+                with_replica_retry(lambda: self.scorer.http.remote(request), self.attempts),
+                budget,
             )
             return result
+        except TimeoutError:
+            return forwarded_error(
+                ReplicaLost(
+                    f"no scorer replica answered within {budget:g} s (none running, or all busy)"
+                )
+            )
         except ServiceError as exc:
             return forwarded_error(exc)
 
@@ -536,7 +787,11 @@ def build_app(args: Mapping[str, Any] | None = None) -> Any:
     scorer = deployment(Scorer).options(**options.scorer_options(settings))
     ingress = deployment(serve.ingress()(Ingress)).options(**options.ingress_options())
     return ingress.bind(
-        scorer.bind(setting_args, options), settings.max_body_bytes, options.attempts
+        scorer.bind(setting_args, options),
+        settings.max_body_bytes,
+        options.attempts,
+        setting_args=setting_args,
+        options=options,
     )
 
 
@@ -567,11 +822,11 @@ class RewardHandle:
 
     async def score_async(self, body: dict[str, Any]) -> dict[str, Any]:
         """``POST /v1/score`` by handle, awaited (inside an event loop)."""
-        return await self._call("score", body)
+        return await self._call("score", request_json(body))
 
     async def get_reward_async(self, body: dict[str, Any], **query: Any) -> dict[str, Any]:
         """``POST /get_reward`` by handle; ``query``: recipe, answer_type, normalize."""
-        return await self._call("get_reward", body, **query)
+        return await self._call("get_reward", request_json(body), **get_reward_query(query))
 
     def score(self, body: dict[str, Any]) -> dict[str, Any]:
         """Blocking :meth:`score_async` (from code that runs no event loop)."""
