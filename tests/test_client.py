@@ -155,40 +155,29 @@ def test_retry_after_holds_for_the_replica_that_sent_it() -> None:
     """A busy replica's Retry-After does not delay a retry going to another, idle one; a retry
     coming back to the busy one waits what is left of it."""
     busy = httpx.Response(429, headers={"retry-after": "45"}, json={"detail": "busy"})
-    transport = Scripted([busy])
-    sleeps: list[float] = []
-    rc = RewardClient(
-        [A, B],
-        retry=policy(backoff_base=0.2, retry_after_jitter=0.0),
-        transport=httpx.MockTransport(transport),
-        sleep=sleeps.append,
-    )
-    assert len(rc.score(ONE)) == 1
-    assert [u.split("/v1")[0] for u in transport.urls] == [A, B]
-    assert len(sleeps) == 1 and 0.1 <= sleeps[0] <= 0.2  # the backoff of a first retry
+
+    def waits(urls: list[str], script: list[httpx.Response | Exception]) -> list[float]:
+        """The client's waits scoring one item through ``script`` (replicas in ``urls`` order)."""
+        transport = Scripted(script)
+        sleeps: list[float] = []
+        rc = RewardClient(
+            urls,
+            retry=policy(backoff_base=0.2, retry_after_jitter=0.0),
+            transport=httpx.MockTransport(transport),
+            sleep=sleeps.append,
+        )
+        assert len(rc.score(ONE)) == 1
+        assert [u.split("/v1")[0] for u in transport.urls] == (urls * 3)[: len(script) + 1]
+        return sleeps
+
+    first = waits([A, B], [busy])
+    assert len(first) == 1 and 0.1 <= first[0] <= 0.2  # the backoff of a first retry
     # A asks for 45 s, B fails at once, the third try (back on A) waits what is left of the 45 s.
-    transport = Scripted([busy, httpx.ConnectError("refused")])
-    sleeps.clear()
-    rc = RewardClient(
-        [A, B],
-        retry=policy(backoff_base=0.2, retry_after_jitter=0.0),
-        transport=httpx.MockTransport(transport),
-        sleep=sleeps.append,
-    )
-    assert len(rc.score(ONE)) == 1
-    assert [u.split("/v1")[0] for u in transport.urls] == [A, B, A]
-    assert 0.1 <= sleeps[0] <= 0.2 and 44.0 <= sleeps[1] <= 45.0
+    backoff, rest = waits([A, B], [busy, httpx.ConnectError("refused")])
+    assert 0.1 <= backoff <= 0.2 and 44.0 <= rest <= 45.0
     # A later answer of the same replica without the header ends its hold (backoff again).
-    transport = Scripted([busy, httpx.Response(500, text="failed")])
-    sleeps.clear()
-    rc = RewardClient(
-        A,
-        retry=policy(backoff_base=0.2, retry_after_jitter=0.0),
-        transport=httpx.MockTransport(transport),
-        sleep=sleeps.append,
-    )
-    assert len(rc.score(ONE)) == 1
-    assert sleeps[0] == 45.0 and 0.2 <= sleeps[1] <= 0.4
+    held, backoff = waits([A], [busy, httpx.Response(500, text="failed")])
+    assert held == 45.0 and 0.2 <= backoff <= 0.4
 
 
 def test_retry_policy_bounds_and_long_runs() -> None:

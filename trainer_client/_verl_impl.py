@@ -15,8 +15,8 @@ import numbers
 import os
 import threading
 import weakref
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
@@ -32,6 +32,7 @@ _sync_clients: dict[_Key, RewardClient] = {}
 _async_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[_Key, AsyncRewardClient]]
 _async_clients = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
+Client = TypeVar("Client", RewardClient, AsyncRewardClient)
 
 #: ``data_source`` substrings that imply a matcher other than the numeric default.
 _CHOICE_SOURCES = ("medmcqa", "mmlu", "medqa")
@@ -166,6 +167,15 @@ def _as_verl(result: ScoreResult) -> dict[str, Any]:
     return out
 
 
+def _cached(clients: dict[_Key, Client], key: _Key, make: Callable[..., Client]) -> Client:
+    """The client of ``clients`` for ``key`` (URLs, attempts), made on first use: one pooled
+    client per server set, reused across the reward loop's samples."""
+    client = clients.get(key)
+    if client is None:
+        client = clients[key] = make(key[0], retry=RetryPolicy(max_attempts=key[1]))
+    return client
+
+
 def compute_score(
     data_source: str,
     solution_str: str,
@@ -177,10 +187,7 @@ def compute_score(
     key = _key(extra_info, kwargs)
     items, options = _request(data_source, solution_str, ground_truth, extra_info, kwargs)
     with _lock:
-        client = _sync_clients.get(key)
-        if client is None:
-            retry = RetryPolicy(max_attempts=key[1])
-            client = _sync_clients[key] = RewardClient(key[0], retry=retry)
+        client = _cached(_sync_clients, key, RewardClient)
     return _as_verl(client.score(items, **options))
 
 
@@ -195,8 +202,5 @@ async def compute_score_async(
     key = _key(extra_info, kwargs)
     items, options = _request(data_source, solution_str, ground_truth, extra_info, kwargs)
     per_loop = _async_clients.setdefault(asyncio.get_running_loop(), {})
-    client = per_loop.get(key)
-    if client is None:
-        retry = RetryPolicy(max_attempts=key[1])
-        client = per_loop[key] = AsyncRewardClient(key[0], retry=retry)
+    client = _cached(per_loop, key, AsyncRewardClient)
     return _as_verl(await client.score(items, **options))
