@@ -6,6 +6,7 @@ with the in-process scorer; one test runs the real ONNX encoder end to end.
 
 from __future__ import annotations
 
+import json
 import threading
 from typing import Any
 
@@ -510,3 +511,31 @@ def test_real_onnx_encoder_end_to_end(onnx_encoder: Any) -> None:
     got = r.json()
     assert got["encoder"] == "all-MiniLM-L6-v2 onnx fp32"
     assert_same_response(got, reference_response(body, onnx_encoder), atol=REAL_MODEL_ATOL)
+
+
+async def test_a_relayed_request_counts_its_deadline_from_the_relay() -> None:
+    """Under Ray the ingress stamps when it received a request (in the ASGI scope, never a
+    header): time spent queued in Ray's router counts against ``request_timeout`` (it doubled
+    the deadline). A request stamped ``request_timeout`` ago is past its deadline on arrival."""
+    import dataclasses
+    import time
+
+    from reward_server.service.http_app import create_app
+    from reward_server.service.ray_app import Forwarded, call_asgi
+
+    service = make_service(request_timeout=5.0)
+    app = create_app(service)
+    body = json.dumps({"items": step_items(seed=9)[:2]}).encode()
+    request = Forwarded(
+        method="POST",
+        path="/v1/score",
+        headers=((b"content-type", b"application/json"),),
+        body=body,
+    )
+    async with app.router.lifespan_context(app):
+        assert service.wait_ready(30)
+        fresh = await call_asgi(app, dataclasses.replace(request, received=time.time()))
+        late = await call_asgi(app, dataclasses.replace(request, received=time.time() - 6.0))
+        plain = await call_asgi(app, request)  # straight to the app: its clock starts there
+    assert (fresh.status, plain.status) == (200, 200)
+    assert late.status == 503 and b"deadline" in late.body

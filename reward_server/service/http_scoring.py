@@ -11,6 +11,7 @@ request, so a full server answers 429 at once and the bodies held in memory are 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -99,6 +100,18 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+#: ASGI scope extension: when a relay in front of this app received the request (``time.time()``,
+#: Ray's ingress sets it), so that the request's deadline counts the time before it arrived here.
+RECEIVED_AT = "sde2.received_at"
+
+
+def time_left(request: Request, request_timeout: float) -> float | None:
+    """Seconds left of ``request_timeout`` since a relay received the request (see
+    :data:`RECEIVED_AT`); None when it came straight to this app (its clock starts here)."""
+    received = request.scope.get("extensions", {}).get(RECEIVED_AT)
+    return None if received is None else request_timeout - (time.time() - float(received))
+
+
 async def run_scoring(
     request: Request,
     parse_body: Callable[[bytes], ScoreRequest | None],
@@ -134,6 +147,7 @@ async def run_scoring(
         gone=gone,
         size=lambda: len(body),
         loc_map=loc_map,
+        timeout=time_left(request, settings.request_timeout),
         explain=explain,
     )
 

@@ -332,6 +332,9 @@ class Forwarded:
     query: bytes = b""
     headers: tuple[tuple[bytes, bytes], ...] = ()
     body: bytes = b""
+    #: When the ingress received the request (``time.time()``: replicas may run on other
+    #: nodes), so that the scorer's deadline counts the time it spent in Ray's router too.
+    received: float | None = None
 
     def header(self, name: str) -> str | None:
         """The first value of header ``name`` (case-insensitive)."""
@@ -404,6 +407,10 @@ async def call_asgi(app: Any, request: Forwarded) -> Forwarded:
         "client": ("127.0.0.1", 0),
         "server": ("sde2-ray", 80),
     }
+    if request.received is not None:  # in the scope, never a header: no client can set it
+        from reward_server.service.http_scoring import RECEIVED_AT
+
+        scope["extensions"] = {RECEIVED_AT: request.received}
     try:
         await app(scope, receive, send)
     finally:
@@ -716,6 +723,7 @@ class Ingress:
             return forwarded_error(
                 Overloaded(1, f"ingress holds {held} request bodies, retry after 1 s")
             )
+        received = time.time()
         self.bodies += 1
         try:
             try:
@@ -724,7 +732,7 @@ class Ingress:
                 return forwarded_error(exc)
             if body is None:
                 return None
-            return await self.relay(dataclasses.replace(request, body=body))
+            return await self.relay(dataclasses.replace(request, body=body, received=received))
         finally:
             self.bodies -= 1
 
