@@ -395,6 +395,14 @@ def test_no_scorer_replica_no_hang(cluster: Cluster) -> None:
             assert "no scorer replica answered" in got.json()["detail"]
             assert budget <= took < budget + 5, took
         assert httpx.post(base + "/v1/score", json={}, timeout=30).status_code == 401
+        # The handle too: bounded by its timeout (it waited for ever).
+        from reward_server.service.ray_app import RewardHandle, ScoreCallError
+
+        t0 = time.monotonic()
+        with pytest.raises(ScoreCallError) as err:
+            RewardHandle(app_name="starved", timeout=2).score(diagnostic_request())
+        assert err.value.status == 503 and err.value.retryable
+        assert 2 <= time.monotonic() - t0 < 7
     finally:
         serve.delete("starved")
 

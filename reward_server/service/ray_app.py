@@ -808,22 +808,32 @@ class RewardHandle:
 
     ``RewardHandle().score(body)`` takes and returns exactly what ``POST /v1/score`` does;
     ``get_reward`` is OpenRLHF's protocol. A replica lost mid-call is retried on another one; a
-    call the route would refuse raises :class:`ScoreCallError` (``retryable`` for 429 / 503).
-    Picklable: pass it to Ray tasks and actors.
+    call the route would refuse raises :class:`ScoreCallError` (``retryable`` for 429 / 503),
+    and so does a call no replica answers within ``timeout`` seconds (503: none placed, or all
+    busy; without the bound it would wait for ever). Picklable: pass it to Ray tasks and actors.
     """
 
-    def __init__(self, app_name: str = APP_NAME, attempts: int = 3) -> None:
+    def __init__(self, app_name: str = APP_NAME, attempts: int = 3, timeout: float = 180.0) -> None:
         from ray import serve
 
+        if not 0 < timeout <= MAX_SECONDS:
+            raise ValueError(f"timeout must be in (0, {MAX_SECONDS:g}] seconds, got {timeout!r}")
         self.handle = serve.get_deployment_handle(SCORER_NAME, app_name=app_name)
         self.attempts = attempts
+        self.timeout = timeout
 
     async def _call(self, method: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
         bound = getattr(self.handle, method)
         try:
-            result: dict[str, Any] = await with_replica_retry(
-                lambda: bound.remote(*args, **kwargs), self.attempts
+            result: dict[str, Any] = await asyncio.wait_for(
+                with_replica_retry(lambda: bound.remote(*args, **kwargs), self.attempts),
+                self.timeout,
             )
+        except TimeoutError:
+            why = (
+                f"no scorer replica answered within {self.timeout:g} s (none running, or all busy)"
+            )
+            raise call_error(ReplicaLost(why)) from None
         except ServiceError as exc:
             raise call_error(exc) from None
         return result
