@@ -34,7 +34,10 @@ EXTRA_OF_PACKAGE: dict[str, str] = {
         "server",
     ),
     **dict.fromkeys(("google", "prometheus_client", "psutil"), "server"),
-    **dict.fromkeys(("torch", "transformers", "sentence_transformers"), "export"),
+    **dict.fromkeys(
+        ("torch", "transformers", "sentence_transformers", "onnx", "onnx_ir", "safetensors"),
+        "export",
+    ),
 }
 
 #: What ``serve`` exits with when stopped by SIGTERM (its drained stop); the early handler

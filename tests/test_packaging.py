@@ -158,11 +158,11 @@ def test_a_subcommand_without_its_extra_names_it(args: list[str]) -> None:
 # --- 4. server-only install: no torch --------------------------------------------------------
 
 
-def _torch_hidden_env(tmp_path: Path) -> dict[str, str]:
-    """An environment whose Pythons, children included, cannot import torch."""
+def _torch_hidden_env(tmp_path: Path, module: str = "torch") -> dict[str, str]:
+    """An environment whose Pythons, children included, cannot import ``module``."""
     hide = tmp_path / "hide"
     hide.mkdir()
-    (hide / "sitecustomize.py").write_text("import sys\nsys.modules['torch'] = None\n")
+    (hide / "sitecustomize.py").write_text(f"import sys\nsys.modules[{module!r}] = None\n")
     path = os.pathsep.join(p for p in (str(hide), str(ROOT), os.environ.get("PYTHONPATH")) if p)
     return {**os.environ, "PYTHONPATH": path, "SDE2_CACHE_DIR": str(tmp_path / "cache")}
 
@@ -174,11 +174,13 @@ def _assert_names_the_export_extra(proc: subprocess.CompletedProcess[str]) -> No
     assert "pip install 'sde2[export]'" in out and "SDE2_MODEL" in out, out[-3000:]
 
 
-def test_export_without_torch_names_the_extra(tmp_path: Path) -> None:
+@pytest.mark.parametrize("module", ["torch", "onnx"])
+def test_export_without_torch_names_the_extra(tmp_path: Path, module: str) -> None:
+    """Without onnx the export loaded the model and traced it, then failed in a traceback."""
     proc = subprocess.run(
         [sys.executable, "-m", "reward_server.cli", "export", "--out", str(tmp_path / "m")],
         cwd=tmp_path,
-        env=_torch_hidden_env(tmp_path),
+        env=_torch_hidden_env(tmp_path, module),
         capture_output=True,
         text=True,
         timeout=120,

@@ -107,17 +107,22 @@ EXPORT_BACKENDS: tuple[Backend, ...] = tuple(b for b in BACKENDS if runs_export(
 #: What running the encoder in torch (the export, the reference backend) imports: the
 #: ``export`` extra, which a server-only install (``sde2[server]``) leaves out.
 TORCH_STACK = ("torch", "sentence_transformers")
+#: What exporting needs beyond it (torch's exporter writes with ``onnx``, the weights are read
+#: with ``safetensors``, the int8 variant's quantizer imports ``onnx_ir``).
+EXPORT_STACK = (*TORCH_STACK, "onnx", "onnx_ir", "safetensors")
 
 
-def require_torch_stack(needed_by: str, otherwise: str) -> None:
+def require_torch_stack(
+    needed_by: str, otherwise: str, packages: tuple[str, ...] = TORCH_STACK
+) -> None:
     """:class:`ModelExportError` in one line, naming the ``export`` extra and ``otherwise`` (what
-    to do without it), when a package of :data:`TORCH_STACK` is not installed.
+    to do without it), when one of ``packages`` (default :data:`TORCH_STACK`) is not installed.
 
     Checked before the first import: the import's own ``ModuleNotFoundError`` would surface as a
     traceback from deep inside the export (twice, when the server runs it in a child process),
     without saying which extra to install or that an existing export needs none of it.
     """
-    missing = [name for name in TORCH_STACK if not _installed(name)]
+    missing = [name for name in packages if not _installed(name)]
     if missing:
         raise ModelExportError(
             f"{needed_by} needs {' and '.join(missing)} (not installed): "

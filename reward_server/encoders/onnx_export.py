@@ -45,7 +45,7 @@ import numpy.typing as npt
 
 from reward_server.encoders import fidelity
 from reward_server.encoders.base import EMBEDDING_DIM, MAX_SEQ_LENGTH
-from reward_server.encoders.loading import require_torch_stack
+from reward_server.encoders.loading import EXPORT_STACK, require_torch_stack
 from reward_server.encoders.model_store import (
     GRAPH_RECIPE,
     MANIFEST_FILE,
@@ -343,6 +343,7 @@ def export_model(
     require_torch_stack(
         "exporting the encoder to ONNX",
         "or serve an existing export: --model / SDE2_MODEL naming its folder",
+        EXPORT_STACK,
     )
     import torch
 
