@@ -133,6 +133,7 @@ def test_timing_headers(client: Any) -> None:
             "items.1.answer",
         ),
         ({"items": [{"completion": "a", "answer": "**"}]}, "items.0.answer"),
+        ({"items": [{"completion": "a", "answer": "$"}]}, "items.0.answer"),
         (
             {"items": [{"completion": "a", "answer": "1"}], "answer_type": "choice"},
             "items.0.answer",

@@ -206,20 +206,25 @@ def canonical_choice(text: str) -> str | None:
 def unmatchable_gold(answer_type: AnswerType, gold: str) -> str | None:
     """Why ``gold`` (preprocessed) cannot serve as a gold answer, or ``None`` when it can.
 
-    An empty gold (no field text, SPEC §1) has no answer to match (numerically it would even
-    equal a final answer of ``"."``), and a ``choice`` gold must be an option letter (SPEC §2):
-    without one no completion is ever correct. Scored anyway, either would turn a whole run's
+    An empty gold (no field text, SPEC §1), or a numeric one with nothing left once
+    canonicalized (``"$"``, ``"\\boxed{}"``, a bare ``"####"``), has no answer to match (it would
+    equal only a final answer of ``"."``), and a ``choice`` gold must be an option letter (SPEC
+    §2): without one no completion is ever correct. Scored anyway, each would turn a whole run's
     rewards into format-only rewards without a word; the request is refused instead.
 
     >>> unmatchable_gold("numeric", " ** "), unmatchable_gold("choice", "(B)")
     ('the gold answer is empty', None)
+    >>> unmatchable_gold("numeric", "$"), unmatchable_gold("numeric", "$5")
+    ("the gold answer '$' is empty once canonicalized (SPEC §2)", None)
     >>> unmatchable_gold("choice", "1")
     "answer_type 'choice' needs a gold option letter A-E, got '1' (MedMCQA's cop is 0-3: 0 is A)"
     """
     if not field_text(gold):
         return "the gold answer is empty"
+    shown = gold if len(gold) <= 40 else gold[:40] + "..."
+    if answer_type == "numeric" and canonical_numeric(gold) == "":
+        return f"the gold answer {shown!r} is empty once canonicalized (SPEC §2)"
     if answer_type == "choice" and canonical_choice(gold) is None:
-        shown = gold if len(gold) <= 40 else gold[:40] + "..."
         return (
             f"answer_type 'choice' needs a gold option letter A-E, got {shown!r} "
             "(MedMCQA's cop is 0-3: 0 is A)"

@@ -40,7 +40,7 @@ from reward_server.core.normalization import Aggregate, aggregate
 from reward_server.core.params import AnswerType, RewardParams
 from reward_server.core.parsing import ParsedCompletion, Strategy, parse_completions
 from reward_server.core.recipes import RECIPES, Recipe, RecipeSpec
-from reward_server.core.text import field_texts, preprocess
+from reward_server.core.text import preprocess
 from reward_server.encoders.base import EMBEDDING_DIM, Encoder
 
 
@@ -202,18 +202,11 @@ def analyze_items(
     needs the encoder (``needs_encoder``: its recipe's)."""
     strategies, finals = list(zip(*parsed, strict=True))
     golds = {gold: preprocess(gold) for gold in dict.fromkeys(it.answer for it in items)}
-    # Every gold one that some answer could match: looked at one by one only when a choice
-    # gold must hold a letter or some gold is empty (all cleaned in one pass otherwise).
-    if answer_type == "choice" or not all(field_texts(list(golds.values()))):
-        for gold, preprocessed in golds.items():
-            problem = unmatchable_gold(answer_type, preprocessed)
-            if problem is not None:
-                first = next(i for i, it in enumerate(items) if it.answer == gold)
-                raise InvalidBatch(("items", first, "answer"), problem)
     verdicts = None
-    if answer_type == "numeric":
+    if answer_type == "numeric":  # every gold a whole number, the answers plain: compared as text
         verdicts = _verdicts_as_strings(items, golds, strategies, finals)
     if verdicts is None:
+        _check_golds(items, golds, answer_type)  # (a whole number is always a gold)
         matchers = {gold: make_matcher(answer_type, g, math_judge) for gold, g in golds.items()}
         each = [matchers[it.answer] for it in items]
         correct = [f is not None and matches(f) for f, matches in zip(finals, each, strict=True)]
@@ -231,6 +224,19 @@ def analyze_items(
     columns = zip(parsed, correct, chi, needs, tokens, completions, strict=True)
     # In C: a named tuple's own __new__ is a Python function.
     return list(map(tuple.__new__, repeat(ItemAnalysis), columns))
+
+
+def _check_golds(
+    items: Sequence[ScoreItem], golds: dict[str, str], answer_type: AnswerType
+) -> None:
+    """:class:`InvalidBatch` at the first item whose gold no answer could match
+    (:func:`~reward_server.core.answers.unmatchable_gold`); ``golds``: each distinct gold,
+    preprocessed."""
+    for gold, preprocessed in golds.items():
+        problem = unmatchable_gold(answer_type, preprocessed)
+        if problem is not None:
+            first = next(i for i, it in enumerate(items) if it.answer == gold)
+            raise InvalidBatch(("items", first, "answer"), problem)
 
 
 def _verdicts_as_strings(
