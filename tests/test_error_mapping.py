@@ -413,7 +413,7 @@ async def test_ray_ingress_and_handle_answer_with_the_same_conversion() -> None:
         detail = json.loads(answer.body)["detail"]
         assert isinstance(detail, str) and detail
         handle = RewardHandle.__new__(RewardHandle)  # no cluster: only its error path is used
-        handle.handle, handle.attempts = _Refusing(ray_error), 2
+        handle.handle, handle.attempts, handle.timeout = _Refusing(ray_error), 2, 30.0
         handle.handle.score = handle.handle
         with pytest.raises(ScoreCallError) as err:
             await handle.score_async(ONE_ITEM)

@@ -207,6 +207,23 @@ def test_route_prefix_reaches_the_app(cluster: Cluster) -> None:
     assert openapi.status_code == 200 and "/v1/score" in openapi.json()["paths"]
     base = f"http://127.0.0.1:{cluster.port}"
     assert httpx.get(base + "/v1/info").status_code == 404  # nothing outside the prefix
+    # Redirects and the inspector's links stay under the prefix (they led out of the app).
+    assert httpx.get(cluster.ray_url + "/").headers["location"] == f"{PREFIX}/inspect"
+    slash = httpx.get(cluster.ray_url + "/healthz/")
+    assert slash.status_code == 307 and slash.headers["location"].endswith(f"{PREFIX}/healthz")
+    page = httpx.get(cluster.ray_url + "/inspect")
+    for link in ("inspect/inspector.css", "inspect/inspector.js"):
+        assert f'"{link}"' in page.text
+        assert httpx.get(str(page.url.join(link))).status_code == 200, link
+    script = httpx.get(cluster.ray_url + "/inspect/inspector.js").text
+    assert 'fetch("v1/explain"' in script  # relative: {PREFIX}/v1/explain from the page
+    # Metrics name routes as sde2-reward serve does, without the prefix.
+    _post(cluster.ray_url, "/v1/score", diagnostic_request())
+    deadline = time.monotonic() + 30
+    while 'route="/v1/score"' not in httpx.get(cluster.ray_url + "/metrics").text:
+        assert time.monotonic() < deadline, "no replica counted /v1/score"
+        time.sleep(0.3)
+    assert f'route="{PREFIX}' not in httpx.get(cluster.ray_url + "/metrics").text
 
 
 # --- the deployment handle ------------------------------------------------------------------------
@@ -325,7 +342,18 @@ def test_ingress_refuses_before_reading_the_body(cluster: Cluster) -> None:
     too_big = b"\r\nAuthorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: 99999999"
     status, _ = _status_of(_raw(cluster.port, post + too_big, b'{"items": '))
     assert status == 413
+    # A route that reads no body (a wrong path, another method): answered unread, as the plain
+    # server does, never holding a slot (they were read, keyless, until the body timeout).
+    for head, want in (
+        (f"POST {PREFIX}/nope HTTP/1.1", 404),
+        (f"PUT {PREFIX}/v1/score HTTP/1.1", 405),
+        (f"POST {PREFIX}/healthz HTTP/1.1", 405),
+    ):
+        status, _ = _status_of(_raw(cluster.port, head.encode() + b"\r\nContent-Length: 9", b"{"))
+        assert status == want, head
     assert time.monotonic() - t0 < 2.5, "answered only once the upload gave up"
+    head = httpx.head(cluster.ray_url + "/healthz")  # GET only, as sde2-reward serve
+    assert head.status_code == 405
 
     stalled_head = (
         post + b"\r\nAuthorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: 1000"
@@ -572,12 +600,15 @@ def test_arguments_are_checked_at_build_time() -> None:
     ):
         with pytest.raises(ValueError, match=word):
             split_args(bad)
-    # YAML `key:` (null) leaves the default, for options and settings alike.
+    # YAML `key:` (null) leaves the default, for options and settings alike (the connection
+    # limits included); a connection limit given at its default is accepted, as from SDE2_*.
     settings, options, passed = split_args(
-        {"min_replicas": None, "model": None, "num_replicas": 2.0}
+        {"min_replicas": None, "model": None, "num_replicas": 2.0, "keep_alive_timeout": None}
     )
     assert options.min_replicas == 1 and options.num_replicas == 2
     assert settings.model is None and passed == {}
+    defaults = {"header_timeout": 10, "keep_alive_timeout": 5}
+    assert {k: getattr(split_args(defaults)[0], k) for k in defaults} == defaults
     # The connection limits are refused from the environment too (the replicas read it).
     with pytest.raises(ValueError, match="SDE2_HEADER_TIMEOUT"):
         settings_from_args({}, options, {"SDE2_HEADER_TIMEOUT": "4"})

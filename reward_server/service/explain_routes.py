@@ -70,8 +70,9 @@ async def inspect_asset(name: str) -> Response:
 
 
 @router.get("/", include_in_schema=False)
-async def root() -> Response:
-    return RedirectResponse("/inspect", status_code=307)
+async def root(request: Request) -> Response:
+    # Under the prefix a proxy mounts the app at (Ray's route_prefix), as the page's own links.
+    return RedirectResponse(request.scope.get("root_path", "") + "/inspect", status_code=307)
 
 
 def _static(name: str) -> Response:

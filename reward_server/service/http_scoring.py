@@ -19,6 +19,7 @@ import orjson
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
+from starlette.routing import get_route_path
 
 from reward_server.service.errors import (
     BodyTimeout,
@@ -73,12 +74,19 @@ def error_response(exc: ServiceError) -> Response:
     )
 
 
+def route_label(request: Request) -> str:
+    """The route a request is counted under: its path within the app, without the prefix a
+    proxy mounts it under (``root_path``: Ray's ``route_prefix``), as ``sde2-reward serve``
+    names it."""
+    return get_route_path(request.scope)
+
+
 async def answer_service_error(request: Request, exc: Exception) -> Response:
     """The app's one exception handler for :class:`ServiceError`: count it, answer it."""
     assert isinstance(exc, ServiceError)
     metrics = service_of(request).metrics
     metrics.failures.labels(exc.reason).inc()
-    metrics.requests.labels(request.url.path, str(exc.http_status)).inc()
+    metrics.requests.labels(route_label(request), str(exc.http_status)).inc()
     return error_response(exc)
 
 
@@ -159,7 +167,7 @@ def scored_response(
     response_class: type[JSONResponse] = JSONResponse,
 ) -> Response:
     """A 200 answer with the phase timings as ``x-<phase>-time`` headers (ms), counted."""
-    service_of(request).metrics.requests.labels(request.url.path, "200").inc()
+    service_of(request).metrics.requests.labels(route_label(request), "200").inc()
     headers = {f"x-{k}-time": f"{scored.timings[k] * 1000:.3f}" for k in TIMING_HEADERS}
     return response_class(content, headers=headers)
 

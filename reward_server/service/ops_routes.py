@@ -12,7 +12,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 
-from reward_server.service.http_scoring import service_of
+from reward_server.service.http_scoring import route_label, service_of
 from reward_server.service.openrlhf_routes import ITEM_SOURCES
 from reward_server.service.pipeline import item_text_limits
 from reward_server.service.schemas import (
@@ -57,7 +57,7 @@ async def info(request: Request) -> Response:
     """Open to all; the model's path only with the key, when one is set."""
     service = service_of(request)
     info = service.info_for(request.headers.get("authorization"))
-    service.metrics.requests.labels(request.url.path, "200").inc()  # as its refusals are
+    service.metrics.requests.labels(route_label(request), "200").inc()  # as its refusals are
     return JSONResponse(jsonable_encoder(info))
 
 

@@ -81,8 +81,9 @@ _NOT_UNDER_RAY = {
     "workers": "use num_replicas / min_replicas / max_replicas",
 }
 #: uvicorn's connection limits in ``sde2-reward serve``: Ray's proxy reads the connections here,
-#: so a value given for them would be shown in /v1/info and never enforced. Refused instead
-#: (from args and from the ``SDE2_*`` environment alike).
+#: so a value given for them would be shown in /v1/info and never enforced. A value other than
+#: the default is refused (from args and from the ``SDE2_*`` environment alike, by
+#: :func:`refuse_proxy_settings`); the default itself, or a YAML null, is accepted.
 _PROXY_SETTINGS = {
     "header_timeout": "Ray's proxy reads request heads: it has no such limit (put nginx's "
     "client_header_timeout in front); its own knobs are http_options (request_timeout_s)",
@@ -91,7 +92,6 @@ _PROXY_SETTINGS = {
     "keep_alive_timeout": "Ray's proxy holds the connections: "
     "set http_options.keep_alive_timeout_s",
 }
-_NOT_UNDER_RAY.update(_PROXY_SETTINGS)
 #: The query parameters of ``/get_reward`` (the only keywords ``RewardHandle.get_reward`` takes).
 _GET_REWARD_QUERY = ("recipe", "answer_type", "normalize")
 #: The ingress answers 503 when the scorer's answer is later than the request's own deadline by
@@ -346,24 +346,23 @@ class Forwarded:
 
 
 def app_path(scope: Mapping[str, Any]) -> tuple[str, str, str]:
-    """(root_path, path to hand the app, route) of a request Ray's proxy passed with ``scope``.
+    """(root_path, path, route) of a request Ray's proxy passed with ``scope``.
 
     Ray puts an application's ``route_prefix`` both in ``root_path`` and at the head of
-    ``path``. The app gets the prefix as ``root_path`` (FastAPI's docs link ``/openapi.json``
-    under it) and the path without it, so that its routes match and its metrics name the route
-    as ``sde2-reward serve`` does (``/v1/score``). Where the rest begins with the prefix again
-    (prefix ``/v1``, path ``/v1/v1/score``) the path stays whole: Starlette strips a leading
-    ``root_path`` itself, and would strip it twice. The route is the path without the prefix in
-    every case (what the ingress itself checks).
+    ``path``, as ASGI asks; the app gets both so (Starlette routes on the path without the
+    ``root_path``, and builds redirects and FastAPI's docs links with it; its metrics name the
+    route without it, as ``sde2-reward serve`` does). The route, the path within the app, is
+    what the ingress itself checks.
+
+    >>> app_path({"root_path": "/v1", "path": "/v1/v1/score"})
+    ('/v1', '/v1/v1/score', '/v1/score')
+    >>> app_path({"root_path": "", "path": "/healthz"})
+    ('', '/healthz', '/healthz')
     """
     root = str(scope.get("root_path", "")).rstrip("/")
     path = str(scope["path"])
-    if not root or not (path == root or path.startswith(root + "/")):
-        return root, path, path
-    route = path[len(root) :] or "/"
-    if route == root or route.startswith(root + "/"):
-        return root, path, route
-    return root, route, route
+    inside = bool(root) and (path == root or path.startswith(root + "/"))
+    return root, path, (path[len(root) :] or "/") if inside else path
 
 
 async def call_asgi(app: Any, request: Forwarded) -> Forwarded:
@@ -538,7 +537,7 @@ class Scorer:
         try:
             return await call_asgi(self.app, request)
         except asyncio.CancelledError:
-            self._count_gone(request.path)
+            self._count_gone(app_path({"root_path": request.root_path, "path": request.path})[2])
             raise
 
     def _count_gone(self, route: str) -> None:
@@ -708,12 +707,14 @@ class Ingress:
 
         from reward_server.service.ops_routes import SCORING_PATHS, healthz
 
-        if request.method in ("GET", "HEAD"):
-            if route == "/healthz":
-                return _forwarded(JSONResponse(await healthz()))
+        if request.method == "GET" and route == "/healthz":
+            return _forwarded(JSONResponse(await healthz()))
+        if request.method != "POST" or route not in SCORING_PATHS:
+            # No route reads a body here: the app answers (a GET, or 404 / 405 / 307) unread,
+            # as sde2-reward serve does, so no body is held or shipped for it.
             return await self.relay(request, self.options.probe_timeout_s)
         limit = self.max_body_bytes
-        if route in SCORING_PATHS and not self.is_authorized(request.header("authorization")):
+        if not self.is_authorized(request.header("authorization")):
             return forwarded_error(Unauthorized())
         declared = request.header("content-length")
         if declared is not None and declared.strip().isdigit() and int(declared) > limit:

@@ -160,7 +160,8 @@ async function run(event) {
   let response;
   let payload;
   try {
-    response = await fetch("/v1/explain", {
+    // Relative to the page (/inspect): under the prefix a proxy mounts the server at, too.
+    response = await fetch("v1/explain", {
       method: "POST",
       headers,
       body: JSON.stringify(request.body),
