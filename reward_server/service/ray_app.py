@@ -541,6 +541,12 @@ class Scorer:
             raise
 
     def _count_gone(self, route: str) -> None:
+        """Count a scoring request whose caller left (the others, /metrics say, are not counted
+        by ``sde2-reward serve`` either)."""
+        from reward_server.service.ops_routes import SCORING_PATHS
+
+        if route not in SCORING_PATHS:
+            return
         metrics = self.service.metrics
         metrics.failures.labels(ClientGone.reason).inc()
         metrics.requests.labels(route, str(ClientGone.http_status)).inc()
