@@ -254,10 +254,12 @@ def test_sigterm_during_startup_exits_at_once(loading: bool) -> None:
     assert elapsed < 10  # the interpreter start included; the stop itself is immediate
 
 
-def test_sigterm_handler_is_the_servers_once_installed() -> None:
-    """``serve`` replaces the early handler with its own (the drain): the early one must not
-    outlive startup. asyncio's handler, as serve installs it, wins."""
-    code = (
+#: Each a program run through ``cli.main`` that exits 0 when the SIGTERM disposition is right:
+#: ``serve`` replaces the early handler with its own (the drain: asyncio's handler, as serve
+#: installs it, wins), and only the server gets the early one (a terminated ``score`` must not
+#: exit 0).
+SIGTERM_DISPOSITIONS = {
+    "the server's own handler wins": (
         "import asyncio, signal\n"
         "from reward_server import cli\n"
         "import reward_server.service.serve as serve\n"
@@ -269,21 +271,20 @@ def test_sigterm_handler_is_the_servers_once_installed() -> None:
         "    signal.getsignal(signal.SIGTERM) is cli._stop_before_ready and asyncio.run(check())\n"
         ") else 7\n"
         "sys.exit(cli.main(['serve']))\n"
-    )
-    proc = _run(code, ())
-    assert proc.returncode == 0, proc.stderr[-2000:]
-
-
-def test_other_commands_keep_the_default_sigterm() -> None:
-    """Only the server needs the early handler; a terminated ``score`` must not exit 0."""
-    code = (
+    ),
+    "other commands keep the default": (
         "import signal\n"
         "import reward_server.offline as offline\n"
         "default = signal.getsignal(signal.SIGTERM) == signal.SIG_DFL\n"
         "offline.run = lambda args: 0 if default else 7\n"
         "from reward_server.cli import main\n"
         "sys.exit(main(['score', '--in', 'x', '--out', 'y']))\n"
-    )
+    ),
+}
+
+
+@pytest.mark.parametrize("code", SIGTERM_DISPOSITIONS.values(), ids=SIGTERM_DISPOSITIONS.keys())
+def test_the_early_sigterm_handler_is_the_servers_and_only_until_it_serves(code: str) -> None:
     proc = _run(code, ())
     assert proc.returncode == 0, proc.stderr[-2000:]
 
