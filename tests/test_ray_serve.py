@@ -193,9 +193,16 @@ def test_errors_and_health_match_serve(cluster: Cluster) -> None:
     for path in ("/healthz", "/readyz", "/v1/info"):
         want, got = httpx.get(cluster.serve_url + path), httpx.get(cluster.ray_url + path)
         assert got.status_code == want.status_code == 200 and got.json() == want.json()
-    metrics = httpx.get(cluster.ray_url + "/metrics")
-    # The route as ``sde2-reward serve`` names it: without the prefix.
-    assert metrics.status_code == 200 and 'sde2_requests_total{route="/v1/score"' in metrics.text
+    # The route as ``sde2-reward serve`` names it: without the prefix. /metrics shows the
+    # replica that answers, which may have scored none of the above: ask until one has.
+    deadline = time.monotonic() + 30
+    while True:
+        metrics = httpx.get(cluster.ray_url + "/metrics")
+        assert metrics.status_code == 200
+        if 'sde2_requests_total{route="/v1/score"' in metrics.text:
+            break
+        assert time.monotonic() < deadline, "no replica counted /v1/score"
+        _post(cluster.ray_url, "/v1/score", BAD_BODY, AUTH)  # counted by whichever scores it
 
 
 def test_route_prefix_reaches_the_app(cluster: Cluster) -> None:
