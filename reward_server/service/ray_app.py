@@ -477,11 +477,23 @@ def _response_dict(response: Forwarded) -> dict[str, Any]:
 # --- retrying when a replica is lost ------------------------------------------------------------
 
 
-async def with_replica_retry(call: Callable[[], Awaitable[T]], attempts: int) -> T:
+async def with_replica_retry(call: Callable[[], Awaitable[T]], attempts: int, within: float) -> T:
     """Await ``call()``; when the replica serving it dies, call again (another replica answers:
     scoring is idempotent). Ray's queue limit becomes the service's
     :class:`~reward_server.service.errors.Overloaded` (429 + Retry-After), lost tries
-    :class:`~reward_server.service.errors.ReplicaLost` (503 + Retry-After)."""
+    :class:`~reward_server.service.errors.ReplicaLost` (503 + Retry-After), and so does no
+    answer ``within`` seconds, time queued in Ray's router for a replica included (none
+    running, or every one busy), where nothing else bounds it."""
+    try:
+        return await asyncio.wait_for(_retried(call, attempts), within)
+    except TimeoutError:
+        raise ReplicaLost(
+            f"no scorer replica answered within {within:g} s (none running, or all busy)"
+        ) from None
+
+
+async def _retried(call: Callable[[], Awaitable[T]], attempts: int) -> T:
+    """:func:`with_replica_retry` without its time bound."""
     from ray.exceptions import ActorUnavailableError, RayActorError
     from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
@@ -615,10 +627,7 @@ def forwarded_error(exc: ServiceError) -> Forwarded:
     """The HTTP answer to ``exc``, exactly as the scorer's app gives it (the same conversion)."""
     from reward_server.service.http_scoring import error_response
 
-    response = error_response(exc)
-    return Forwarded(
-        status=response.status_code, headers=tuple(response.raw_headers), body=bytes(response.body)
-    )
+    return _forwarded(error_response(exc))
 
 
 def call_error(exc: ServiceError) -> ScoreCallError:
@@ -772,23 +781,15 @@ class Ingress:
 
     async def relay(self, request: Forwarded, budget: float | None = None) -> Forwarded:
         """The scorer's answer within ``budget`` seconds (default: the request timeout and a
-        second's grace), or 429 / 503 with Retry-After when none could give one. The budget
-        counts the time queued in Ray's router for a replica (none running, or every one busy),
-        where nothing else bounds it."""
+        second's grace), or 429 / 503 with Retry-After when none could give one (see
+        :func:`with_replica_retry`)."""
         if budget is None:
             budget = self.settings.request_timeout + _RELAY_GRACE_S
         try:
-            result: Forwarded = await asyncio.wait_for(
-                with_replica_retry(lambda: self.scorer.http.remote(request), self.attempts),
-                budget,
+            result: Forwarded = await with_replica_retry(
+                lambda: self.scorer.http.remote(request), self.attempts, budget
             )
             return result
-        except TimeoutError:
-            return forwarded_error(
-                ReplicaLost(
-                    f"no scorer replica answered within {budget:g} s (none running, or all busy)"
-                )
-            )
         except ServiceError as exc:
             return forwarded_error(exc)
 
@@ -832,15 +833,9 @@ class RewardHandle:
     async def _call(self, method: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
         bound = getattr(self.handle, method)
         try:
-            result: dict[str, Any] = await asyncio.wait_for(
-                with_replica_retry(lambda: bound.remote(*args, **kwargs), self.attempts),
-                self.timeout,
+            result: dict[str, Any] = await with_replica_retry(
+                lambda: bound.remote(*args, **kwargs), self.attempts, self.timeout
             )
-        except TimeoutError:
-            why = (
-                f"no scorer replica answered within {self.timeout:g} s (none running, or all busy)"
-            )
-            raise call_error(ReplicaLost(why)) from None
         except ServiceError as exc:
             raise call_error(exc) from None
         return result
