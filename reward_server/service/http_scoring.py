@@ -90,22 +90,32 @@ async def answer_service_error(request: Request, exc: Exception) -> Response:
     return error_response(exc)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refusing (before buffering it) anything over ``limit`` bytes."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise BodyTooLarge(limit)
-    chunks: list[bytes] = []
-    size = 0
+async def read_body(request: Request, limit: int, timeout: float) -> bytes:
+    """The body, refusing (before buffering it) anything over ``limit`` bytes
+    (:class:`BodyTooLarge`) and a body not all received within ``timeout`` seconds
+    (:class:`BodyTimeout`: a stalled upload holds its admission slot at most this long);
+    :class:`ClientGone` when the client disconnects first."""
+
+    async def read() -> bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise BodyTooLarge(limit)
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise BodyTooLarge(limit)
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise ClientGone() from None
+        return b"".join(chunks)
+
     try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise BodyTooLarge(limit)
-            chunks.append(chunk)
-    except ClientDisconnect:
-        raise ClientGone() from None
-    return b"".join(chunks)
+        return await asyncio.wait_for(read(), timeout)
+    except TimeoutError:
+        raise BodyTimeout(timeout) from None
 
 
 #: ASGI scope extension: when a relay in front of this app received the request (``time.time()``,
@@ -135,13 +145,7 @@ async def run_scoring(
 
     async def receive() -> None:
         nonlocal body
-        # Bounded in time too: a stalled upload holds its admission slot at most this long.
-        try:
-            body = await asyncio.wait_for(
-                read_body(request, settings.max_body_bytes), settings.body_timeout
-            )
-        except TimeoutError:
-            raise BodyTimeout(settings.body_timeout) from None
+        body = await read_body(request, settings.max_body_bytes, settings.body_timeout)
 
     async def gone() -> None:
         # Once the body is read, the next ASGI message is the client's disconnect.

@@ -56,7 +56,6 @@ from typing import Any, TypeVar
 from reward_server.service.config import MAX_SECONDS, Settings, load_settings
 from reward_server.service.config import add_arguments as add_settings_arguments
 from reward_server.service.errors import (
-    BodyTimeout,
     BodyTooLarge,
     ClientGone,
     Overloaded,
@@ -703,7 +702,9 @@ class Ingress:
             query=scope.get("query_string", b""),
             headers=tuple((bytes(k), bytes(v)) for k, v in scope.get("headers", [])),
         )
-        response = await self.answer(request, route, receive)
+        from starlette.requests import Request
+
+        response = await self.answer(request, route, Request(scope, receive))
         if response is None:
             return  # the client left mid-upload: nobody reads an answer
         await send(
@@ -715,11 +716,13 @@ class Ingress:
         )
         await send({"type": "http.response.body", "body": response.body})
 
-    async def answer(self, request: Forwarded, route: str, receive: Any) -> Forwarded | None:
-        """The answer to ``request`` for ``route`` (its body still to be received), None when
-        the client left before sending all of it."""
+    async def answer(self, request: Forwarded, route: str, incoming: Any) -> Forwarded | None:
+        """The answer to ``request`` for ``route`` (its body still to be received from
+        ``incoming``, the Starlette request), None when the client left before sending all of
+        it."""
         from starlette.responses import JSONResponse
 
+        from reward_server.service.http_scoring import read_body
         from reward_server.service.ops_routes import SCORING_PATHS, healthz
 
         if request.method == "GET" and route == "/healthz":
@@ -743,41 +746,14 @@ class Ingress:
         self.bodies += 1
         try:
             try:
-                body = await self._read_body(receive)
+                body = await read_body(incoming, limit, self.settings.body_timeout)
+            except ClientGone:
+                return None  # nobody reads an answer
             except ServiceError as exc:
                 return forwarded_error(exc)
-            if body is None:
-                return None
             return await self.relay(dataclasses.replace(request, body=body, received=received))
         finally:
             self.bodies -= 1
-
-    async def _read_body(self, receive: Any) -> bytes | None:
-        """The whole body within ``body_timeout`` (:class:`BodyTimeout`, 408) and at most
-        ``max_body_bytes`` (:class:`BodyTooLarge`, 413, before buffering the rest); None when
-        the client disconnects first."""
-        limit = self.max_body_bytes
-
-        async def read() -> bytes | None:
-            chunks: list[bytes] = []
-            size = 0
-            more = True
-            while more:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    return None
-                chunk = bytes(message.get("body", b""))
-                size += len(chunk)
-                if size > limit:
-                    raise BodyTooLarge(limit)
-                chunks.append(chunk)
-                more = bool(message.get("more_body", False))
-            return b"".join(chunks)
-
-        try:
-            return await asyncio.wait_for(read(), self.settings.body_timeout)
-        except TimeoutError:
-            raise BodyTimeout(self.settings.body_timeout) from None
 
     async def relay(self, request: Forwarded, budget: float | None = None) -> Forwarded:
         """The scorer's answer within ``budget`` seconds (default: the request timeout and a
