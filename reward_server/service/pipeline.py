@@ -301,12 +301,12 @@ class ScoringService:
             self.metrics.ready.set(1)
             self._ready.set()
             log.info("encoder %s ready in %.1f s", encoder.name, time.monotonic() - t0)
-        except (ModelExportError, ModelLoadError) as exc:  # their message says what to do
-            self.load_error = f"{type(exc).__name__}: {exc}"
-            log.error("loading the encoder failed: %s", self.load_error)
         except Exception as exc:
             self.load_error = f"{type(exc).__name__}: {exc}"
-            log.exception("loading the encoder failed")
+            if isinstance(exc, (ModelExportError, ModelLoadError)):  # its message says what to do
+                log.error("loading the encoder failed: %s", self.load_error)
+            else:
+                log.exception("loading the encoder failed")
         finally:
             self._loaded.set()
 
