@@ -192,6 +192,52 @@ def test_workers_asked_for_port_0_share_one_chosen_port(onnx_model_dir: Path) ->
         server.stop()
 
 
+TEXTS = "sde2_encoder_texts_total"
+MISSES = 'sde2_cache_lookups_total{result="miss"}'
+
+
+def test_every_worker_shows_the_metrics_of_all(onnx_model_dir: Path, tmp_path: Path) -> None:
+    """With ``--workers 2`` a scrape shows the sum over both workers, whichever of them the
+    kernel hands it to: the requests, their items and the encoder's work of each, the same on
+    every scrape (before, each scrape showed one worker's share). The folder the workers
+    share is the server's own, and gone once it stopped."""
+    env = {"TMPDIR": str(tmp_path)}
+    with ServerProcess(onnx_model_dir, "--workers", "2", grpc=False, env=env) as server:
+        assert len(list(tmp_path.glob("sde2-metrics-*"))) == 1
+        deadline, started = time.monotonic() + 120, "Application startup complete"
+        while server.log().count(started) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)  # the second worker listens once its encoder is warm
+        assert server.log().count(started) == 2, server.log_tail()
+        # The workers' warm-up texts, counted by each before it listens: the same twice.
+        warmup = {_metric(httpx.get(server.url + "/metrics").text, TEXTS) for _ in range(4)}
+        assert len(warmup) == 1
+        warmup_texts = warmup.pop()
+        assert warmup_texts > 0
+        bodies = [
+            {"items": unique_items(seed=500 + i, items=1 + i % 2, strategies=3)} for i in range(12)
+        ]
+        # A connection each (httpx.post, no shared client): the kernel spreads them.
+        codes = [
+            httpx.post(server.url + "/v1/score", json=b, timeout=120).status_code for b in bodies
+        ]
+        assert codes == [200] * len(bodies)
+        scrapes = [httpx.get(server.url + "/metrics", timeout=30).text for _ in range(10)]
+        server.terminate()
+        assert server.wait(60) == 0, server.log_tail()
+    assert list(tmp_path.glob("sde2-metrics-*")) == []
+    items = sum(len(b["items"]) for b in bodies)
+    for text in scrapes:
+        assert _metric(text, 'sde2_requests_total{route="/v1/score",status="200"}') == 12
+        assert _metric(text, "sde2_request_items_count") == 12
+        assert _metric(text, "sde2_request_items_sum") == items
+        assert _metric(text, "sde2_ready") == 1  # the least over the live workers
+        assert _metric(text, "sde2_admitted_requests") == 0
+    work = {(_metric(text, TEXTS), _metric(text, MISSES)) for text in scrapes}
+    # Every item's three strategies are wrong and fresh: each of its texts embedded once.
+    assert work == {(warmup_texts + 3 * items, 3 * items)}
+    assert all(_metric(text, "sde2_cache_hit_ratio") == 0 for text in scrapes)
+
+
 @pytest.mark.parametrize("delay", [0.0, 0.5, 2.0])
 def test_sigterm_while_workers_start_is_a_clean_stop(onnx_model_dir: Path, delay: float) -> None:
     """A stop that lands while the workers start or load is a requested stop: exit 0."""

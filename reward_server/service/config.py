@@ -68,8 +68,8 @@ class Settings:
         default=1,
         metadata={
             "help": "server processes sharing the ports through SO_REUSEPORT, each with its own "
-            "encoder, batcher and metrics (CPU threads are split between them; /metrics shows "
-            "the one that answers, so keep 1 where Prometheus scrapes)"
+            "encoder and batcher (CPU threads are split between them; /metrics, whichever "
+            "answers it, adds up all of them)"
         },
     )
     intra_op_threads: int | None = field(

@@ -8,8 +8,8 @@ the usual dashboards answer "where does the time go" without guessing.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+import os
+import threading
 
 from prometheus_client import (
     CollectorRegistry,
@@ -18,8 +18,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from reward_server.encoders.base import Encoder
 from reward_server.service.batcher import BatchObserver, BatchRecord
@@ -46,47 +45,89 @@ _LATENCY_BUCKETS = (
 _COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 _TOKEN_BUCKETS = (64, 256, 1024, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
 PHASES = ("parse", "queue", "encode", "reward", "total")
+#: Where prometheus_client's multiprocess mode keeps each process's values.
+SHARED_DIR_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
 
 
-class _EncoderCollector(Collector):
-    """Reads the encoder's own counters at scrape time (cache hits, tokens actually computed),
-    so the encoder stays free of any metrics dependency."""
+class _EncoderCounters:
+    """The encoder's own running totals (cache lookups, tokens actually computed) as counters,
+    brought up to date from :meth:`Encoder.stats` by :meth:`sync`: the encoder stays free of
+    any metrics dependency, and the counters, unlike a collector reading the encoder at scrape
+    time, add up across ``--workers`` processes."""
 
-    def __init__(self, encoder: Encoder) -> None:
+    _WORK = (
+        ("tokens", "real tokens embedded"),
+        ("padded_tokens", "tokens computed including padding"),
+        ("batches", "onnxruntime runs"),
+        ("texts", "texts embedded by the model"),
+    )
+
+    def __init__(self, encoder: Encoder, registry: CollectorRegistry) -> None:
         self.encoder = encoder
+        self.registry = registry
+        self.lookups = Counter(
+            "sde2_cache_lookups",
+            "embedding cache lookups by result",
+            ["result"],
+            registry=registry,
+        )
+        self.work: dict[str, Counter] = {}  # created once the backend reports its work
+        self.seen: dict[str, int] = {}  # each total as last counted
+        self.lock = threading.Lock()  # synced from the event loop and the batcher's thread
 
-    def collect(self) -> Iterator[Any]:
+    def sync(self) -> None:
+        """Count what the encoder did since the last call."""
         stats = self.encoder.stats()
-        if stats.cache is not None:
-            hits, misses = stats.cache.hits, stats.cache.misses
-            lookups = CounterMetricFamily(
-                "sde2_cache_lookups", "embedding cache lookups by result", labels=["result"]
-            )
-            lookups.add_metric(["hit"], hits)
-            lookups.add_metric(["miss"], misses)
-            yield lookups
-            ratio = GaugeMetricFamily(
-                "sde2_cache_hit_ratio", "share of embedding lookups served by the cache"
-            )
-            ratio.add_metric([], hits / (hits + misses) if hits + misses else 0.0)
-            yield ratio
-        work = stats.work
-        if work is not None:
-            for name, value, help_text in (
-                ("tokens", work.tokens, "real tokens embedded"),
-                ("padded_tokens", work.padded_tokens, "tokens computed including padding"),
-                ("batches", work.batches, "onnxruntime runs"),
-                ("texts", work.texts, "texts embedded by the model"),
-            ):
-                c = CounterMetricFamily(f"sde2_encoder_{name}", help_text)
-                c.add_metric([], value)
-                yield c
+        with self.lock:
+            if stats.cache is not None:
+                self._add("hit", stats.cache.hits, self.lookups.labels("hit"))
+                self._add("miss", stats.cache.misses, self.lookups.labels("miss"))
+            if stats.work is not None:
+                for name, help_text in self._WORK:
+                    counter = self.work.get(name)
+                    if counter is None:
+                        counter = self.work[name] = Counter(
+                            f"sde2_encoder_{name}", help_text, registry=self.registry
+                        )
+                    self._add(name, getattr(stats.work, name), counter)
+
+    def _add(self, key: str, total: int, counter: Counter) -> None:
+        counter.inc(max(0, total - self.seen.get(key, 0)))
+        self.seen[key] = max(total, self.seen.get(key, 0))
+
+
+def _hit_ratio(source: CollectorRegistry) -> bytes:
+    """``sde2_cache_hit_ratio`` from the lookups ``source`` counts (nothing without a cache)."""
+    hits, misses = (
+        source.get_sample_value("sde2_cache_lookups_total", {"result": result})
+        for result in ("hit", "miss")
+    )
+    if hits is None or misses is None:
+        return b""
+    ratio = CollectorRegistry(auto_describe=False)
+    Gauge(
+        "sde2_cache_hit_ratio", "share of embedding lookups served by the cache", registry=ratio
+    ).set(hits / (hits + misses) if hits + misses else 0.0)
+    return generate_latest(ratio)
 
 
 class Metrics(BatchObserver):
-    """Every metric of one server; also the batcher's observer."""
+    """Every metric of one server; also the batcher's observer.
 
-    def __init__(self) -> None:
+    ``shared_dir``: the folder the ``--workers`` processes of one server share, set as
+    ``PROMETHEUS_MULTIPROC_DIR`` before this process imported ``prometheus_client``
+    (prometheus_client's multiprocess mode: each process writes its values there). Whichever
+    worker answers a scrape then shows the sum over all of them (the gauges: over the live
+    ones; ``sde2_ready``: their least), so counters never seem to go back and forth.
+    """
+
+    def __init__(self, shared_dir: str | None = None) -> None:
+        if shared_dir is not None and os.environ.get(SHARED_DIR_VARIABLE) != shared_dir:
+            raise RuntimeError(
+                f"Metrics(shared_dir={shared_dir!r}) needs {SHARED_DIR_VARIABLE} set to it "
+                "before prometheus_client is imported"
+            )
+        self.shared_dir = shared_dir
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -138,24 +179,53 @@ class Metrics(BatchObserver):
             "answer_type=math checks stopped at --math-timeout (counted as not equivalent)",
             registry=r,
         )
-        self.admitted = Gauge("sde2_admitted_requests", "requests admitted now", registry=r)
-        self.queue_depth = Gauge("sde2_queue_depth", "requests waiting for the encoder", registry=r)
-        self.queue_tokens = Gauge(
-            "sde2_queue_tokens", "estimated tokens waiting for the encoder", registry=r
+        self.admitted = Gauge(
+            "sde2_admitted_requests",
+            "requests admitted now",
+            registry=r,
+            multiprocess_mode="livesum",
         )
-        self.ready = Gauge("sde2_ready", "1 once the model is loaded and warm", registry=r)
+        self.queue_depth = Gauge(
+            "sde2_queue_depth",
+            "requests waiting for the encoder",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.queue_tokens = Gauge(
+            "sde2_queue_tokens",
+            "estimated tokens waiting for the encoder",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.ready = Gauge(
+            "sde2_ready",
+            "1 once the model is loaded and warm",
+            registry=r,
+            multiprocess_mode="livemin",
+        )
+        self._encoder: _EncoderCounters | None = None
 
     def attach_encoder(self, encoder: Encoder) -> None:
-        """Expose the encoder's own counters (cache, tokens) at scrape time."""
-        self.registry.register(_EncoderCollector(encoder))
+        """Count the encoder's own totals (cache, tokens) from now on."""
+        self._encoder = _EncoderCounters(encoder, self.registry)
+        self._encoder.sync()
+
+    def _sync_shared(self) -> None:
+        """Bring the encoder's counters up to date where other processes read them: a worker
+        whose scrape another worker answers is counted as of its last request or encoder call
+        (one process syncs at each scrape, which is exact)."""
+        if self.shared_dir is not None and self._encoder is not None:
+            self._encoder.sync()
 
     def observe_phases(self, seconds: dict[str, float]) -> None:
         """Record one request's phase timings."""
         for phase, value in seconds.items():
             self.latency.labels(phase).observe(value)
+        self._sync_shared()
 
     def on_batch(self, record: BatchRecord) -> None:
         """Batcher hook: one encoder call finished."""
+        self._sync_shared()
         if record.dropped:
             self.dropped.inc(record.dropped)
         if not record.requests:
@@ -172,5 +242,13 @@ class Metrics(BatchObserver):
         self.queue_tokens.set(queued_tokens)
 
     def render(self) -> bytes:
-        """The text exposition format."""
-        return generate_latest(self.registry)
+        """The text exposition format: this process's metrics, or, with ``shared_dir``, every
+        worker's added up."""
+        if self._encoder is not None:
+            self._encoder.sync()
+        if self.shared_dir is None:
+            source = self.registry
+        else:
+            source = CollectorRegistry(auto_describe=False)
+            MultiProcessCollector(source, path=self.shared_dir)
+        return generate_latest(source) + _hit_ratio(source)

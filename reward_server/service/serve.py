@@ -13,9 +13,9 @@ its graceful shutdown, which would kill the process before gRPC has drained.
 with ``SO_REUSEPORT`` (the kernel spreads connections) once its encoder is warm, and owns its
 encoder, batcher and metrics; CPU threads are split between them. On a small CPU one worker is
 best (one batcher coalesces everything and onnxruntime already uses every core); several workers
-help on large machines where one Python process cannot keep the encoder busy. ``/metrics`` then
-shows the worker that answered the scrape, one at random: its counters are that worker's alone,
-so Prometheus' rates over the shared port read wrong (keep one worker where it is monitored).
+help on large machines where one Python process cannot keep the encoder busy. The workers keep
+their metrics in a folder of the supervisor's (prometheus_client's multiprocess mode), so
+``/metrics``, whichever worker answers it, shows the sum over all of them.
 
 The module top level imports nothing heavy: ``sde2-reward`` imports it to build its parser.
 """
@@ -30,9 +30,11 @@ import logging
 import math
 import multiprocessing
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -100,15 +102,22 @@ def _no_signal_capture() -> Iterator[None]:
 
 
 async def serve_async(
-    settings: Settings, *, encoder: Encoder | None = None, reuse_port: bool = False
+    settings: Settings,
+    *,
+    encoder: Encoder | None = None,
+    reuse_port: bool = False,
+    shared_metrics: str | None = None,
 ) -> int:
-    """Run until SIGTERM/SIGINT, then drain. ``encoder`` overrides loading (tests)."""
+    """Run until SIGTERM/SIGINT, then drain. ``encoder`` overrides loading (tests);
+    ``shared_metrics``: the metrics folder of a worker's supervisor."""
+    from reward_server.service.metrics import Metrics
     from reward_server.service.pipeline import ScoringService
 
+    metrics = Metrics(shared_dir=shared_metrics)
     service = (
-        ScoringService(settings, encoder=encoder)
+        ScoringService(settings, encoder=encoder, metrics=metrics)
         if encoder is not None
-        else ScoringService(settings, loader=lambda: build_encoder(settings))
+        else ScoringService(settings, loader=lambda: build_encoder(settings), metrics=metrics)
     )
     service.start()  # loading begins now (the app's lifespan would start it only once bound)
     # The web stack is imported while the encoder loads in its thread: onnxruntime builds its
@@ -250,12 +259,33 @@ async def _serve_until_stopped(
     return False
 
 
-def _worker_main(settings: Settings, index: int) -> None:
+def _worker_main(settings: Settings, index: int, shared_metrics: str) -> None:
     tune_malloc_for(settings.backend)
     logging.basicConfig(
         level=settings.log_level.upper(), format=f"%(levelname)s w{index} %(name)s: %(message)s"
     )
-    sys.exit(asyncio.run(serve_async(settings, reuse_port=True)))
+    sys.exit(asyncio.run(serve_async(settings, reuse_port=True, shared_metrics=shared_metrics)))
+
+
+@contextlib.contextmanager
+def _shared_metrics_dir() -> Iterator[str]:
+    """A fresh folder for the workers' metrics, named in ``PROMETHEUS_MULTIPROC_DIR`` while
+    they are spawned (prometheus_client picks its multiprocess mode from that variable when a
+    process imports it: each worker inherits it), removed once they have exited. Fresh, since
+    files left by an earlier server would be added to this one's counts."""
+    from reward_server.service.metrics import SHARED_DIR_VARIABLE
+
+    folder = tempfile.mkdtemp(prefix="sde2-metrics-")
+    before = os.environ.get(SHARED_DIR_VARIABLE)
+    os.environ[SHARED_DIR_VARIABLE] = folder
+    try:
+        yield folder
+    finally:
+        if before is None:
+            os.environ.pop(SHARED_DIR_VARIABLE, None)
+        else:
+            os.environ[SHARED_DIR_VARIABLE] = before
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _concrete_ports(settings: Settings, held: list[socket.socket]) -> Settings:
@@ -288,10 +318,25 @@ def _run_workers(settings: Settings) -> int:
     child = dataclasses.replace(
         _concrete_ports(settings, held), model=model, intra_op_threads=threads
     )
+    try:
+        with _shared_metrics_dir() as shared:
+            return _supervise(child, shared)
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def _supervise(child: Settings, shared_metrics: str) -> int:
+    """Start the workers, forward stop signals to them, and wait for every one to exit: 0, or 1
+    when one failed (the others are then stopped)."""
+    from multiprocessing.connection import wait
+
+    from prometheus_client.multiprocess import mark_process_dead
+
     ctx = multiprocessing.get_context("spawn")
     procs = [
-        ctx.Process(target=_worker_main, args=(child, i), name=f"sde2-worker-{i}")
-        for i in range(settings.workers)
+        ctx.Process(target=_worker_main, args=(child, i, shared_metrics), name=f"sde2-worker-{i}")
+        for i in range(child.workers)
     ]
     stop_requested: list[int] = []  # signals the supervisor received and forwarded
 
@@ -312,14 +357,13 @@ def _run_workers(settings: Settings) -> int:
         p.start()
     started = [p for p in procs if p.pid is not None]
     log.info("started %d workers", len(started))
-    from multiprocessing.connection import wait
-
     pending: dict[Any, Any] = {p.sentinel: p for p in started}
     status = 0
     while pending:
         for sentinel in wait(list(pending)):
             proc = pending.pop(sentinel)
             proc.join()
+            mark_process_dead(proc.pid, shared_metrics)  # its gauges leave the live sums
             # A forwarded stop that lands before a worker installed its handlers kills it
             # with that signal: a requested stop, not a failure.
             stopped = proc.exitcode is not None and -proc.exitcode in stop_requested
@@ -327,8 +371,6 @@ def _run_workers(settings: Settings) -> int:
                 status = status or 1
                 log.error("%s exited with %s; stopping the others", proc.name, proc.exitcode)
                 stop_all(signal.SIGTERM)
-    for sock in held:
-        sock.close()
     return status
 
 
