@@ -192,7 +192,12 @@ def test_errors_and_health_match_serve(cluster: Cluster) -> None:
     ) and want.status_code == 413
     for path in ("/healthz", "/readyz", "/v1/info"):
         want, got = httpx.get(cluster.serve_url + path), httpx.get(cluster.ray_url + path)
-        assert got.status_code == want.status_code == 200 and got.json() == want.json()
+        assert got.status_code == want.status_code == 200
+        expected = want.json()
+        if path == "/v1/info":  # uvicorn's head limits: Ray's proxy reads heads, none applies
+            for key in ("max_header_bytes", "header_timeout_s"):
+                del expected["limits"][key]
+        assert got.json() == expected
     # The route as ``sde2-reward serve`` names it: without the prefix. /metrics shows the
     # replica that answers, which may have scored none of the above: ask until one has.
     deadline = time.monotonic() + 30

@@ -14,7 +14,7 @@ import math
 import os
 import re
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -271,12 +271,14 @@ class Settings:
                 )
                 raise ValueError(f"{name} ({flag}{env_name(name)}) must be {rule}, got {got}")
 
-    def public(self) -> dict[str, Any]:
+    def public(self, unenforced: Collection[str] = ()) -> dict[str, Any]:
         """What ``/v1/info`` (and gRPC ``Info``) report of the settings, as ``limits``: each field
-        whose metadata names its ``info`` key; a secret shows only whether it is set."""
+        whose metadata names its ``info`` key, except the ``unenforced`` ones (limits of a
+        transport that something else stands in for, such as Ray's proxy); a secret shows
+        only whether it is set."""
         shown: dict[str, Any] = {}
         for f in dataclasses.fields(self):
-            if "info" in f.metadata:
+            if "info" in f.metadata and f.name not in unenforced:
                 value = getattr(self, f.name)
                 shown[f.metadata["info"]] = value is not None if f.metadata.get("secret") else value
         return shown

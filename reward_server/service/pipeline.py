@@ -21,7 +21,7 @@ import hmac
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -241,10 +241,15 @@ class ScoringService:
         encoder: Encoder | None = None,
         loader: Callable[[], Encoder] | None = None,
         metrics: Metrics | None = None,
+        unenforced: Collection[str] = (),
     ) -> None:
+        """``unenforced``: settings the transport in front of this service does not apply
+        (under Ray, uvicorn's connection limits): ``/v1/info`` leaves them out of ``limits``
+        rather than report a limit nothing enforces."""
         if (encoder is None) == (loader is None):
             raise ValueError("pass exactly one of encoder and loader")
         self.settings = settings
+        self.unenforced = frozenset(unenforced)
         self.metrics = metrics or Metrics()
         if encoder is not None:
             check_encoder(encoder)  # a wrapper that forgot a member fails here, not in service
@@ -766,5 +771,5 @@ class ScoringService:
                 "diagnostics": False,
                 "params": RewardParams().model_dump(),
             },
-            "limits": s.public(),
+            "limits": s.public(self.unenforced),
         }

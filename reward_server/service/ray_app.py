@@ -80,9 +80,9 @@ _NOT_UNDER_RAY = {
     "workers": "use num_replicas / min_replicas / max_replicas",
 }
 #: uvicorn's connection limits in ``sde2-reward serve``: Ray's proxy reads the connections here,
-#: so a value given for them would be shown in /v1/info and never enforced. A value other than
-#: the default is refused (from args and from the ``SDE2_*`` environment alike, by
-#: :func:`refuse_proxy_settings`); the default itself, or a YAML null, is accepted.
+#: so nothing enforces them. A value other than the default is refused (from args and from the
+#: ``SDE2_*`` environment alike, by :func:`refuse_proxy_settings`); the default itself, or a
+#: YAML null, is accepted; /v1/info leaves them out of its ``limits``.
 _PROXY_SETTINGS = {
     "header_timeout": "Ray's proxy reads request heads: it has no such limit (put nginx's "
     "client_header_timeout in front); its own knobs are http_options (request_timeout_s)",
@@ -529,7 +529,9 @@ class Scorer:
         settings = settings_from_args(setting_args, options)
         tune_malloc_for(settings.backend)
         self.settings = settings
-        self.service = ScoringService(settings, loader=lambda: build_encoder(settings))
+        self.service = ScoringService(
+            settings, loader=lambda: build_encoder(settings), unenforced=_PROXY_SETTINGS
+        )
         t0 = time.monotonic()
         loop = asyncio.get_running_loop()
         # Loaded and warm before the constructor returns: Ray routes to a replica only then.
