@@ -179,23 +179,15 @@ class Metrics(BatchObserver):
             "answer_type=math checks stopped at --math-timeout (counted as not equivalent)",
             registry=r,
         )
-        self.admitted = Gauge(
-            "sde2_admitted_requests",
-            "requests admitted now",
-            registry=r,
-            multiprocess_mode="livesum",
-        )
-        self.queue_depth = Gauge(
-            "sde2_queue_depth",
-            "requests waiting for the encoder",
-            registry=r,
-            multiprocess_mode="livesum",
-        )
-        self.queue_tokens = Gauge(
-            "sde2_queue_tokens",
-            "estimated tokens waiting for the encoder",
-            registry=r,
-            multiprocess_mode="livesum",
+
+        # Summed over the live workers when there are several (see ``shared_dir``).
+        def live_sum(name: str, help_text: str) -> Gauge:
+            return Gauge(name, help_text, registry=r, multiprocess_mode="livesum")
+
+        self.admitted = live_sum("sde2_admitted_requests", "requests admitted now")
+        self.queue_depth = live_sum("sde2_queue_depth", "requests waiting for the encoder")
+        self.queue_tokens = live_sum(
+            "sde2_queue_tokens", "estimated tokens waiting for the encoder"
         )
         self.ready = Gauge(
             "sde2_ready",
