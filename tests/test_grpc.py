@@ -147,6 +147,30 @@ async def test_without_the_key_the_message_is_not_converted(
         assert len(ok.rewards) == 20 and len(converted) == 1
 
 
+async def test_too_many_items_are_refused_before_conversion(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An empty item is two bytes of protobuf: a message under the body limit holds millions.
+    Their count is refused (as over HTTP, naming ``items``) before any item is converted."""
+    from reward_server.service import grpc_server
+
+    converted: list[Any] = []
+    real = grpc_server.request_to_json
+    monkeypatch.setattr(grpc_server, "request_to_json", lambda r: converted.append(r) or real(r))
+    body = pb.ScoreRequest(items=[pb.Item()] * 500_000)
+    assert body.ByteSize() == 1_000_000
+    async with Running(make_service()) as running:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await running.stub.Score(body)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details() == "items: at most 1024 items per request, got 500000"
+        assert converted == []
+        counted = running.service.metrics.render().decode()
+        assert 'sde2_failures_total{reason="invalid"} 1.0' in counted
+        ok = await running.stub.Score(request_from_dict({"items": step_items(seed=1)[:2]}))
+        assert len(ok.rewards) == 2 and len(converted) == 1
+
+
 async def test_calls_in_progress_are_bounded_past_the_queue(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

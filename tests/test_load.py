@@ -222,6 +222,12 @@ def test_every_worker_shows_the_metrics_of_all(onnx_model_dir: Path, tmp_path: P
         ]
         assert codes == [200] * len(bodies)
         scrapes = [httpx.get(server.url + "/metrics", timeout=30).text for _ in range(10)]
+        # The same body again over one connection (one worker): its cache answers the repeats.
+        with httpx.Client(timeout=120) as client:
+            assert all(
+                client.post(server.url + "/v1/score", json=bodies[0]).is_success for _ in range(3)
+            )
+        repeated = [httpx.get(server.url + "/metrics", timeout=30).text for _ in range(6)]
         server.terminate()
         assert server.wait(60) == 0, server.log_tail()
     assert list(tmp_path.glob("sde2-metrics-*")) == []
@@ -236,6 +242,14 @@ def test_every_worker_shows_the_metrics_of_all(onnx_model_dir: Path, tmp_path: P
     # Every item's three strategies are wrong and fresh: each of its texts embedded once.
     assert work == {(warmup_texts + 3 * items, 3 * items)}
     assert all(_metric(text, "sde2_cache_hit_ratio") == 0 for text in scrapes)
+    for text in scrapes + repeated:  # one family per name (the ratio was one per worker)
+        families = re.findall(r"^# TYPE (\S+)", text, re.M)
+        assert len(families) == len(set(families)), sorted(families)
+    hits = {_metric(text, 'sde2_cache_lookups_total{result="hit"}') for text in repeated}
+    (hit,) = hits
+    assert hit >= 6  # the last two repeats at least: three texts each
+    misses = _metric(repeated[0], MISSES)
+    assert {_metric(text, "sde2_cache_hit_ratio") for text in repeated} == {hit / (hit + misses)}
 
 
 @pytest.mark.parametrize("delay", [0.0, 0.5, 2.0])

@@ -72,6 +72,9 @@ class RewardServicer:
         """The service's answer to a ``ScoreRequest``, with its phase timings as trailers."""
         authorization = _authorization(context)
         self.service.authorize(authorization)  # before any work on the message
+        too_many = self.service.too_many_items(len(request.items))
+        if too_many is not None:  # before converting them: an empty item is two bytes
+            raise RequestInvalid.one(("items",), too_many, "too_long")
         scored = await self.service.score(
             lambda: ScoreRequest.model_validate_json(request_to_json(request)),
             authorization=authorization,

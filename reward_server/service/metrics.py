@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterator
 
 from prometheus_client import (
     CollectorRegistry,
@@ -18,7 +19,9 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
 
 from reward_server.encoders.base import Encoder
 from reward_server.service.batcher import BatchObserver, BatchRecord
@@ -96,19 +99,26 @@ class _EncoderCounters:
         self.seen[key] = max(total, self.seen.get(key, 0))
 
 
-def _hit_ratio(source: CollectorRegistry) -> bytes:
-    """``sde2_cache_hit_ratio`` from the lookups ``source`` counts (nothing without a cache)."""
-    hits, misses = (
-        source.get_sample_value("sde2_cache_lookups_total", {"result": result})
-        for result in ("hit", "miss")
-    )
-    if hits is None or misses is None:
-        return b""
-    ratio = CollectorRegistry(auto_describe=False)
-    Gauge(
-        "sde2_cache_hit_ratio", "share of embedding lookups served by the cache", registry=ratio
-    ).set(hits / (hits + misses) if hits + misses else 0.0)
-    return generate_latest(ratio)
+class _HitRatio(Collector):
+    """``sde2_cache_hit_ratio`` from the lookups ``source`` counts (nothing without a cache).
+    A collector, never a :class:`Gauge`: in multiprocess mode a gauge would write each
+    scrape's ratio to the shared folder, to be read back as a stale series of its own."""
+
+    def __init__(self, source: CollectorRegistry) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        hits, misses = (
+            self.source.get_sample_value("sde2_cache_lookups_total", {"result": result})
+            for result in ("hit", "miss")
+        )
+        if hits is None or misses is None:
+            return
+        ratio = GaugeMetricFamily(
+            "sde2_cache_hit_ratio", "share of embedding lookups served by the cache"
+        )
+        ratio.add_metric([], hits / (hits + misses) if hits + misses else 0.0)
+        yield ratio
 
 
 class Metrics(BatchObserver):
@@ -243,4 +253,6 @@ class Metrics(BatchObserver):
         else:
             source = CollectorRegistry(auto_describe=False)
             MultiProcessCollector(source, path=self.shared_dir)
-        return generate_latest(source) + _hit_ratio(source)
+        ratio = CollectorRegistry(auto_describe=False)
+        ratio.register(_HitRatio(source))
+        return generate_latest(source) + generate_latest(ratio)

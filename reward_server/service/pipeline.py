@@ -387,6 +387,13 @@ class ScoringService:
         if not self.is_authorized(authorization):
             raise Unauthorized()
 
+    def too_many_items(self, count: int) -> str | None:
+        """Why ``count`` items are too many for one request (None: they are not). A transport
+        whose message holds items cheaply (gRPC: two bytes each) asks this before converting
+        them, else millions of them would be built before :meth:`check_limits` refused them."""
+        limit = self.settings.max_items
+        return f"at most {limit} items per request, got {count}" if count > limit else None
+
     def check_limits(self, request: ScoreRequest, loc_map: LocMap | None = None) -> None:
         """The server's size limits (the schema's own constraints are already checked)."""
         s = self.settings
@@ -398,8 +405,9 @@ class ScoringService:
         if request.answer_type == "math" and not math_available():
             msg = "'math' needs the server's optional extra sde2[math], not installed here"
             add(("answer_type",), msg, "unsupported")
-        if len(request.items) > s.max_items:
-            add(("items",), f"at most {s.max_items} items per request, got {len(request.items)}")
+        too_many = self.too_many_items(len(request.items))
+        if too_many is not None:
+            add(("items",), too_many)
         limits = {
             name: limit
             for name, limit in item_text_limits(s).items()
