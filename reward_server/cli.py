@@ -45,17 +45,19 @@ EXTRA_OF_PACKAGE: dict[str, str] = {
 STOPPED_EXIT_CODE = 0
 
 
-def _stop_before_ready(signum: int, frame: FrameType | None) -> None:
-    """SIGTERM before ``serve`` installed its own (draining) handler: exit now.
+def stop_during_startup(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM or SIGINT before ``serve`` installed its own (draining) handlers: exit now.
 
     In a container the server is PID 1, and the kernel ignores a signal that PID 1 has no
     handler for: without this one, a stop in the first fraction of a second (while the modules
-    import) is dropped and the runtime waits out its whole timeout, then kills (137). Nothing is
-    being served yet, so there is nothing to drain. Once another thread runs (the encoder
-    loading, possibly inside native code), a normal interpreter exit could abort in C++
-    destructors, so the process then leaves at once with ``os._exit``.
+    import) is dropped and the runtime waits out its whole timeout, then kills (137). A Ctrl-C
+    would otherwise be a KeyboardInterrupt traceback and exit 1 (asyncio's own handler, where
+    it is installed first). Nothing is being served yet, so there is nothing to drain. Once
+    another thread runs (the encoder loading, possibly inside native code), a normal
+    interpreter exit could abort in C++ destructors, so the process then leaves at once with
+    ``os._exit``. ``--workers`` processes install it too, first thing.
     """
-    os.write(2, b"sde2-reward: stopped by SIGTERM during startup\n")
+    os.write(2, f"sde2-reward: stopped by {signal.Signals(signum).name} during startup\n".encode())
     if threading.active_count() > 1:
         os._exit(STOPPED_EXIT_CODE)
     raise SystemExit(STOPPED_EXIT_CODE)
@@ -104,7 +106,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # First, before any import: only the server runs as a container's PID 1 (the other commands
     # keep the default, so that a terminated `score` does not exit 0).
     if command == "serve" and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _stop_before_ready)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, stop_during_startup)
     try:
         args = build_parser([command] if command else []).parse_args(args_in)
         return int(args._run(args))

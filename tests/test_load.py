@@ -7,6 +7,8 @@ it over 127.0.0.1 only, and bounds the number of requests and every wait.
 from __future__ import annotations
 
 import re
+import signal
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -252,20 +254,64 @@ def test_every_worker_shows_the_metrics_of_all(onnx_model_dir: Path, tmp_path: P
     assert {_metric(text, "sde2_cache_hit_ratio") for text in repeated} == {hit / (hit + misses)}
 
 
-@pytest.mark.parametrize("delay", [0.0, 0.5, 2.0])
-def test_sigterm_while_workers_start_is_a_clean_stop(onnx_model_dir: Path, delay: float) -> None:
-    """A stop that lands while the workers start or load is a requested stop: exit 0."""
+@pytest.mark.parametrize("delay", [0.0, 0.5, 1.5, 3.0])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_while_workers_start_is_a_clean_stop(
+    onnx_model_dir: Path, delay: float, sig: signal.Signals
+) -> None:
+    """A stop that lands while the workers start or load is a requested stop: exit 0, no
+    traceback (SIGINT, a Ctrl-C, was a KeyboardInterrupt in each worker and exit 1)."""
     server = ServerProcess(onnx_model_dir, "--workers", "2", grpc=False).start(wait=False)
     try:
         deadline = time.monotonic() + 60
         while "started 2 workers" not in server.log() and time.monotonic() < deadline:
             time.sleep(0.05)  # the supervisor's handlers are installed once it says so
         time.sleep(delay)
-        server.terminate()
+        assert server.proc is not None
+        server.proc.send_signal(sig)
         assert server.wait(60) == 0, server.log_tail()
-        assert "exited with" not in server.log()
+        assert "exited with" not in server.log() and "Traceback" not in server.log()
     finally:
         server.stop()
+
+
+def test_workers_refuse_a_taken_port_and_die_with_their_supervisor(onnx_model_dir: Path) -> None:
+    """A second server on the ports of one running with ``--workers``, or on a port any
+    socket holds, exits 3 with the error before starting workers (with ``SO_REUSEPORT`` it
+    used to start and share the ports). A supervisor killed outright takes its workers with
+    it (they used to go on serving, orphaned)."""
+    first = ServerProcess(onnx_model_dir, "--workers", "2", grpc=True).start()
+    try:
+        second = ServerProcess(onnx_model_dir, "--workers", "2", port=first.port)
+        second.start(wait=False)
+        assert second.wait(120) == 3, second.log_tail()
+        assert "Address already in use" in second.log() and "started" not in second.log()
+        assert first.grpc_port is not None
+        grpc_taken = ServerProcess(
+            onnx_model_dir, "--workers", "2", "--grpc-port", str(first.grpc_port)
+        ).start(wait=False)
+        assert grpc_taken.wait(120) == 3, grpc_taken.log_tail()
+        assert CLIENT.get(first.url + "/readyz").status_code == 200
+        first.kill()  # SIGKILL to the supervisor alone
+        assert first.wait(30) == -signal.SIGKILL
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                httpx.get(first.url + "/healthz", timeout=2)
+            except httpx.TransportError:
+                break  # no worker listens any more
+            time.sleep(0.2)
+        else:
+            pytest.fail("the workers outlived their supervisor")
+    finally:
+        first.stop()
+    with socket.socket() as holder:  # any socket on the port, not a server
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        held = ServerProcess(onnx_model_dir, "--workers", "2", port=port).start(wait=False)
+        assert held.wait(120) == 3, held.log_tail()
+        assert "Address already in use" in held.log(), held.log_tail()
 
 
 def test_load_benchmark_runs_end_to_end(

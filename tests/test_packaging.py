@@ -221,10 +221,12 @@ def test_serve_without_torch_names_the_extra(tmp_path: Path, backend_args: list[
 
 
 @pytest.mark.parametrize("loading", [False, True], ids=["importing", "loading-thread"])
-def test_sigterm_during_startup_exits_at_once(loading: bool) -> None:
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_stop_during_startup_exits_at_once(loading: bool, sig: str) -> None:
     """A stop that lands after ``sde2-reward serve`` started but before the server installed its
     draining handler exits promptly with serve's stop code (0), as PID 1 of a container must
-    (the kernel drops a signal PID 1 has no handler for, and the stop then waits for the kill).
+    (the kernel drops a signal PID 1 has no handler for, and the stop then waits for the kill);
+    a Ctrl-C (SIGINT) alike, not a KeyboardInterrupt traceback and exit 1.
     The signal is sent from inside, at the start of ``serve.run``: the earliest the old code
     had no handler at all, deterministic on any machine."""
     thread = (
@@ -238,7 +240,7 @@ def test_sigterm_during_startup_exits_at_once(loading: bool) -> None:
         "import reward_server.service.serve as serve\n"
         "def early(args):\n"
         f"    {thread.replace(chr(10), chr(10) + '    ')}"
-        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        f"os.kill(os.getpid(), signal.{sig})\n"
         "    time.sleep(30)\n"
         "    return 5\n"
         "serve.run = early\n"
@@ -250,7 +252,8 @@ def test_sigterm_during_startup_exits_at_once(loading: bool) -> None:
     proc = _run(code, ())
     elapsed = time.monotonic() - t0
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
-    assert "stopped by SIGTERM during startup" in proc.stderr
+    assert f"stopped by {sig} during startup" in proc.stderr
+    assert "Traceback" not in proc.stderr
     assert elapsed < 10  # the interpreter start included; the stop itself is immediate
 
 
@@ -266,9 +269,9 @@ SIGTERM_DISPOSITIONS = {
         "async def check():\n"
         "    loop = asyncio.get_running_loop()\n"
         "    loop.add_signal_handler(signal.SIGTERM, lambda: None)\n"
-        "    return signal.getsignal(signal.SIGTERM) is not cli._stop_before_ready\n"
+        "    return signal.getsignal(signal.SIGTERM) is not cli.stop_during_startup\n"
         "serve.run = lambda args: 0 if (\n"
-        "    signal.getsignal(signal.SIGTERM) is cli._stop_before_ready and asyncio.run(check())\n"
+        "    signal.getsignal(signal.SIGTERM) is cli.stop_during_startup and asyncio.run(check())\n"
         ") else 7\n"
         "sys.exit(cli.main(['serve']))\n"
     ),

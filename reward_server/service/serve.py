@@ -9,13 +9,17 @@ encoder worker finish its queue, exit 0. This module installs its
 own signal handlers instead of uvicorn's, because uvicorn re-raises the captured signal after
 its graceful shutdown, which would kill the process before gRPC has drained.
 
-``--workers N`` (N > 1) runs N copies of that process. Each binds the same HTTP and gRPC ports
-with ``SO_REUSEPORT`` (the kernel spreads connections) once its encoder is warm, and owns its
-encoder, batcher and metrics; CPU threads are split between them. On a small CPU one worker is
-best (one batcher coalesces everything and onnxruntime already uses every core); several workers
-help on large machines where one Python process cannot keep the encoder busy. The workers keep
-their metrics in a folder of the supervisor's (prometheus_client's multiprocess mode), so
-``/metrics``, whichever worker answers it, shows the sum over all of them.
+``--workers N`` (N > 1) runs N copies of that process under a supervisor. Each binds the same
+HTTP and gRPC ports with ``SO_REUSEPORT`` (the kernel spreads connections) once its encoder is
+warm, and owns its encoder and batcher; CPU threads are split between them. Since
+``SO_REUSEPORT`` would as well let another server share the ports, the supervisor first checks
+that no socket holds them (a taken port exits 3, as with one process), and each worker is
+stopped when its supervisor dies, even by SIGKILL (Linux), rather than serve on, orphaned. On
+a small CPU one worker is best (one batcher coalesces everything and onnxruntime already uses
+every core); several workers help on large machines where one Python process cannot keep the
+encoder busy. The workers keep their metrics in a folder of the supervisor's
+(prometheus_client's multiprocess mode), so ``/metrics``, whichever worker answers it, shows
+the sum over all of them.
 
 The module top level imports nothing heavy: ``sde2-reward`` imports it to build its parser.
 """
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ctypes
 import dataclasses
 import logging
 import math
@@ -120,13 +125,14 @@ async def serve_async(
         else ScoringService(settings, loader=lambda: build_encoder(settings), metrics=metrics)
     )
     service.start()  # loading begins now (the app's lifespan would start it only once bound)
+    loop = asyncio.get_running_loop()
+    stop = _Stop(service, settings.drain_timeout)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.request, sig)
     # The web stack is imported while the encoder loads in its thread: onnxruntime builds its
     # session mostly outside the GIL, so the two overlap.
     server = _http_server(settings, service)
-    loop = asyncio.get_running_loop()
-    stop = _Stop(server, service, settings.drain_timeout)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.request, sig)
+    stop.attach(server)
     watcher = asyncio.create_task(_watch_loading(service, stop))
     try:
         if reuse_port and not await _ready_before_stop(watcher, stop):
@@ -185,16 +191,22 @@ class _Stop:
     servers. ``drain_timeout`` seconds after the first request, the service answers whatever
     still runs (:meth:`ScoringService.end_drain`)."""
 
-    def __init__(self, server: uvicorn.Server, service: ScoringService, drain: float) -> None:
-        self.server = server
+    def __init__(self, service: ScoringService, drain: float) -> None:
+        self.server: uvicorn.Server | None = None
         self.service = service
         self.drain = drain
         self.requested = asyncio.Event()
         self.failed = False
 
+    def attach(self, server: uvicorn.Server) -> None:
+        """The HTTP server to stop (built after the handlers: a stop may come first)."""
+        self.server = server
+        server.should_exit = self.requested.is_set()
+
     def request(self, sig: signal.Signals) -> None:
         log.info("received %s: draining in-flight requests", sig.name)
-        self.server.should_exit = True
+        if self.server is not None:
+            self.server.should_exit = True
         if not self.requested.is_set():
             asyncio.get_running_loop().call_later(self.drain, self._end_drain)
         self.requested.set()
@@ -229,7 +241,7 @@ async def _ready_before_stop(watcher: asyncio.Task[None], stop: _Stop) -> bool:
 async def _serve_until_stopped(
     settings: Settings, service: ScoringService, server: uvicorn.Server, stop: _Stop, reuse: bool
 ) -> bool:
-    """Serve HTTP (and gRPC when asked) until stopped; True when the gRPC port cannot be bound."""
+    """Serve HTTP (and gRPC when asked) until stopped; True when a port cannot be bound."""
     grpc_server = None
     if settings.grpc_port is not None:
         from reward_server.service.grpc_server import create_server
@@ -249,9 +261,13 @@ async def _serve_until_stopped(
         if grpc_server is not None:
             await grpc_server.stop(grace=settings.drain_timeout + _TRANSPORT_GRACE)
 
-    sockets = [reuse_port_socket(settings.host, settings.port)] if reuse else None
     grpc_stopper = asyncio.create_task(stop_grpc())
     try:
+        try:
+            sockets = [reuse_port_socket(settings.host, settings.port)] if reuse else None
+        except OSError as exc:  # a message and exit 3, as uvicorn's own bind failure
+            log.error("%s", exc)
+            return True
         await server.serve(sockets=sockets)
     finally:
         stop.requested.set()  # uvicorn may also stop on its own (startup failure)
@@ -259,12 +275,35 @@ async def _serve_until_stopped(
     return False
 
 
-def _worker_main(settings: Settings, index: int, shared_metrics: str) -> None:
+def _worker_main(settings: Settings, index: int, shared_metrics: str, supervisor: int) -> None:
+    from reward_server.cli import stop_during_startup
+
+    for sig in (signal.SIGTERM, signal.SIGINT):  # until serve_async installs its own
+        signal.signal(sig, stop_during_startup)
+    _stop_with_supervisor(supervisor)
     tune_malloc_for(settings.backend)
     logging.basicConfig(
         level=settings.log_level.upper(), format=f"%(levelname)s w{index} %(name)s: %(message)s"
     )
     sys.exit(asyncio.run(serve_async(settings, reuse_port=True, shared_metrics=shared_metrics)))
+
+
+#: ``prctl`` option: the signal a process receives when its parent exits (Linux).
+_PR_SET_PDEATHSIG = 1
+
+
+def _stop_with_supervisor(supervisor: int) -> None:
+    """Have the kernel send this worker SIGTERM (a drained stop) when its supervisor dies, even
+    by SIGKILL: an orphaned worker would go on serving the shared ports, next to a new server
+    started on them. Linux only; elsewhere workers outlive a killed supervisor."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+            return
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != supervisor:  # it died before the call: nothing will signal us
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 @contextlib.contextmanager
@@ -307,10 +346,15 @@ def _concrete_ports(settings: Settings, held: list[socket.socket]) -> Settings:
 
 
 def _run_workers(settings: Settings) -> int:
-    """Supervise ``settings.workers`` processes; forward SIGTERM/SIGINT; exit when all have."""
+    """Supervise ``settings.workers`` processes; forward SIGTERM/SIGINT; exit when all have:
+    0, 3 when a port is taken (as one process), 1 when a worker failed."""
     from reward_server.encoders.batched import available_cpus
     from reward_server.encoders.loading import runs_export
 
+    taken = _taken_port(settings)
+    if taken is not None:
+        log.error("%s", taken)
+        return 3
     # Resolve (and, for the default model, export) once here, not concurrently in each worker.
     model = str(resolve_model_dir(settings)) if runs_export(settings.backend) else settings.model
     threads = settings.intra_op_threads or max(1, available_cpus() // settings.workers)
@@ -326,33 +370,57 @@ def _run_workers(settings: Settings) -> int:
             sock.close()
 
 
+def _taken_port(settings: Settings) -> OSError | None:
+    """Why the HTTP or gRPC port cannot be had, if it cannot: bound without ``SO_REUSEPORT``,
+    the probe fails while any socket holds the port, so another server (even one whose
+    workers would share it with these) is found here, before any worker starts."""
+    for port in (settings.port, settings.grpc_port):
+        if not port:  # none, or "any free port"
+            continue
+        family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((settings.host, port))
+            except OSError as exc:
+                return exc
+    return None
+
+
 def _supervise(child: Settings, shared_metrics: str) -> int:
-    """Start the workers, forward stop signals to them, and wait for every one to exit: 0, or 1
-    when one failed (the others are then stopped)."""
+    """Start the workers, forward stop signals to them, and wait for every one to exit: 0, or
+    a failed worker's status (the others are then stopped): 3 for a port, else 1."""
     from multiprocessing.connection import wait
 
     from prometheus_client.multiprocess import mark_process_dead
 
     ctx = multiprocessing.get_context("spawn")
     procs = [
-        ctx.Process(target=_worker_main, args=(child, i, shared_metrics), name=f"sde2-worker-{i}")
+        ctx.Process(
+            target=_worker_main,
+            args=(child, i, shared_metrics, os.getpid()),
+            name=f"sde2-worker-{i}",
+        )
         for i in range(child.workers)
     ]
-    stop_requested: list[int] = []  # signals the supervisor received and forwarded
+    received: list[int] = []  # stop signals the supervisor received
 
-    def stop_all(signum: int) -> None:
+    def stop_all() -> None:
+        """SIGTERM, whatever stopped the supervisor: a worker whose interpreter is still
+        starting dies of it (SIGINT would be a KeyboardInterrupt traceback there); one that
+        has its handlers drains, as it would on SIGINT."""
         for p in procs:
             if p.is_alive() and p.pid is not None:
-                os.kill(p.pid, signum)
+                os.kill(p.pid, signal.SIGTERM)
 
     def on_signal(signum: int, frame: Any) -> None:
-        stop_requested.append(signum)
-        stop_all(signum)
+        received.append(signum)
+        stop_all()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     for p in procs:
-        if stop_requested:  # a stop during startup: start no more
+        if received:  # a stop during startup: start no more
             break
         p.start()
     started = [p for p in procs if p.pid is not None]
@@ -364,13 +432,15 @@ def _supervise(child: Settings, shared_metrics: str) -> int:
             proc = pending.pop(sentinel)
             proc.join()
             mark_process_dead(proc.pid, shared_metrics)  # its gauges leave the live sums
-            # A forwarded stop that lands before a worker installed its handlers kills it
-            # with that signal: a requested stop, not a failure.
-            stopped = proc.exitcode is not None and -proc.exitcode in stop_requested
-            if proc.exitcode and not stopped:
-                status = status or 1
-                log.error("%s exited with %s; stopping the others", proc.name, proc.exitcode)
-                stop_all(signal.SIGTERM)
+            code = proc.exitcode or 0
+            # Once a stop was asked for (or a worker failed), however a worker ends is part of
+            # that stop: killed by the SIGTERM before its handlers, or by a Ctrl-C that
+            # reached its process group while its interpreter started.
+            if code == 0 or received or status:
+                continue
+            log.error("%s exited with %s; stopping the others", proc.name, code)
+            status = 3 if code == 3 else 1
+            stop_all()
     return status
 
 
