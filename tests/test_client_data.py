@@ -8,6 +8,7 @@ import re
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,7 +17,7 @@ from reward_server.core.text import preprocess
 from tests.client_fixtures import FIXTURES, GSM8K_DIR
 from trainer_client.datasets import load_examples, medmcqa_letter
 from trainer_client.evaluate import read_run
-from trainer_client.metrics import markdown_table, summarize, wilson_interval
+from trainer_client.metrics import markdown_table, normal_interval, summarize, wilson_interval
 from trainer_client.modeling import ModelRef
 from trainer_client.prompts import SCHEMA, build_messages, system_prompt
 from trainer_client.results import ItemDiagnostics
@@ -52,6 +53,44 @@ def test_aime_fixture_integer_answers(tmp_path: Path) -> None:
         load_examples("aime", bad)
 
 
+def test_the_default_aime_source_is_split_80_20(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default AIME source has one split: every fifth problem is ``test``, the others
+    ``train`` (the paper's 80:20), with no problem in both; a source of one's own keeps its
+    splits."""
+    import trainer_client.datasets as datasets
+
+    rows = [{"ID": f"p{i}", "Problem": f"problem {i}", "Answer": i} for i in range(23)]
+    asked: list[str] = []
+
+    def hub_rows(source: str, split: str) -> Any:
+        asked.append(split)
+        return ((f"{source} row {i}", row) for i, row in enumerate(rows))
+
+    monkeypatch.setattr(datasets, "read_located_rows", hub_rows)
+    test = load_examples("aime", None, "test")
+    train = load_examples("aime", None, "train")
+    assert [e.id for e in test] == ["p4", "p9", "p14", "p19"]
+    assert len(train) == 19 and not {e.id for e in train} & {e.id for e in test}
+    assert asked == ["train", "train"]  # the source's only split, read for both
+    assert len(load_examples("aime", "org/aime", "test")) == 23  # its own split, whole
+    assert asked[-1] == "test"
+
+
+def test_sample_draws_questions_at_random_by_seed() -> None:
+    from trainer_client.train import training_examples
+
+    def drawn(*argv: str) -> list[str]:
+        args = build_parser().parse_args(
+            ["--model", "m", "--reward-url", "http://h:1", "--data", str(GSM8K_DIR), *argv]
+        )
+        return [e.question for e in training_examples(args)]
+
+    first = drawn("--limit", "5")
+    sampled = drawn("--sample", "5", "--seed", "1")
+    assert len(set(sampled)) == 5 and sampled != first
+    assert drawn("--sample", "5", "--seed", "1") == sampled != drawn("--sample", "5", "--seed", "2")
+
+
 def test_missing_local_source_is_not_sent_to_the_hub() -> None:
     with pytest.raises(FileNotFoundError):
         load_examples("gsm8k", "./no/such/file.jsonl")
@@ -67,10 +106,22 @@ def test_prompt_schema_is_what_the_parser_reads() -> None:
     assert "<final_answer>" in system_prompt() and "different" in system_prompt()
 
 
-def test_wilson_interval_and_table() -> None:
-    low, high = wilson_interval(1082, 1319)  # the paper's SD-E² row
-    assert (round(100 * low, 1), round(100 * high, 1)) == (79.9, 84.0)
+def test_intervals_and_table() -> None:
+    """ACC's interval by default is the paper's: its Table 1 reads [79.96, 84.10] for 1082 of
+    1319 (SD-E² on Qwen) and [78.38, 82.65] for 1062 (GRPO-CFEE), normal intervals both; the
+    Wilson interval is the option."""
+    for correct, want in ((1082, (79.96, 84.10)), (1062, (78.38, 82.65))):
+        low, high = normal_interval(correct, 1319)
+        assert (round(100 * low, 2), round(100 * high, 2)) == want
+    low, high = wilson_interval(1082, 1319)
+    assert (round(100 * low, 2), round(100 * high, 2)) == (79.87, 84.01)
     assert wilson_interval(0, 5)[0] == 0.0 and wilson_interval(5, 5)[1] == 1.0
+    assert normal_interval(0, 5) == (0.0, 0.0) and normal_interval(5, 5) == (1.0, 1.0)
+    diagnostics = [ItemDiagnostics(1, "1", i < 1082, i < 1082) for i in range(1319)]
+    row = summarize("x", diagnostics, [""] * 1319, None)
+    assert (round(row.ci_low, 2), round(row.ci_high, 2)) == (79.96, 84.10)
+    row = summarize("x", diagnostics, [""] * 1319, None, interval="wilson")
+    assert (round(row.ci_low, 2), round(row.ci_high, 2)) == (79.87, 84.01)
     items = [
         ItemDiagnostics(3, "18", True, True, 2, 0.4),
         ItemDiagnostics(0, None, False, False),
@@ -258,6 +309,14 @@ def dead_url() -> str:
         (["--reward-url", "localhost:1"], "--reward-url: reward server URL must start with"),
         (["--output-dir", "{tmp}/bad.jsonl"], "--output-dir {tmp}/bad.jsonl: is a file"),
         (["--limit", "0"], "--limit must be >= 1"),
+        (["--sample", "0"], "--sample must be >= 1"),
+        (["--sample", "2", "--limit", "2"], "--limit and --sample: give one"),
+        (["--sample", "999"], "--sample 999: the data holds 400 questions"),
+        (["--model", "{tmp}/typo"], "--model: no such file or folder: {tmp}/typo"),
+        (["--model", "./typo"], "--model: no such file or folder: ./typo"),
+        (["--recipe", "cfee", "--weight", "sd=0"], "--weight sd: not a component of recipe 'cfee'"),
+        (["--batch-size", "3", "--num-generations", "2"], "must be divisible by num_generations"),
+        (["--num-generations", "1"], "TRL's GRPOConfig refuses these flags"),
     ],
 )
 def test_sde2_train_checks_arguments_and_data_before_anything_loads(
@@ -269,7 +328,7 @@ def test_sde2_train_checks_arguments_and_data_before_anything_loads(
 
     write_rows(tmp_path / "bad.jsonl", [GSM, {**GSM, "question": None}])
     out = tmp_path / "out"
-    argv = ["--model", str(tmp_path / "no-model"), "--reward-url", dead_url()]
+    argv = ["--model", "no-such-org/no-model", "--reward-url", dead_url()]
     argv += ["--data", str(GSM8K_DIR), "--output-dir", str(out)]
     start = time.monotonic()
     with pytest.raises(SystemExit) as exc:
@@ -277,7 +336,7 @@ def test_sde2_train_checks_arguments_and_data_before_anything_loads(
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("usage: sde2-train") and message.format(tmp=tmp_path) in err
-    assert not out.exists() and time.monotonic() - start < 5
+    assert not out.exists() and time.monotonic() - start < 20  # TRL's import included
 
 
 def test_sde2_train_reports_a_wrong_reward_url_on_one_line(
@@ -285,7 +344,7 @@ def test_sde2_train_reports_a_wrong_reward_url_on_one_line(
 ) -> None:
     from trainer_client.train import main
 
-    argv = ["--model", str(tmp_path / "no-model"), "--reward-url", dead_url()]
+    argv = ["--model", "no-such-org/no-model", "--reward-url", dead_url()]
     argv += ["--data", str(GSM8K_DIR), "--limit", "2", "--output-dir", str(tmp_path / "out")]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -12,12 +12,13 @@ from typing import Any, ClassVar
 import pytest
 
 from trainer_client import evaluate
-from trainer_client.evaluate import main, read_run
+from trainer_client.evaluate import Run, generated_label, main, read_run
 from trainer_client.results import ItemDiagnostics
-from trainer_client.retry import Attempt, RewardRequestError
+from trainer_client.retry import Attempt, RewardRequestError, RewardServiceError
 
 GOOD = {"completion": "<final_answer>4</final_answer>", "answer": "4"}
 URL = "http://127.0.0.1:9"  # never contacted: the client is a double
+GSM8K_DIR = Path(__file__).resolve().parents[1] / "reward_server" / "data" / "gsm8k"
 
 
 def write_run(path: Path, rows: list[object]) -> Path:
@@ -97,6 +98,7 @@ class FakeClient:
 
     requests: ClassVar[list[list[dict[str, Any]]]] = []
     refuse: ClassVar[bool] = False
+    down: ClassVar[bool] = False
 
     def __init__(self, urls: object, retry: object = None) -> None:
         pass
@@ -110,6 +112,11 @@ class FakeClient:
     def close(self) -> None:
         pass
 
+    def info(self, **kwargs: object) -> dict[str, Any]:
+        if FakeClient.down:
+            raise RewardServiceError("reward service failed to get info", [Attempt(URL, None, "")])
+        return {"encoder": "fake"}
+
     def score(self, items: list[dict[str, Any]], **kwargs: object) -> SimpleNamespace:
         if FakeClient.refuse:
             body = '{"detail":[{"loc":["recipe"],"msg":"Input should be \'sde2\'"}]}'
@@ -122,7 +129,7 @@ class FakeClient:
 
 @pytest.fixture
 def fake_client(monkeypatch: pytest.MonkeyPatch) -> type[FakeClient]:
-    FakeClient.requests, FakeClient.refuse = [], False
+    FakeClient.requests, FakeClient.refuse, FakeClient.down = [], False, False
     monkeypatch.setattr(evaluate, "RewardClient", FakeClient)
     return FakeClient
 
@@ -138,7 +145,7 @@ def test_a_refused_request_is_one_line_with_the_servers_reason(
 ) -> None:
     fake_client.refuse = True
     runfile = write_run(tmp_path / "r.jsonl", [GOOD])
-    argv = ["--reward-url", URL, "--completions", f"x={runfile}", "--recipe", "nope"]
+    argv = ["--reward-url", URL, "--completions", f"x={runfile}"]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("sde2-eval: reward service rejected the request") and "\n" not in err
@@ -160,3 +167,124 @@ def test_unusable_paths_stop_the_command_before_scoring(
         main(["--reward-url", URL, "--completions", f"x={runfile}", "--limit", "0"])
     assert "--limit must be >= 1" in capsys.readouterr().err
     assert fake_client.requests == []
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--recipe", "nope"], "argument --recipe: invalid choice: 'nope'"),
+        (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+        (["--model", "./no-model"], "--model: no such file or folder: ./no-model"),
+        (["--tokenizer", "/no/tokenizer"], "--tokenizer: no such file or folder: /no/tokenizer"),
+        (["--ci", "exact"], "argument --ci: invalid choice: 'exact'"),
+    ],
+)
+def test_arguments_that_cannot_work_stop_before_anything_runs(
+    tmp_path: Path,
+    fake_client: type[FakeClient],
+    capsys: pytest.CaptureFixture[str],
+    extra: list[str],
+    message: str,
+) -> None:
+    """A typo is a usage error at once, never after the generation (a recipe used to be
+    refused by the server once every completion was generated)."""
+    runfile = write_run(tmp_path / "r.jsonl", [GOOD])
+    with pytest.raises(SystemExit) as exc:
+        main(["--reward-url", URL, "--completions", f"x={runfile}", *extra])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+    assert fake_client.requests == []
+
+
+def _no_generation(*args: object) -> None:
+    raise AssertionError("generated before the server was known to answer")
+
+
+def test_the_server_is_asked_before_generating(
+    monkeypatch: pytest.MonkeyPatch,
+    fake_client: type[FakeClient],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    fake_client.down = True
+    monkeypatch.setattr(evaluate, "generate_run", _no_generation)
+    assert main(["--reward-url", URL, "--model", "org/model", "--data", str(GSM8K_DIR)]) == 2
+    assert "sde2-eval: reward service failed to get info" in capsys.readouterr().err
+
+
+def _generated(args: Any, examples: list[Any]) -> tuple[Run, None]:
+    completions = [GOOD["completion"]] * len(examples)
+    run = Run(generated_label(args), completions, [e.answer for e in examples], "numeric", None)
+    run.num_tokens = [3] * len(examples)
+    return run, None
+
+
+def test_a_generated_run_outlives_a_failed_scoring(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    fake_client: type[FakeClient],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Scoring that fails after the generation leaves the completions in a file it names, to
+    score again with --completions; a run scored leaves no file behind."""
+    monkeypatch.setattr(evaluate, "generate_run", _generated)
+    monkeypatch.setattr(evaluate.tempfile, "gettempdir", lambda: str(tmp_path))
+    argv = ["--reward-url", URL, "--model", "org/model", "--data", str(GSM8K_DIR), "--limit", "3"]
+    fake_client.refuse = True
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    (kept,) = tmp_path.glob("sde2-eval-*.jsonl")
+    assert f"--completions org/model={kept}" in err
+    fake_client.refuse = False
+    assert main(["--reward-url", URL, "--completions", f"again={kept}"]) == 0
+    assert fake_client.requests[-1] == [
+        {"completion": GOOD["completion"], "answer": a} for a in ("18", "3", "70000")
+    ]
+    kept.unlink()
+    assert main([*argv, "--json", str(tmp_path / "t.json")]) == 0
+    assert list(tmp_path.glob("sde2-eval-*.jsonl")) == []
+    meta = json.loads((tmp_path / "t.json").read_text())["meta"]
+    # The paper's evaluation split by default (GSM8K: test), and what the rows were run with.
+    assert (meta["model"], meta["split"], meta["limit"], meta["temperature"]) == (
+        "org/model",
+        "test",
+        3,
+        0.2,
+    )
+
+
+def test_runs_are_labelled_by_whole_model_ids_and_their_adapter(tmp_path: Path) -> None:
+    """``Path.stem`` cut hub ids at their first dot (``Qwen/Qwen2.5-3B-Instruct`` read
+    ``Qwen2``) and gave a base model and its adapter one label."""
+
+    def label(*argv: str) -> str:
+        args = evaluate.build_parser().parse_args(["--reward-url", URL, *argv])
+        return generated_label(args)
+
+    assert label("--model", "Qwen/Qwen2.5-3B-Instruct") == "Qwen/Qwen2.5-3B-Instruct"
+    assert label("--model", "microsoft/Phi-3.5-mini-instruct") == "microsoft/Phi-3.5-mini-instruct"
+    tuned = label("--model", "Qwen/Qwen2.5-3B-Instruct", "--adapter", "outputs/sde2/final")
+    assert tuned == "Qwen/Qwen2.5-3B-Instruct+outputs/sde2/final"
+    (tmp_path / "m.gguf").write_bytes(b"")
+    assert label("--model", str(tmp_path / "m.gguf")) == "m"
+    assert label("--model", str(tmp_path)) == tmp_path.name
+
+
+def test_tokenizer_counts_read_runs_even_with_a_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_client: type[FakeClient]
+) -> None:
+    """--tokenizer names the tokenizer of read runs' #TOK; it was ignored next to --model."""
+    import trainer_client.modeling as modeling
+
+    def loaded(ref: Any) -> Any:
+        width = {"org/tok": 1, "org/model": 100}[ref.name_or_path]
+        return lambda text, add_special_tokens: {"input_ids": [0] * width}
+
+    monkeypatch.setattr(evaluate, "generate_run", _generated)
+    monkeypatch.setattr(modeling, "load_tokenizer", loaded)
+    runfile = write_run(tmp_path / "r.jsonl", [GOOD, GOOD])
+    argv = ["--reward-url", URL, "--model", "org/model", "--data", str(GSM8K_DIR), "--limit", "1"]
+    argv += ["--completions", f"read={runfile}", "--json", str(tmp_path / "t.json")]
+    assert main([*argv, "--tokenizer", "org/tok"]) == 0
+    runs = {r["method"]: r for r in json.loads((tmp_path / "t.json").read_text())["runs"]}
+    assert runs["read"]["tokens"] == 1.0

@@ -139,7 +139,7 @@ def test_grpo_trains_on_server_rewards_then_evaluates(
         "--data", str(GSM8K_DIR), "--split", "test", "--limit", "3",
         "--max-new-tokens", "12", "--batch-size", "3",
         "--completions", f"known={known}",
-        "--json", str(report), "--plot", str(tmp_path / "acc_vs_tok.png"),
+        "--json", str(report), "--plot", str(tmp_path / "acc_vs_tok.png"), "--ci", "wilson",
     ]  # fmt: skip
     started = time.monotonic()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)

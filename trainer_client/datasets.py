@@ -35,6 +35,13 @@ DEFAULT_SOURCES: dict[str, str] = {
     "medmcqa": "openlifescienceai/medmcqa",
     "aime": "gneubig/aime-1983-2024",
 }
+#: The split each dataset is evaluated on in the paper (Sec. 4.1): GSM8K's test split,
+#: MedMCQA's validation split (its test split has no answers), AIME's held-out fifth.
+EVAL_SPLITS: dict[str, str] = {"gsm8k": "test", "medmcqa": "validation", "aime": "test"}
+#: The default AIME source has one split: every ``AIME_HOLDOUT``-th problem of it is ``test``,
+#: the others ``train``. The paper's own 80:20 split of 963 problems (1983-2025) is not
+#: published; this one is fixed, so training and evaluation never share a problem.
+AIME_HOLDOUT = 5
 LETTERS = "ABCD"
 
 
@@ -293,7 +300,8 @@ def load_examples(
     limit: int | None = None,
     cop_base: int = 0,
 ) -> list[Example]:
-    """Examples of one dataset from ``source`` (default: its hub id), at most ``limit``.
+    """Examples of one dataset from ``source`` (default: its hub id), at most ``limit``. For
+    the default AIME source, ``train`` and ``test`` are its split of :data:`AIME_HOLDOUT`.
 
     A bad row is a :class:`DataError` naming the file and line (or hub row) and the field.
     """
@@ -305,10 +313,14 @@ def load_examples(
         "aime": aime_example,
     }
     convert = converters[name]
+    held_out = name == "aime" and source is None and split in ("train", "test")
+    rows = read_located_rows(source or DEFAULT_SOURCES[name], "train" if held_out else split)
     out: list[Example] = []
-    for index, (where, row) in enumerate(read_located_rows(source or DEFAULT_SOURCES[name], split)):
+    for index, (where, row) in enumerate(rows):
         if limit is not None and len(out) >= limit:
             break
+        if held_out and (index % AIME_HOLDOUT == AIME_HOLDOUT - 1) != (split == "test"):
+            continue
         out.append(example_at(where, row, index, convert))
     if not out:
         raise ValueError(f"no {name} examples in {source} ({split})")

@@ -6,7 +6,10 @@ has ``completion`` and ``answer``, optionally ``answer_type`` and ``num_tokens``
 every line or on none; a wrong type is refused naming the file, line and field). Every
 completion is scored by the server with ``diagnostics`` on — the same parser and matchers as the
 training reward, so ACC here is the reward's own notion of correct — and summarized as ACC with
-its 95% Wilson interval, S-ACC, #STR, #TOK (policy tokenizer), Words and distinct strategies.
+its 95% interval (normal, as the paper's tables; ``--ci wilson``), S-ACC, #STR, #TOK (policy
+tokenizer), Words and distinct strategies. The reward server is asked first, and a generated
+run is written down before it is scored (``--save-completions``, else a temporary file named
+when scoring fails): a generation is never lost to a typo or a server gone.
 Output: a Markdown table on stdout, ``--json`` for machines, and with several runs ``--plot``
 draws ACC against #TOK per method (needs matplotlib).
 """
@@ -16,13 +19,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from reward_server.core import ANSWER_TYPES
+from reward_server.core import ANSWER_TYPES, RECIPES
 from reward_server.core.answers import gold_text
 from reward_server.jsonl_files import (
     InputError,
@@ -35,9 +40,16 @@ from reward_server.jsonl_files import (
     write_output,
 )
 from trainer_client.client import RewardClient
-from trainer_client.datasets import DATASETS, DEFAULT_SOURCES, Example, load_examples
-from trainer_client.metrics import RunMetrics, markdown_table, summarize
-from trainer_client.retry import RetryPolicy, RewardServiceError
+from trainer_client.datasets import (
+    DATASETS,
+    DEFAULT_SOURCES,
+    EVAL_SPLITS,
+    Example,
+    load_examples,
+)
+from trainer_client.metrics import INTERVALS, RunMetrics, markdown_table, summarize
+from trainer_client.modeling import ModelRef
+from trainer_client.retry import PROBE_RETRY, RetryPolicy, RewardServiceError
 
 log = logging.getLogger("sde2.eval")
 SCORE_CHUNK = 256  # items per scoring request: well under the server's default max_items
@@ -54,6 +66,10 @@ class Run:
     num_tokens: list[int] | None
 
 
+def _splits_help() -> str:
+    return ", ".join(f"{name} {split}" for name, split in EVAL_SPLITS.items())
+
+
 def build_parser() -> argparse.ArgumentParser:
     """All flags of ``sde2-eval``."""
     p = argparse.ArgumentParser(
@@ -65,7 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="policy to generate with: hub id, folder, or .gguf file")
     p.add_argument("--gguf-file", help="GGUF file inside --model")
     p.add_argument("--adapter", help="a LoRA adapter folder (e.g. sde2-train's output/final)")
-    p.add_argument("--method", help="label of the generated run (default: the model name)")
+    p.add_argument(
+        "--method",
+        help="label of the generated run (default: the model's hub id or folder name, "
+        "+ the adapter folder)",
+    )
     p.add_argument(
         "--completions",
         action="append",
@@ -76,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", help="tokenizer for #TOK of read runs (default: --model)")
     p.add_argument("--dataset", choices=DATASETS, default="gsm8k")
     p.add_argument("--data", help=f"file, folder or hub id (default {DEFAULT_SOURCES})")
-    p.add_argument("--split", default="test")
+    p.add_argument("--split", help=f"default: the paper's evaluation split ({_splits_help()})")
     p.add_argument("--limit", type=int, help="evaluate at most this many questions")
     p.add_argument("--cop-base", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=1024)
@@ -85,7 +105,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8, help="questions per generate call")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--recipe", default="sde2", help="recipe whose parameters score (ACC is the same)"
+        "--recipe",
+        choices=list(RECIPES),
+        default="sde2",
+        help="recipe whose parameters score (ACC is the same)",
+    )
+    p.add_argument(
+        "--ci",
+        choices=list(INTERVALS),
+        default="normal",
+        help="ACC's 95%% interval: normal, as the paper's tables, or Wilson",
     )
     p.add_argument("--save-completions", type=Path, help="write the generated run as JSONL")
     p.add_argument("--json", type=Path, help="write the metrics as JSON")
@@ -200,7 +229,7 @@ def generate_run(args: argparse.Namespace, examples: list[Example]) -> tuple[Run
     import torch
     from tqdm.auto import tqdm
 
-    from trainer_client.modeling import ModelRef, has_chat_template, load_model, load_tokenizer
+    from trainer_client.modeling import has_chat_template, load_model, load_tokenizer
 
     assert args.model is not None
     ref = ModelRef.parse(args.model, args.gguf_file)
@@ -241,9 +270,8 @@ def generate_run(args: argparse.Namespace, examples: list[Example]) -> tuple[Run
             )
         new = out[:, enc["input_ids"].shape[1] :]
         completions.extend(tokenizer.batch_decode(new, skip_special_tokens=True))
-    method = args.method or Path(ref.gguf_file or ref.name_or_path).stem
     run = Run(
-        method,
+        args.method or generated_label(args),
         completions,
         [ex.answer for ex in examples],
         examples[0].answer_type,
@@ -252,7 +280,15 @@ def generate_run(args: argparse.Namespace, examples: list[Example]) -> tuple[Run
     return run, tokenizer
 
 
-def score_run(client: RewardClient, run: Run, recipe: str) -> RunMetrics:
+def generated_label(args: argparse.Namespace) -> str:
+    """The default name of the generated run: the model (:meth:`ModelRef.label`), and the
+    adapter's folder as given after a ``+`` (its name alone is ``final`` for every run of
+    ``sde2-train``), so that a base model and its trained adapters differ."""
+    label = ModelRef.parse(args.model, args.gguf_file).label()
+    return f"{label}+{args.adapter.rstrip('/')}" if args.adapter else label
+
+
+def score_run(client: RewardClient, run: Run, recipe: str, interval: str = "normal") -> RunMetrics:
     """Score every completion (raw, with diagnostics) and summarize."""
     items_out = []
     for start in range(0, len(run.completions), SCORE_CHUNK):
@@ -265,7 +301,7 @@ def score_run(client: RewardClient, run: Run, recipe: str) -> RunMetrics:
             items, recipe=recipe, answer_type=run.answer_type, normalize=False, diagnostics=True
         )
         items_out.extend(result.items)
-    return summarize(run.method, items_out, run.completions, run.num_tokens)
+    return summarize(run.method, items_out, run.completions, run.num_tokens, interval)
 
 
 def plot_runs(rows: Sequence[RunMetrics], path: Path) -> bool:
@@ -301,12 +337,24 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     anything is read, generated or scored."""
     if not args.model and not args.completions:
         parser.error("give --model to generate, or --completions NAME=FILE to read runs")
-    if args.limit is not None and args.limit < 1:
-        parser.error(f"--limit must be >= 1, got {args.limit}")
+    for flag, value in (
+        ("--limit", args.limit),
+        ("--batch-size", args.batch_size),
+        ("--max-new-tokens", args.max_new_tokens),
+    ):
+        if value is not None and value < 1:
+            parser.error(f"{flag} must be >= 1, got {value}")
     try:
         RewardClient(args.reward_url).close()  # checks the URLs' form; connects to nothing
     except ValueError as exc:
         parser.error(f"--reward-url: {exc}")
+    try:
+        if args.model:
+            ModelRef.parse(args.model, args.gguf_file).check()
+        if args.tokenizer:
+            ModelRef.parse(args.tokenizer).check("--tokenizer")
+    except ValueError as exc:
+        parser.error(str(exc))
     outputs = {
         "--json": args.json,
         "--plot": args.plot,
@@ -318,6 +366,40 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
                 check_output(path, flag)
             except OutputError as exc:
                 parser.error(str(exc))
+
+
+def unscored_path(run: Run) -> Path:
+    """Where a generated run waits to be scored when ``--save-completions`` names no file: in
+    the temporary folder, kept if scoring fails (hours of generation are never lost to a
+    server that went away), removed once scored."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in run.method)
+    return Path(tempfile.gettempdir()) / f"sde2-eval-{safe}-{os.getpid()}.jsonl"
+
+
+def run_meta(args: argparse.Namespace, split: str) -> dict[str, Any]:
+    """What the table was measured on, for ``--json``: the model and adapter, the data, the
+    decoding and the scoring (a row's label alone does not say it)."""
+    meta: dict[str, Any] = {
+        "recipe": args.recipe,
+        "ci": args.ci,
+        "reward_url": args.reward_url,
+        "completions": args.completions,
+    }
+    if args.model:
+        meta.update(
+            model=args.model,
+            gguf_file=args.gguf_file,
+            adapter=args.adapter,
+            dataset=args.dataset,
+            data=args.data or DEFAULT_SOURCES[args.dataset],
+            split=split,
+            limit=args.limit,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            max_new_tokens=args.max_new_tokens,
+            seed=args.seed,
+        )
+    return meta
 
 
 def save_run(run: Run, path: Path) -> None:
@@ -342,37 +424,53 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RunFileError as exc:
         print(f"sde2-eval: {exc}", file=sys.stderr)
         return 2
+    retry = RetryPolicy(max_attempts=None, deadline=600.0)  # the deadline rules
+    split = args.split or EVAL_SPLITS[args.dataset]
+    try:
+        with RewardClient(args.reward_url) as probe:  # before minutes of generation
+            probe.info(retry=PROBE_RETRY)
+    except RewardServiceError as exc:
+        print(f"sde2-eval: {exc}", file=sys.stderr)
+        return 2
     runs: list[Run] = []
     tokenizer: Any = None
     if args.model:
         try:
-            examples = load_examples(args.dataset, args.data, args.split, args.limit, args.cop_base)
+            examples = load_examples(args.dataset, args.data, split, args.limit, args.cop_base)
         except (ValueError, OSError) as exc:
             print(f"sde2-eval: --data: {exc}", file=sys.stderr)
             return 2
         run, tokenizer = generate_run(args, examples)
         runs.append(run)
-        if args.save_completions:
-            save_run(run, args.save_completions)
+        save_run(run, args.save_completions or unscored_path(run))
     if any(r.num_tokens is None for r in read) and (args.tokenizer or args.model):
-        if tokenizer is None:
-            from trainer_client.modeling import ModelRef, load_tokenizer
+        if args.tokenizer or tokenizer is None:  # --tokenizer wins over the policy's
+            from trainer_client.modeling import load_tokenizer
 
-            tokenizer = load_tokenizer(ModelRef.parse(args.tokenizer or args.model, args.gguf_file))
+            named = ModelRef.parse(args.tokenizer) if args.tokenizer else None
+            tokenizer = load_tokenizer(named or ModelRef.parse(args.model, args.gguf_file))
         for r in read:
             if r.num_tokens is None:
                 r.num_tokens = count_tokens(tokenizer, r.completions)
     runs.extend(read)
 
-    retry = RetryPolicy(max_attempts=None, deadline=600.0)  # the deadline rules
     try:
         with RewardClient(args.reward_url, retry=retry) as client:
-            rows = [score_run(client, r, args.recipe) for r in runs]
+            rows = [score_run(client, r, args.recipe, args.ci) for r in runs]
     except RewardServiceError as exc:  # a 422 carries the server's reason
         print(f"sde2-eval: {exc}", file=sys.stderr)
+        if args.model and not args.save_completions:
+            path = unscored_path(runs[0])
+            print(
+                f"sde2-eval: the generated completions are in {path}: score them again with "
+                f"--completions {runs[0].method}={path}",
+                file=sys.stderr,
+            )
         return 2
+    if args.model and not args.save_completions:
+        unscored_path(runs[0]).unlink(missing_ok=True)  # scored: no longer needed
     status = emit("sde2-eval", Path("-"), [markdown_table(rows) + "\n"])  # quiet on `| head`
-    payload = {"runs": [r.as_dict() for r in rows]}
+    payload = {"runs": [r.as_dict() for r in rows], "meta": run_meta(args, split)}
     if args.json:
         written = emit("sde2-eval", args.json, [json.dumps(payload, indent=1)])
         status = status or written

@@ -33,6 +33,27 @@ class ModelRef:
             return cls(str(path.parent), path.name)
         return cls(str(path) if path.exists() else model, gguf_file)
 
+    def check(self, flag: str = "--model") -> None:
+        """ValueError (naming ``flag``) when the model names a local path that does not exist
+        (``./typo``, ``/models/x``): taken for a hub id, it would fail only after the work
+        before the load, with a hub library's traceback."""
+        from reward_server.encoders.model_store import names_a_path
+
+        if names_a_path(self.name_or_path) and not Path(self.name_or_path).exists():
+            raise ValueError(f"{flag}: no such file or folder: {self.name_or_path}")
+        folder = Path(self.name_or_path)
+        if self.gguf_file and folder.is_dir() and not (folder / self.gguf_file).is_file():
+            raise ValueError(f"--gguf-file: no {self.gguf_file} in {self.name_or_path}")
+
+    def label(self) -> str:
+        """How a run of this model is named in tables: a hub id whole (``Path.stem`` cut
+        ``Qwen/Qwen2.5-3B-Instruct`` to ``Qwen2``), a local folder by its name, a GGUF file by
+        its name without ``.gguf``."""
+        if self.gguf_file:
+            return Path(self.gguf_file).stem
+        path = Path(self.name_or_path)
+        return path.name if path.exists() else self.name_or_path
+
     def kwargs(self) -> dict[str, Any]:
         return {"gguf_file": self.gguf_file} if self.gguf_file else {}
 

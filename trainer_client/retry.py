@@ -132,3 +132,9 @@ class RetryPolicy:
         # The exponent is capped: retrying to a deadline reaches indexes where 2.0**k overflows.
         d = min(self.backoff_max, self.backoff_base * (2.0 ** min(retry_index, 64)))
         return d / 2.0 + self.rng.uniform(0.0, d / 2.0)
+
+
+#: A reward server checked before a command loads its model (``sde2-train``, ``sde2-eval``): a
+#: few tries, so that a wrong URL stops the command in seconds (the commands' own deadlines are
+#: for servers that go away during the work).
+PROBE_RETRY = RetryPolicy(max_attempts=3)

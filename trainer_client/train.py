@@ -2,10 +2,11 @@
 
 Defaults are the paper's (Sec. 4.2 and App. F): lr 5e-6 with cosine decay, warmup ratio 0.1,
 gradient clipping 0.1, G = 6 completions per prompt, LoRA r = 64, α = 32, dropout 0, sequences of
-at most 2048 tokens, 4-bit weights when CUDA and bitsandbytes are present, and the multi-strategy
-prompt. The recipe (``--recipe``, any registered one) and ablations (``--weight sd=0``) only change
-the reward request. Everything can be shrunk for a CPU smoke run (``--max-steps 2
---num-generations 2 --max-new-tokens 16 --batch-size 2``).
+at most 2048 tokens, sampling at temperature 0.2 and top-p 0.95 (the paper's decoding: T in
+0.1-0.3, top-p 0.90-0.95), 4-bit weights when CUDA and bitsandbytes are present, and the
+multi-strategy prompt. The recipe (``--recipe``, any registered one) and ablations (``--weight
+sd=0``, a component of the recipe) only change the reward request. Everything can be shrunk for
+a CPU smoke run (``--max-steps 2 --num-generations 2 --max-new-tokens 16 --batch-size 2``).
 
 Checkpoints go to ``--output-dir`` every ``--save-steps``; ``--resume`` continues from the latest
 one (or from the given checkpoint folder) with optimizer, scheduler and RNG state.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import random
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,14 +33,10 @@ from trainer_client.datasets import (
     load_examples,
     looks_like_path,
 )
-from trainer_client.retry import RetryPolicy, RewardServiceError
+from trainer_client.modeling import ModelRef
+from trainer_client.retry import PROBE_RETRY, RetryPolicy, RewardServiceError
 
 log = logging.getLogger("sde2.train")
-
-
-#: The reward server checked before the model loads: a few tries, so that a wrong URL stops the
-#: command in seconds (--reward-deadline is for servers that go away during training).
-PROBE_RETRY = RetryPolicy(max_attempts=3)
 
 
 def parse_assignments(pairs: Sequence[str], what: str) -> dict[str, Any]:
@@ -70,6 +68,13 @@ def reward_params(args: argparse.Namespace) -> dict[str, Any]:
             raise FlagError(f"--param weights must be a JSON object, got {given!r}")
         params["weights"] = {**given, **weights}
     RewardParams(**params)
+    recipe = RECIPES[args.recipe]
+    unused = sorted(set(params.get("weights", {})) - set(recipe.components))
+    if unused:  # accepted by the server, and without effect: an ablation that never happens
+        raise FlagError(
+            f"--weight {', '.join(unused)}: not a component of recipe {recipe.name!r} "
+            f"({', '.join(recipe.components)})"
+        )
     return params
 
 
@@ -100,14 +105,32 @@ def check_flags(args: argparse.Namespace) -> dict[str, Any]:
             f"--max-length ({args.max_length}) must exceed --max-new-tokens "
             f"({args.max_new_tokens}): the prompt needs room"
         )
-    if args.limit is not None and args.limit < 1:
-        raise FlagError(f"--limit must be >= 1, got {args.limit}")
+    for flag, value in (("--limit", args.limit), ("--sample", args.sample)):
+        if value is not None and value < 1:
+            raise FlagError(f"{flag} must be >= 1, got {value}")
+    if args.limit is not None and args.sample is not None:
+        raise FlagError("--limit and --sample: give one (the first N questions, or N at random)")
+    try:
+        ModelRef.parse(args.model, args.gguf_file).check()
+    except ValueError as exc:
+        raise FlagError(str(exc)) from None
     if args.resume and args.resume != "latest" and not Path(args.resume).is_dir():
         raise FlagError(f"--resume: no checkpoint folder {args.resume}")
     out = Path(args.output_dir)
     if out.exists() and not out.is_dir():
         raise FlagError(f"--output-dir {out}: is a file, not a folder")
     return checked_reward_params(args)
+
+
+def check_grpo_flags(args: argparse.Namespace) -> None:
+    """TRL's own checks of the GRPO flags (the batch a multiple of G, G >= 2, ...), run before
+    the model loads rather than after; whether CUDA and 4-bit are used, which only pick the
+    optimizer and precision, is left to :func:`grpo_config` then. Seconds (TRL's import): run
+    after the cheaper checks."""
+    try:
+        grpo_config(args, quantize_4bit=False, cuda=False)
+    except ValueError as exc:
+        raise FlagError(f"TRL's GRPOConfig refuses these flags: {exc}") from None
 
 
 def local_data(args: argparse.Namespace) -> bool:
@@ -119,9 +142,14 @@ def local_data(args: argparse.Namespace) -> bool:
 def training_examples(args: argparse.Namespace) -> list[Example]:
     """The ``--data`` questions, read and checked (a bad row names its file and line)."""
     try:
-        return load_examples(args.dataset, args.data, args.split, args.limit, args.cop_base)
+        examples = load_examples(args.dataset, args.data, args.split, args.limit, args.cop_base)
     except (ValueError, OSError) as exc:
         raise FlagError(f"--data: {exc}") from None
+    if args.sample is None:
+        return examples
+    if args.sample > len(examples):
+        raise FlagError(f"--sample {args.sample}: the data holds {len(examples)} questions")
+    return random.Random(args.seed).sample(examples, args.sample)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -146,7 +174,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--data", help=f"jsonl file, folder with {{split}}.jsonl, or hub id ({DEFAULT_SOURCES})"
     )
     g.add_argument("--split", default="train")
-    g.add_argument("--limit", type=int, help="use at most this many questions")
+    g.add_argument("--limit", type=int, help="use the first N questions")
+    g.add_argument(
+        "--sample",
+        type=int,
+        metavar="N",
+        help="use N questions drawn at random (by --seed), as the paper's 7,500 of MedMCQA",
+    )
     g.add_argument("--cop-base", type=int, default=0, help="MedMCQA: index of option A in cop")
 
     g = p.add_argument_group("reward")
@@ -191,8 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--beta", type=float, default=0.02, help="KL coefficient")
     g.add_argument("--max-length", type=int, default=2048, help="prompt + completion tokens")
     g.add_argument("--max-new-tokens", type=int, default=1024, help="completion tokens")
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--temperature", type=float, default=0.2, help="paper: 0.1-0.3")
+    g.add_argument("--top-p", type=float, default=0.95, help="paper: 0.90-0.95")
     g.add_argument("--save-steps", type=int, default=500)
     g.add_argument("--logging-steps", type=int, default=1)
     g.add_argument("--report-to", default="none", help="none, wandb, tensorboard, ...")
@@ -375,6 +409,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:  # the cheap checks first: the server probe and the model come after
         params = check_flags(args)
         examples = training_examples(args) if local_data(args) else None
+        check_grpo_flags(args)
     except FlagError as exc:
         parser.error(str(exc))
     try:
