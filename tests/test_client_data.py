@@ -317,6 +317,8 @@ def dead_url() -> str:
         (["--recipe", "cfee", "--weight", "sd=0"], "--weight sd: not a component of recipe 'cfee'"),
         (["--batch-size", "3", "--num-generations", "2"], "must be divisible by num_generations"),
         (["--num-generations", "1"], "TRL's GRPOConfig refuses these flags"),
+        (["--warmup-ratio", "1"], "--warmup-ratio must be in [0, 1), got 1.0"),
+        (["--output-dir", "{tmp}/run"], "--output-dir {tmp}/run holds checkpoints of an earlier"),
     ],
 )
 def test_sde2_train_checks_arguments_and_data_before_anything_loads(
@@ -327,6 +329,7 @@ def test_sde2_train_checks_arguments_and_data_before_anything_loads(
     from trainer_client.train import main
 
     write_rows(tmp_path / "bad.jsonl", [GSM, {**GSM, "question": None}])
+    (tmp_path / "run" / "checkpoint-500").mkdir(parents=True)  # an earlier run's
     out = tmp_path / "out"
     argv = ["--model", "no-such-org/no-model", "--reward-url", dead_url()]
     argv += ["--data", str(GSM8K_DIR), "--output-dir", str(out)]

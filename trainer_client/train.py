@@ -116,9 +116,18 @@ def check_flags(args: argparse.Namespace) -> dict[str, Any]:
         raise FlagError(str(exc)) from None
     if args.resume and args.resume != "latest" and not Path(args.resume).is_dir():
         raise FlagError(f"--resume: no checkpoint folder {args.resume}")
+    if not 0 <= args.warmup_ratio < 1:  # TRL reads a warmup of 1 or more as a step count
+        raise FlagError(f"--warmup-ratio must be in [0, 1), got {args.warmup_ratio}")
     out = Path(args.output_dir)
     if out.exists() and not out.is_dir():
         raise FlagError(f"--output-dir {out}: is a file, not a folder")
+    earlier = sorted(p.name for p in out.glob("checkpoint-*")) if out.is_dir() else []
+    if earlier and not args.resume:  # a later --resume would take the newest, maybe not ours
+        raise FlagError(
+            f"--output-dir {out} holds checkpoints of an earlier run ({', '.join(earlier[:3])}"
+            f"{', ...' if len(earlier) > 3 else ''}): continue it with --resume, or give "
+            "another --output-dir"
+        )
     return checked_reward_params(args)
 
 
