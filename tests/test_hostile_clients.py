@@ -470,3 +470,44 @@ def test_malformed_protobuf_and_the_model_path_without_the_key(onnx_model_dir: P
                 assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
                 assert "not a valid protobuf message" in (err.value.details() or "")
         assert "Traceback" not in server.log()
+
+
+def _peak_rss_mb(server: ServerProcess) -> float:
+    """The process's peak resident memory so far (``VmHWM``), in MiB."""
+    assert server.proc is not None
+    status = Path(f"/proc/{server.proc.pid}/status").read_text()
+    (kib,) = re.findall(r"^VmHWM:\s+(\d+) kB", status, re.M)
+    return int(kib) / 1024
+
+
+def test_a_grpc_message_of_millions_of_items_is_refused_unparsed(onnx_model_dir: Path) -> None:
+    """An empty item is two bytes of protobuf: four million fit in 8 MB, under the body limit.
+    Parsed, they cost the server about 400 MB before any check (with a key or without it: the
+    message was parsed before the call was authorized), then a minute of conversion. Now the
+    key comes first, and the items are counted in the bytes, unparsed: refused at once, the
+    server's peak memory flat."""
+    import grpc
+
+    data = b"\x0a\x00" * 4_000_000  # field 1 (items), an empty message, four million times
+    env = {"SDE2_API_KEY": "k3y"}
+    with ServerProcess(onnx_model_dir, grpc=True, env=env) as server:
+        before = _peak_rss_mb(server)
+        with grpc.insecure_channel(
+            f"127.0.0.1:{server.grpc_port}",
+            options=[("grpc.max_send_message_length", 64 * 2**20)],
+        ) as channel:
+            score = channel.unary_unary("/sde2.v1.RewardService/Score")
+            codes = {}
+            for credential in (None, "Bearer k3y"):
+                metadata = () if credential is None else (("authorization", credential),)
+                with pytest.raises(grpc.RpcError) as refused:
+                    score(data, timeout=60, metadata=metadata)
+                codes[credential] = (refused.value.code(), refused.value.details())
+        assert codes[None][0] == grpc.StatusCode.UNAUTHENTICATED
+        assert codes["Bearer k3y"] == (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "items: at most 1024 items per request, got more than 1024",
+        )
+        grown = _peak_rss_mb(server) - before
+        assert grown < 100, f"peak memory grew {grown:.0f} MiB"
+        assert httpx.get(server.url + "/readyz").status_code == 200

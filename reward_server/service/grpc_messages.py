@@ -19,6 +19,7 @@ from google.protobuf.message import Message
 
 from reward_server.core.params import RewardParams, Weights
 from reward_server.service._generated.sde2.v1 import reward_pb2 as pb
+from reward_server.service.errors import RequestInvalid
 from reward_server.service.pipeline import Scored
 
 SERVICE = "sde2.v1.RewardService"
@@ -102,16 +103,74 @@ def info_to_proto(info: dict[str, Any]) -> pb.InfoResponse:
     )
 
 
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    """The varint at ``pos`` and the position after it; IndexError past the end."""
+    value = shift = 0
+    while True:
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+
+
+def count_items(data: bytes, stop_after: int) -> int:
+    """How many ``items`` (field 1) the serialized ``ScoreRequest`` ``data`` holds, counted in
+    its bytes without parsing them, and at most ``stop_after + 1``: the scan ends there.
+
+    Why: an empty item is two bytes, so a message under the body limit holds millions, and
+    protobuf builds every one of them (about 100 bytes of memory per byte sent) before a
+    handler could count them. Bytes that are not a valid message end the scan with what was
+    counted so far; the parser then refuses them with its own words.
+
+    >>> two = pb.ScoreRequest(items=[pb.Item(completion="x"), pb.Item()], recipe="sde2")
+    >>> count_items(two.SerializeToString(), stop_after=10)
+    2
+    >>> count_items(b"\\x0a\\x00" * 4_000_000, stop_after=1024)
+    1025
+    >>> count_items(b"\\x0a\\x05ab", stop_after=10)  # cut short: counted, the parser refuses it
+    1
+    """
+    found = pos = 0
+    end = len(data)
+    try:
+        while pos < end and found <= stop_after:
+            key, pos = _varint(data, pos)
+            wire = key & 7
+            if wire == 2:  # length-delimited: an item when the field is 1
+                size, pos = _varint(data, pos)
+                pos += size
+                if key >> 3 == 1:
+                    found += 1
+            elif wire == 0:
+                _, pos = _varint(data, pos)
+            elif wire in (1, 5):
+                pos += 8 if wire == 1 else 4
+            else:  # groups (3, 4) are not in this message; anything else is not protobuf
+                break
+    except IndexError:
+        pass
+    return found
+
+
 class Malformed:
     """A request whose bytes are not the method's protobuf message (see :func:`lenient`)."""
 
     def __init__(self, why: str) -> None:
         self.why = why
 
+    def refusal(self) -> RequestInvalid:
+        """The INVALID_ARGUMENT this request is answered with."""
+        msg = f"request is not a valid protobuf message: {self.why}"
+        return RequestInvalid.one((), msg, "malformed")
 
-def lenient(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
-    """A deserializer that never raises: grpc answers a raising one with UNKNOWN and a logged
-    traceback; the handler answers :class:`Malformed` with INVALID_ARGUMENT instead."""
+
+def lenient(messages: Any, name: str) -> Callable[[bytes], Any]:
+    """A deserializer of message ``name`` that never raises: grpc answers a raising one with
+    UNKNOWN and a logged traceback; the handler answers :class:`Malformed` with
+    INVALID_ARGUMENT instead."""
+    parse = getattr(messages, name).FromString
 
     def deserialize(data: bytes) -> Any:
         try:
@@ -120,3 +179,19 @@ def lenient(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
             return Malformed(str(exc) or type(exc).__name__)
 
     return deserialize
+
+
+def parse_request(data: bytes) -> pb.ScoreRequest:
+    """``data`` as a ``ScoreRequest``, or the INVALID_ARGUMENT saying why it is not one.
+
+    >>> len(parse_request(pb.ScoreRequest(items=[pb.Item()]).SerializeToString()).items)
+    1
+    >>> parse_request(b"\\x0a\\x05ab")
+    Traceback (most recent call last):
+    ...
+    reward_server.service.errors.RequestInvalid: body: request is not a valid protobuf message: ...
+    """
+    request = lenient(pb, "ScoreRequest")(data)
+    if isinstance(request, Malformed):
+        raise request.refusal()
+    return request

@@ -29,8 +29,10 @@ from reward_server.service.grpc_messages import (
     METHODS,
     SERVICE,
     Malformed,
+    count_items,
     info_to_proto,
     lenient,
+    parse_request,
     pb,
     request_to_json,
     scored_to_proto,
@@ -68,13 +70,17 @@ class RewardServicer:
         self.service = service
         self.send_limit = send_limit(service)
 
-    async def _scored(self, request: pb.ScoreRequest, context: Context, method: str) -> Scored:
-        """The service's answer to a ``ScoreRequest``, with its phase timings as trailers."""
+    async def _scored(self, data: bytes, context: Context, method: str) -> Scored:
+        """The service's answer to a serialized ``ScoreRequest``, with its phase timings as
+        trailers. The key is checked before any work on the bytes, and the items are counted in
+        them before they are parsed (see :func:`count_items`)."""
         authorization = _authorization(context)
-        self.service.authorize(authorization)  # before any work on the message
-        too_many = self.service.too_many_items(len(request.items))
-        if too_many is not None:  # before converting them: an empty item is two bytes
-            raise RequestInvalid.one(("items",), too_many, "too_long")
+        self.service.authorize(authorization)
+        limit = self.service.settings.max_items
+        if count_items(data, stop_after=limit) > limit:
+            msg = f"at most {limit} items per request, got more than {limit}"
+            raise RequestInvalid.one(("items",), msg, "too_long")
+        request = parse_request(data)
         scored = await self.service.score(
             lambda: ScoreRequest.model_validate_json(request_to_json(request)),
             authorization=authorization,
@@ -99,14 +105,14 @@ class RewardServicer:
         self.service.metrics.requests.labels(f"grpc:{method}", "OK").inc()
         return reply
 
-    async def Score(self, request: pb.ScoreRequest, context: Context) -> pb.ScoreResponse:
+    async def Score(self, data: bytes, context: Context) -> pb.ScoreResponse:
         """Score one batch (``POST /v1/score``)."""
-        scored = await self._scored(request, context, "Score")
+        scored = await self._scored(data, context, "Score")
         return self._sent("Score", scored_to_proto(scored))
 
-    async def Explain(self, request: pb.ScoreRequest, context: Context) -> pb.ExplainResponse:
+    async def Explain(self, data: bytes, context: Context) -> pb.ExplainResponse:
         """Score one batch and explain every item (``POST /v1/explain``)."""
-        scored = await self._scored(request, context, "Explain")
+        scored = await self._scored(data, context, "Explain")
         explanation = json.dumps(scored.explanation, ensure_ascii=False)
         reply = pb.ExplainResponse(score=scored_to_proto(scored), explanation_json=explanation)
         return self._sent("Explain", reply)
@@ -140,8 +146,7 @@ def _translated(servicer: RewardServicer, name: str) -> Callable[[Any, Context],
     async def handle(request: Any, context: Context) -> Any:
         try:
             if isinstance(request, Malformed):
-                msg = f"request is not a valid protobuf message: {request.why}"
-                raise RequestInvalid.one((), msg, "malformed")
+                raise request.refusal()
             return await method(request, context)
         except ServiceError as exc:
             await abort(servicer.service, context, name, exc)
@@ -163,7 +168,8 @@ def generic_handler(servicer: RewardServicer) -> grpc.GenericRpcHandler:
     handlers = {
         name: grpc.unary_unary_rpc_method_handler(
             _translated(servicer, name),
-            request_deserializer=lenient(getattr(pb, req).FromString),
+            # The scoring methods take their bytes unparsed (see RewardServicer._scored).
+            request_deserializer=None if req == "ScoreRequest" else lenient(pb, req),
             response_serializer=getattr(pb, resp).SerializeToString,
         )
         for name, (req, resp) in METHODS.items()

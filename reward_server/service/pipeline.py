@@ -388,9 +388,7 @@ class ScoringService:
             raise Unauthorized()
 
     def too_many_items(self, count: int) -> str | None:
-        """Why ``count`` items are too many for one request (None: they are not). A transport
-        whose message holds items cheaply (gRPC: two bytes each) asks this before converting
-        them, else millions of them would be built before :meth:`check_limits` refused them."""
+        """Why ``count`` items are too many for one request (None: they are not)."""
         limit = self.settings.max_items
         return f"at most {limit} items per request, got {count}" if count > limit else None
 
