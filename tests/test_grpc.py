@@ -171,6 +171,30 @@ async def test_too_many_items_are_refused_before_conversion(
         assert len(ok.rewards) == 2 and len(converted) == 1
 
 
+async def test_a_message_of_millions_of_other_fields_is_refused_unscanned() -> None:
+    """Millions of fields that are not items (a repeated scalar, an unknown field) would cost
+    the item count a second of Python on the event loop, field by field: past the fields a
+    ScoreRequest can hold the message is refused, before it is parsed or scanned further."""
+    junk = {
+        "unknown field 99": b"\x98\x06\x00" * 2_000_000,
+        "recipe repeated": b"\x12\x00" * 3_000_000,
+    }
+    async with Running(make_service()) as running:
+        score = running.channel.unary_unary("/sde2.v1.RewardService/Score")
+        for name, data in junk.items():
+            start = time.perf_counter()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await score(data)
+            assert time.perf_counter() - start < 0.5, name
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+            assert "more than 64 top-level fields besides items" in (err.value.details() or "")
+        # A message with a few unknown fields (a newer client's) is still served.
+        extra = b"\x98\x06\x01" * 3
+        body = request_from_dict({"items": step_items(seed=1)[:2]}).SerializeToString() + extra
+        ok = pb.ScoreResponse.FromString(await score(body))
+        assert len(ok.rewards) == 2
+
+
 async def test_calls_in_progress_are_bounded_past_the_queue(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -115,34 +115,48 @@ def _varint(data: bytes, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def count_items(data: bytes, stop_after: int) -> int:
+#: Top-level fields beyond the items a ``ScoreRequest`` may hold (six are declared): a message
+#: with more is not one a client's encoder writes, and is refused before it is parsed.
+OTHER_FIELDS = 64
+
+
+def count_items(data: bytes, stop_after: int) -> int | None:
     """How many ``items`` (field 1) the serialized ``ScoreRequest`` ``data`` holds, counted in
-    its bytes without parsing them, and at most ``stop_after + 1``: the scan ends there.
+    its bytes without parsing them, and at most ``stop_after + 1``: the scan ends there. None
+    when the message holds more than :data:`OTHER_FIELDS` other top-level fields.
 
     Why: an empty item is two bytes, so a message under the body limit holds millions, and
     protobuf builds every one of them (about 100 bytes of memory per byte sent) before a
-    handler could count them. Bytes that are not a valid message end the scan with what was
-    counted so far; the parser then refuses them with its own words.
+    handler could count them. The scan reads at most ``stop_after + 1 + OTHER_FIELDS`` fields
+    (an item's contents are skipped by its length), so millions of junk fields cost no more
+    than a full batch. Bytes that are not a valid message end the scan with what was counted
+    so far; the parser then refuses them with its own words.
 
     >>> two = pb.ScoreRequest(items=[pb.Item(completion="x"), pb.Item()], recipe="sde2")
     >>> count_items(two.SerializeToString(), stop_after=10)
     2
     >>> count_items(b"\\x0a\\x00" * 4_000_000, stop_after=1024)
     1025
+    >>> count_items(b"\\x98\\x06\\x00" * 2_000_000, stop_after=1024) is None  # field 99
+    True
     >>> count_items(b"\\x0a\\x05ab", stop_after=10)  # cut short: counted, the parser refuses it
     1
     """
-    found = pos = 0
+    found = others = pos = 0
     end = len(data)
     try:
         while pos < end and found <= stop_after:
             key, pos = _varint(data, pos)
             wire = key & 7
-            if wire == 2:  # length-delimited: an item when the field is 1
+            if key >> 3 == 1 and wire == 2:
+                found += 1
+            elif others == OTHER_FIELDS:
+                return None
+            else:
+                others += 1
+            if wire == 2:  # length-delimited
                 size, pos = _varint(data, pos)
                 pos += size
-                if key >> 3 == 1:
-                    found += 1
             elif wire == 0:
                 _, pos = _varint(data, pos)
             elif wire in (1, 5):

@@ -27,6 +27,7 @@ import grpc
 from reward_server.service.errors import ClientGone, DeadlineExceeded, RequestInvalid, ServiceError
 from reward_server.service.grpc_messages import (
     METHODS,
+    OTHER_FIELDS,
     SERVICE,
     Malformed,
     count_items,
@@ -77,7 +78,11 @@ class RewardServicer:
         authorization = _authorization(context)
         self.service.authorize(authorization)
         limit = self.service.settings.max_items
-        if count_items(data, stop_after=limit) > limit:
+        items = count_items(data, stop_after=limit)
+        if items is None:
+            msg = f"more than {OTHER_FIELDS} top-level fields besides items: not a ScoreRequest"
+            raise RequestInvalid.one((), msg, "malformed")
+        if items > limit:
             msg = f"at most {limit} items per request, got more than {limit}"
             raise RequestInvalid.one(("items",), msg, "too_long")
         request = parse_request(data)
