@@ -463,6 +463,24 @@ def test_bad_item_type_fails_in_the_caller() -> None:
         rc.score(["just a completion"])  # type: ignore[list-item]
 
 
+async def test_a_lone_surrogate_is_named_and_never_sent() -> None:
+    """A string UTF-8 cannot encode made httpx raise a bare UnicodeEncodeError (through the TRL
+    adapter, verl's compute_score and the OpenRLHF hook alike): now a ValueError naming the
+    field, raised before any try, by both clients."""
+    sent: list[dict[str, Any]] = []
+    handler = core_handler(sent)
+    bad = [{"completion": "fine", "answer": "1"}, {"completion": "x\ud800y", "answer": "1"}]
+    want = r"items\.1\.completion: not valid UTF-8 \(a lone surrogate at character 1\)"
+    with pytest.raises(ValueError, match=want):
+        RewardClient(A, transport=httpx.MockTransport(handler)).score(bad)
+    async with AsyncRewardClient(A, transport=httpx.MockTransport(handler)) as client:
+        with pytest.raises(ValueError, match=want):
+            await client.score(bad)
+    assert sent == []
+    ok = RewardClient(A, transport=httpx.MockTransport(handler)).score(bad[:1])
+    assert len(ok.rewards) == 1 and len(sent) == 1
+
+
 async def test_async_client_retries_and_shards() -> None:
     script = Scripted(
         [httpx.ConnectError("refused"), httpx.Response(429, headers={"retry-after": "2"})]

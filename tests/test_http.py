@@ -265,6 +265,27 @@ def test_get_reward_query_parameters_and_errors(client: Any) -> None:
         assert detail["field"] == "labels.0" and "option letter" in detail["msg"]
 
 
+def test_a_query_parameter_a_route_does_not_read_is_refused(client: Any) -> None:
+    """``?answer-type=choice`` (a typo) was ignored: a correct choice answer scored by the
+    numeric matcher, 0.7 instead of 3.6 with no word. Every scoring route names it instead."""
+    c = completion(("a", "(C)"), final="(C)")
+    body = {"query": ["p" + c], "prompts": ["p"], "labels": ["C"]}
+    ok = client.post("/get_reward?answer_type=choice", json=body)
+    assert ok.status_code == 200 and ok.json()["scores"] == [1.0]
+    for query in ("answer-type=choice", "answertype=choice", "recipe=cfl&length_target=5"):
+        bad = client.post(f"/get_reward?{query}", json=body)
+        assert bad.status_code == 422, query
+        [detail] = [d for d in bad.json()["detail"] if d["field"] != "query.recipe"]
+        assert detail["field"].startswith("query.") and "recipe, answer_type" in detail["msg"]
+    item = {"completion": c, "answer": "C"}
+    for route in ("/v1/score", "/score", "/v1/explain"):
+        bad = client.post(f"{route}?recipe=cfl", json={"items": [item]})
+        assert bad.status_code == 422, route
+        assert [d["field"] for d in bad.json()["detail"]] == ["query.recipe"]
+        assert "parameters go in the body" in bad.json()["detail"][0]["msg"]
+    assert client.get("/readyz").status_code == 200
+
+
 @pytest.mark.parametrize(
     ("label", "gold"),
     [(18, "18"), (18.0, "18"), ("#### 18", "18"), (-2.5, "-2.5"), (1e20, "1e20"), (1e-7, "1e-7")],

@@ -168,6 +168,20 @@ def test_empty_batch_is_rejected() -> None:
     assert err.value.loc == ("items",)
 
 
+@pytest.mark.parametrize("final", ["2", "2.", "$2$"])
+def test_a_numeric_gold_is_judged_by_its_number_not_its_field_text(final: str) -> None:
+    """SPEC §2 finds a numeric gold's number before field cleaning: "```js2" is 2, though its
+    field text (a fence marker and its language word) is empty. It was refused as an empty
+    gold unless every answer of the batch was plain digits: the batch decided."""
+    items = [ScoreItem(f"<final_answer>{final}</final_answer>", "```js2")]
+    out = score_batch(items, HashEncoder(), normalize=False)
+    assert out.items[0].correct
+    for gold in ("```js", " ** ", "$"):
+        with pytest.raises(InvalidBatch) as err:
+            prepare_batch([ScoreItem(f"<final_answer>{final}</final_answer>", gold)])
+        assert err.value.loc == ("items", 0, "answer"), gold
+
+
 def test_choice_answer_type() -> None:
     items = [ScoreItem(strat("why", "(B)") + "<final_answer>B</final_answer>", "B")]
     out = score_batch(items, HashEncoder(), answer_type="choice", normalize=False)

@@ -246,6 +246,14 @@ def test_missing_answer_column_is_a_clear_error(reward_server: ServerProcess) ->
         asyncio.run(fn(**call_kwargs([GOOD], ["p"])))
 
 
+def test_a_completion_of_another_type_names_its_row(reward_server: ServerProcess) -> None:  # noqa: F811
+    """``None`` or a number among the completions was a bare TypeError from deep inside."""
+    fn = sde2_reward(reward_server.url)
+    for bad, kind in ((None, "got NoneType"), (5, "got int"), ([5], "messages are mappings")):
+        with pytest.raises(ValueError, match=rf"completions, row 1: .*{kind}"):
+            asyncio.run(fn(**call_kwargs([GOOD, bad], ["p", "p"])))
+
+
 def test_bad_params_fail_at_construction() -> None:
     with pytest.raises(ValueError, match="similarity_threshold"):
         sde2_reward("http://127.0.0.1:1", similarity_threshold=1.5)

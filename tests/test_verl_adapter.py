@@ -359,3 +359,9 @@ def test_verl_hook_pickles_by_reference_and_refuses_bad_inputs_before_any_reques
         compute_score("gsm8k", COMPLETIONS[0], "72", params=typo, **dead)
     with pytest.raises(ValueError, match=r"params\.similarity_threshold: .*less than 1"):
         compute_score("gsm8k", COMPLETIONS[0], "72", params={"similarity_threshold": 1.5}, **dead)
+    # A misspelt reward_kwargs name was ignored: the run trained on the defaults' rewards.
+    for typo_name, meant in (("answer-type", "answer_type"), ("recipie", "recipe")):
+        with pytest.raises(ValueError, match=rf"reward_kwargs\.{typo_name}: .*'{meant}'"):
+            compute_score("gsm8k", COMPLETIONS[0], "72", **{typo_name: "cfl"}, **dead)
+    with pytest.raises(ValueError, match=r"reward_kwargs\.param: "):
+        compute_score("gsm8k", COMPLETIONS[0], "72", param={"eps": 0.1}, **dead)

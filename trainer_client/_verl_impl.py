@@ -11,6 +11,7 @@ Ray pickles them by reference and the actor imports this module itself.
 from __future__ import annotations
 
 import asyncio
+import difflib
 import numbers
 import os
 import threading
@@ -44,8 +45,37 @@ def _option(name: str, extra_info: Mapping[str, Any] | None, kwargs: Mapping[str
     return kwargs.get(name)
 
 
+#: The ``reward_kwargs`` this reward reads, and the keyword arguments verl's reward loop adds to
+#: every call when a reward model router is configured (ignored here).
+SETTINGS = ("url", "reward_url", "recipe", "answer_type", "params", "num_tokens", "max_attempts")
+VERL_ARGUMENTS = ("reward_router_address", "reward_model_tokenizer")
+
+
+def _check_names(kwargs: Mapping[str, Any]) -> None:
+    """Refuse a keyword argument this reward does not read: a misspelt ``reward_kwargs`` name
+    (``answer-type``, ``recipie``) was ignored, and the run trained on the defaults' rewards.
+
+    >>> _check_names({"url": "http://h:8000", "reward_router_address": None})
+    >>> _check_names({"recipie": "cfl"})
+    Traceback (most recent call last):
+    ...
+    ValueError: reward_kwargs.recipie: not a setting of this reward (did you mean 'recipe'?); ...
+    """
+    for name in kwargs:
+        if name in SETTINGS or name in VERL_ARGUMENTS:
+            continue
+        close = difflib.get_close_matches(name.replace("-", "_"), SETTINGS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(
+            f"reward_kwargs.{name}: not a setting of this reward{hint}; it reads "
+            + ", ".join(SETTINGS)
+        )
+
+
 def _key(extra_info: Mapping[str, Any] | None, kwargs: Mapping[str, Any]) -> _Key:
-    """Which client serves this call: its URL(s) and its number of tries."""
+    """Which client serves this call: its URL(s) and its number of tries (the call's keyword
+    arguments checked first)."""
+    _check_names(kwargs)
     url = _option("reward_url", extra_info, kwargs) or kwargs.get("url")
     url = url or os.environ.get("SDE2_URL")
     if not url:

@@ -14,6 +14,7 @@ server did not compute.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import threading
@@ -21,6 +22,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 import httpx
@@ -48,7 +50,54 @@ from trainer_client.sharding import (
 log = logging.getLogger(__name__)
 
 SCORE_PATH = "/v1/score"
+_JSON = {"content-type": "application/json"}
 DEFAULT_TIMEOUT = 180.0  # seconds; a large step on a CPU server can take a while (OpenRLHF: 180)
+
+
+def encode_body(body: Any) -> bytes | None:
+    """``body`` as the JSON httpx would send (``None``: no body), encoded once for every try.
+
+    A string that is not valid UTF-8 (a lone surrogate, as a broken tokenizer's decoding can
+    leave) made httpx raise a bare ``UnicodeEncodeError`` naming nothing; it is a
+    ``ValueError`` naming the field that holds it instead, and nothing is sent.
+
+    >>> encode_body({"items": [{"completion": "a", "answer": 1}]})
+    b'{"items":[{"completion":"a","answer":1}]}'
+    >>> encode_body({"items": [{"completion": "ok"}, {"completion": "x\\ud800"}]})
+    Traceback (most recent call last):
+    ...
+    ValueError: items.1.completion: not valid UTF-8 (a lone surrogate at character 1); not sent
+    """
+    if body is None:
+        return None
+    text = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        path, at = _unencodable(body, ()) or ((), 0)
+        shown = (str(p).encode("utf-8", "backslashreplace").decode() for p in path)
+        where = ".".join(shown) or "body"
+        raise ValueError(
+            f"{where}: not valid UTF-8 (a lone surrogate at character {at}); not sent"
+        ) from None
+
+
+def _unencodable(value: Any, path: tuple[Any, ...]) -> tuple[tuple[Any, ...], int] | None:
+    """Where in ``value`` the first string UTF-8 cannot encode is (its path and character)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return path, exc.start
+        return None
+    if isinstance(value, Mapping):
+        pairs = ((key, (*path, key)) for key in value)
+        inner = ((item, (*path, key)) for key, item in value.items())
+        return next(filter(None, (_unencodable(v, p) for v, p in chain(pairs, inner))), None)
+    if isinstance(value, list | tuple):
+        found = (_unencodable(item, (*path, i)) for i, item in enumerate(value))
+        return next(filter(None, found), None)
+    return None
 
 
 def normalize_urls(urls: str | Sequence[str]) -> list[str]:
@@ -397,12 +446,13 @@ class RewardClient(_Base):
         """:meth:`request`'s loop, returning its record (the answer and who gave it); gives up
         before its next try once ``stop`` is set (another shard of the batch failed)."""
         attempts = _Attempts(self, method, path, replica, what, retry)
+        content = encode_body(body)
         while True:
             attempts.check_stop(stop)
             url = attempts.url()
             outcome: httpx.Response | httpx.RequestError
             try:
-                outcome = self._http.request(method, url, json=body)
+                outcome = self._http.request(method, url, content=content, headers=_JSON)
             except httpx.RequestError as exc:
                 outcome = exc
             if attempts.succeeded(url, outcome):
@@ -548,11 +598,12 @@ class AsyncRewardClient(_Base):
     ) -> _Attempts:
         """:meth:`request`'s loop, returning its record (the answer and who gave it)."""
         attempts = _Attempts(self, method, path, replica, what, retry)
+        content = encode_body(body)
         while True:
             url = attempts.url()
             outcome: httpx.Response | httpx.RequestError
             try:
-                outcome = await self._http.request(method, url, json=body)
+                outcome = await self._http.request(method, url, content=content, headers=_JSON)
             except httpx.RequestError as exc:
                 outcome = exc
             if attempts.succeeded(url, outcome):

@@ -67,11 +67,22 @@ def completion_text(completion: Any) -> str:
     'R\\nC'
     >>> completion_text([{"role": "assistant", "thinking": "R", "content": "C"}])
     'R\\nC'
+    >>> completion_text(None)
+    Traceback (most recent call last):
+    ...
+    ValueError: a completion is a string or a list of messages, got NoneType
     """
     if isinstance(completion, str):
         return completion
     if isinstance(completion, Mapping):
         completion = [completion]
+    if not isinstance(completion, Sequence):
+        kind = type(completion).__name__
+        raise ValueError(f"a completion is a string or a list of messages, got {kind}")
+    for message in completion:
+        if not isinstance(message, Mapping):
+            kind = type(message).__name__
+            raise ValueError(f"a completion's messages are mappings, got a {kind}")
     parts: list[str] = []
     for message in completion:
         if message.get("role", "assistant") != "assistant":
@@ -226,8 +237,12 @@ class SDE2Reward:
                 gold = gold_text(answers[i])
             except ValueError as exc:
                 raise ValueError(f"dataset column {self.answer_column!r}, row {i}: {exc}") from None
+            try:
+                text = completion_text(completion)
+            except ValueError as exc:
+                raise ValueError(f"completions, row {i}: {exc}") from None
             item: dict[str, Any] = {
-                "completion": completion_text(completion),
+                "completion": text,
                 "answer": gold,
                 "group": prompt_key(prompts[i]),
             }

@@ -218,11 +218,21 @@ def unmatchable_gold(answer_type: AnswerType, gold: str) -> str | None:
     ("the gold answer '$' is empty once canonicalized (SPEC §2)", None)
     >>> unmatchable_gold("choice", "1")
     "answer_type 'choice' needs a gold option letter A-E, got '1' (MedMCQA's cop is 0-3: 0 is A)"
+
+    A numeric gold is judged by its ``N`` alone: its number is found in the text before field
+    cleaning (SPEC §2 steps 1-3), so ``"```js2"``, whose field text is empty (a fence marker and
+    its language word), is the number 2:
+
+    >>> unmatchable_gold("numeric", "```js2"), unmatchable_gold("exact", "```js2")
+    (None, 'the gold answer is empty')
     """
-    if not field_text(gold):
+    empty = not field_text(gold)
+    if answer_type == "numeric" and canonical_numeric(gold) != "":
+        return None  # a number, or a text with something left to compare
+    if empty:
         return "the gold answer is empty"
     shown = gold if len(gold) <= 40 else gold[:40] + "..."
-    if answer_type == "numeric" and canonical_numeric(gold) == "":
+    if answer_type == "numeric":
         return f"the gold answer {shown!r} is empty once canonicalized (SPEC §2)"
     if answer_type == "choice" and canonical_choice(gold) is None:
         return (

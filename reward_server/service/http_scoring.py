@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import orjson
@@ -25,7 +25,9 @@ from reward_server.service.errors import (
     BodyTimeout,
     BodyTooLarge,
     ClientGone,
+    RequestInvalid,
     ServiceError,
+    issue,
 )
 from reward_server.service.pipeline import LocMap, Scored, ScoringService
 from reward_server.service.schemas import ErrorResponse, ScoreRequest
@@ -136,10 +138,14 @@ async def run_scoring(
     *,
     loc_map: LocMap | None = None,
     explain: bool = False,
+    query: Collection[str] = (),
 ) -> Scored:
     """Score the request's body (read once admitted, bounded in size and time); raises a
-    :class:`ServiceError`, which the app's handler answers."""
+    :class:`ServiceError`, which the app's handler answers. ``query``: the query parameters
+    the route reads; any other is refused with the body's other faults (a misspelt
+    ``?answer-type=choice`` silently scored with the default matcher)."""
     service = service_of(request)
+    unknown = [name for name in request.query_params if name not in query]
     settings = service.settings
     body = b""
 
@@ -152,8 +158,13 @@ async def run_scoring(
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
+    def parse() -> ScoreRequest | None:
+        if unknown:
+            raise unknown_query(unknown, query)
+        return parse_body(body)
+
     return await service.score(
-        lambda: parse_body(body),
+        parse,
         authorization=request.headers.get("authorization"),
         receive=receive,
         gone=gone,
@@ -162,6 +173,19 @@ async def run_scoring(
         timeout=time_left(request, settings.request_timeout),
         explain=explain,
     )
+
+
+def unknown_query(names: Sequence[str], known: Collection[str]) -> RequestInvalid:
+    """The 422 for query parameters a route does not read, each named at ``query.NAME``.
+
+    >>> unknown_query(["answer-type"], ["recipe", "answer_type"]).message
+    'query.answer-type: not a parameter of this route (it reads recipe, answer_type)'
+    >>> unknown_query(["recipe"], []).message
+    'query.recipe: not a parameter of this route (it reads none: parameters go in the body)'
+    """
+    reads = ", ".join(known) if known else "none: parameters go in the body"
+    msg = f"not a parameter of this route (it reads {reads})"
+    return RequestInvalid([issue(("query", name), msg, "unknown_query") for name in names])
 
 
 def scored_response(

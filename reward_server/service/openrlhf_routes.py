@@ -106,6 +106,9 @@ def score_request(
     return ScoreRequest(items=items, recipe=recipe, answer_type=answer_type, normalize=normalize)
 
 
+#: The query parameters ``/get_reward`` reads (any other is refused: see ``run_scoring``).
+QUERY = ("recipe", "answer_type", "normalize")
+
 NORMALIZE_DOC = (
     "z-score components over this request's samples. Off by default: OpenRLHF (>= 0.9.1) sends "
     "one sample per request, and over one sample every normalized component is 0, so the "
@@ -139,6 +142,7 @@ async def get_reward(
             request,
             lambda body: score_request(body, recipe, answer_type, normalize),
             loc_map=openrlhf_loc,
+            query=QUERY,
         )
     except ServiceError as exc:
         # OpenRLHF logs a failed reward call at info level only and trains on without the
