@@ -285,12 +285,14 @@ def test_workers_refuse_a_taken_port_and_die_with_their_supervisor(onnx_model_di
         second = ServerProcess(onnx_model_dir, "--workers", "2", port=first.port)
         second.start(wait=False)
         assert second.wait(120) == 3, second.log_tail()
-        assert "Address already in use" in second.log() and "started" not in second.log()
+        assert "started" not in second.log()
+        assert f"cannot bind HTTP to 127.0.0.1:{first.port}: Address already in use" in second.log()
         assert first.grpc_port is not None
         grpc_taken = ServerProcess(
             onnx_model_dir, "--workers", "2", "--grpc-port", str(first.grpc_port)
         ).start(wait=False)
         assert grpc_taken.wait(120) == 3, grpc_taken.log_tail()
+        assert f"cannot bind gRPC to 127.0.0.1:{first.grpc_port}" in grpc_taken.log()
         assert CLIENT.get(first.url + "/readyz").status_code == 200
         first.kill()  # SIGKILL to the supervisor alone
         assert first.wait(30) == -signal.SIGKILL
@@ -312,6 +314,14 @@ def test_workers_refuse_a_taken_port_and_die_with_their_supervisor(onnx_model_di
         held = ServerProcess(onnx_model_dir, "--workers", "2", port=port).start(wait=False)
         assert held.wait(120) == 3, held.log_tail()
         assert "Address already in use" in held.log(), held.log_tail()
+    # A model folder that is not there: one line naming it, as one process says it (was a
+    # traceback from the supervisor).
+    missing = ServerProcess(Path("/nonexistent/model"), "--workers", "2")
+    assert missing.start(wait=False).wait(120) == 1, missing.log_tail()
+    assert "loading the encoder failed: FileNotFoundError: model '/nonexistent/model': no such" in (
+        missing.log()
+    )
+    assert "Traceback" not in missing.log()
 
 
 def test_load_benchmark_runs_end_to_end(

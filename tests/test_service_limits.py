@@ -531,6 +531,10 @@ def test_settings_flags_then_env_then_defaults() -> None:
         ),
         ({"SDE2_LOG_LEVEL": "verbose"}, "log_level (--log-level / SDE2_LOG_LEVEL) must be one of"),
         ({"SDE2_INTRA_OP_THREADS": "0"}, "intra_op_threads (--intra-op-threads"),
+        (  # --workers binds both with SO_REUSEPORT: gRPC clients reached the HTTP server
+            {"SDE2_PORT": "9000", "SDE2_GRPC_PORT": "9000"},
+            "grpc_port (--grpc-port / SDE2_GRPC_PORT) must be another port than --port",
+        ),
     ],
 )
 def test_bad_settings_are_refused_naming_the_setting(env: dict[str, str], named: str) -> None:

@@ -237,6 +237,13 @@ class Settings:
                 self.grpc_port is None or 0 <= self.grpc_port <= 65535,
                 "a port number (0-65535)",
             ),
+            # One port for both: alone the second bind fails (exit 3), but --workers binds with
+            # SO_REUSEPORT, where both bound and gRPC clients reached the HTTP server.
+            (
+                "grpc_port",
+                not self.grpc_port or self.grpc_port != self.port,
+                "another port than --port",
+            ),
         ]
         for f in dataclasses.fields(self):
             choices = _kind(f.name).choices
@@ -345,6 +352,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "help": f"{f.metadata['help']} (env {env_name(f.name)}; default {f.default})",
         }
         parser.add_argument(flag, **kwargs)
+
+
+def host_port(host: str, port: int) -> str:
+    """``host:port`` as gRPC parses it and as messages show it: an IPv6 address in brackets.
+
+    >>> host_port("::1", 50051), host_port("0.0.0.0", 50051)
+    ('[::1]:50051', '0.0.0.0:50051')
+    """
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
 def load_settings(

@@ -123,7 +123,8 @@ OTHER_FIELDS = 64
 def count_items(data: bytes, stop_after: int) -> int | None:
     """How many ``items`` (field 1) the serialized ``ScoreRequest`` ``data`` holds, counted in
     its bytes without parsing them, and at most ``stop_after + 1``: the scan ends there. None
-    when the message holds more than :data:`OTHER_FIELDS` other top-level fields.
+    when the message holds more than :data:`OTHER_FIELDS` other top-level fields, or a group
+    (which this message never declares, and whose contents the scan would not see).
 
     Why: an empty item is two bytes, so a message under the body limit holds millions, and
     protobuf builds every one of them (about 100 bytes of memory per byte sent) before a
@@ -138,6 +139,8 @@ def count_items(data: bytes, stop_after: int) -> int | None:
     >>> count_items(b"\\x0a\\x00" * 4_000_000, stop_after=1024)
     1025
     >>> count_items(b"\\x98\\x06\\x00" * 2_000_000, stop_after=1024) is None  # field 99
+    True
+    >>> count_items(b"\\x9b\\x06\\x9c\\x06" + b"\\x0a\\x00" * 2000, stop_after=1024) is None
     True
     >>> count_items(b"\\x0a\\x05ab", stop_after=10)  # cut short: counted, the parser refuses it
     1
@@ -161,8 +164,8 @@ def count_items(data: bytes, stop_after: int) -> int | None:
                 _, pos = _varint(data, pos)
             elif wire in (1, 5):
                 pos += 8 if wire == 1 else 4
-            else:  # groups (3, 4) are not in this message; anything else is not protobuf
-                break
+            else:  # a group (3, 4: none in this message, yet protobuf keeps unknown ones whole,
+                return None  # items and all, so the count would stop short) or not protobuf
     except IndexError:
         pass
     return found

@@ -24,6 +24,7 @@ from typing import Any, NoReturn, TypeAlias, TypeVar
 
 import grpc
 
+from reward_server.service.config import host_port
 from reward_server.service.errors import ClientGone, DeadlineExceeded, RequestInvalid, ServiceError
 from reward_server.service.grpc_messages import (
     METHODS,
@@ -80,7 +81,10 @@ class RewardServicer:
         limit = self.service.settings.max_items
         items = count_items(data, stop_after=limit)
         if items is None:
-            msg = f"more than {OTHER_FIELDS} top-level fields besides items: not a ScoreRequest"
+            msg = (
+                f"a group, or more than {OTHER_FIELDS} top-level fields besides items: "
+                "not a ScoreRequest"
+            )
             raise RequestInvalid.one((), msg, "malformed")
         if items > limit:
             msg = f"at most {limit} items per request, got more than {limit}"
@@ -196,15 +200,6 @@ def send_limit(service: ScoringService) -> int:
 GRPC_HEADROOM = 8
 
 
-def grpc_address(host: str, port: int) -> str:
-    """``host:port`` as gRPC parses it: an IPv6 address in brackets.
-
-    >>> grpc_address("::1", 50051), grpc_address("0.0.0.0", 50051)
-    ('[::1]:50051', '0.0.0.0:50051')
-    """
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-
-
 def create_server(
     service: ScoringService, host: str, port: int, *, reuse_port: bool = False
 ) -> tuple[grpc.aio.Server, int]:
@@ -224,7 +219,7 @@ def create_server(
     )
     server.add_generic_rpc_handlers((generic_handler(RewardServicer(service)),))
     try:
-        bound = server.add_insecure_port(grpc_address(host, port))
+        bound = server.add_insecure_port(host_port(host, port))
     except RuntimeError:  # what grpc raises for a port in use
         bound = 0
     if bound == 0:

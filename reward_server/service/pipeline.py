@@ -308,7 +308,8 @@ class ScoringService:
             log.info("encoder %s ready in %.1f s", encoder.name, time.monotonic() - t0)
         except Exception as exc:
             self.load_error = f"{type(exc).__name__}: {exc}"
-            if isinstance(exc, (ModelExportError, ModelLoadError)):  # its message says what to do
+            # Its message says what to do (a missing folder: ours name it and what is missing).
+            if isinstance(exc, (ModelExportError, ModelLoadError, FileNotFoundError)):
                 log.error("loading the encoder failed: %s", self.load_error)
             else:
                 log.exception("loading the encoder failed")

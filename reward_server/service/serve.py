@@ -44,7 +44,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from reward_server.service.config import Settings, load_settings
+from reward_server.service.config import Settings, host_port, load_settings
 from reward_server.service.config import add_arguments as add_settings_arguments
 from reward_server.service.memory import tune_malloc_for
 
@@ -350,17 +350,24 @@ def _run_workers(settings: Settings) -> int:
     0, 3 when a port is taken (as one process), 1 when a worker failed."""
     from reward_server.encoders.batched import available_cpus
     from reward_server.encoders.loading import runs_export
+    from reward_server.encoders.model_store import ModelExportError, ModelLoadError
 
     taken = _taken_port(settings)
     if taken is not None:
         log.error("%s", taken)
         return 3
     # Resolve (and, for the default model, export) once here, not concurrently in each worker.
-    model = str(resolve_model_dir(settings)) if runs_export(settings.backend) else settings.model
+    try:
+        model = resolve_model_dir(settings) if runs_export(settings.backend) else settings.model
+    except (ModelExportError, ModelLoadError, FileNotFoundError) as exc:  # as one process says it
+        log.error("loading the encoder failed: %s: %s", type(exc).__name__, exc)
+        return 1
     threads = settings.intra_op_threads or max(1, available_cpus() // settings.workers)
     held: list[socket.socket] = []  # the ports chosen for "0", until the workers exit
     child = dataclasses.replace(
-        _concrete_ports(settings, held), model=model, intra_op_threads=threads
+        _concrete_ports(settings, held),
+        model=None if model is None else str(model),
+        intra_op_threads=threads,
     )
     try:
         with _shared_metrics_dir() as shared:
@@ -370,11 +377,11 @@ def _run_workers(settings: Settings) -> int:
             sock.close()
 
 
-def _taken_port(settings: Settings) -> OSError | None:
+def _taken_port(settings: Settings) -> str | None:
     """Why the HTTP or gRPC port cannot be had, if it cannot: bound without ``SO_REUSEPORT``,
     the probe fails while any socket holds the port, so another server (even one whose
     workers would share it with these) is found here, before any worker starts."""
-    for port in (settings.port, settings.grpc_port):
+    for what, port in (("HTTP", settings.port), ("gRPC", settings.grpc_port)):
         if not port:  # none, or "any free port"
             continue
         family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
@@ -383,7 +390,8 @@ def _taken_port(settings: Settings) -> OSError | None:
             try:
                 probe.bind((settings.host, port))
             except OSError as exc:
-                return exc
+                where = host_port(settings.host, port)
+                return f"cannot bind {what} to {where}: {exc.strerror or exc}"
     return None
 
 
