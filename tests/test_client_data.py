@@ -74,6 +74,11 @@ def test_the_default_aime_source_is_split_80_20(monkeypatch: pytest.MonkeyPatch)
     assert asked == ["train", "train"]  # the source's only split, read for both
     assert len(load_examples("aime", "org/aime", "test")) == 23  # its own split, whole
     assert asked[-1] == "test"
+    # The default source named by its id is split alike (its train held every test problem).
+    named = datasets.DEFAULT_SOURCES["aime"]
+    assert load_examples("aime", named, "test") == test
+    assert load_examples("aime", named, "train") == train
+    assert asked[-2:] == ["train", "train"]
 
 
 def test_sample_draws_questions_at_random_by_seed() -> None:
@@ -318,6 +323,11 @@ def dead_url() -> str:
         (["--batch-size", "3", "--num-generations", "2"], "must be divisible by num_generations"),
         (["--num-generations", "1"], "TRL's GRPOConfig refuses these flags"),
         (["--warmup-ratio", "1"], "--warmup-ratio must be in [0, 1), got 1.0"),
+        (["--grad-accum", "0"], "--grad-accum must be >= 1, got 0"),
+        (["--lora-r", "0"], "--lora-r must be >= 1, got 0"),
+        (["--report-to", "nonexistent"], "--report-to: nonexistent is not supported"),
+        (["--lora-dropout", "2"], "--lora-dropout must be in [0, 1), got 2.0"),
+        (["--lora-alpha", "0"], "--lora-alpha must be >= 1, got 0"),
         (["--output-dir", "{tmp}/run"], "--output-dir {tmp}/run holds checkpoints of an earlier"),
     ],
 )

@@ -99,6 +99,7 @@ class FakeClient:
     requests: ClassVar[list[list[dict[str, Any]]]] = []
     refuse: ClassVar[bool] = False
     down: ClassVar[bool] = False
+    interrupt: ClassVar[bool] = False  # Ctrl-C while the retries wait
 
     def __init__(self, urls: object, retry: object = None) -> None:
         pass
@@ -118,6 +119,8 @@ class FakeClient:
         return {"encoder": "fake"}
 
     def score(self, items: list[dict[str, Any]], **kwargs: object) -> SimpleNamespace:
+        if FakeClient.interrupt:
+            raise KeyboardInterrupt
         if FakeClient.refuse:
             body = '{"detail":[{"loc":["recipe"],"msg":"Input should be \'sde2\'"}]}'
             raise RewardRequestError(
@@ -130,6 +133,7 @@ class FakeClient:
 @pytest.fixture
 def fake_client(monkeypatch: pytest.MonkeyPatch) -> type[FakeClient]:
     FakeClient.requests, FakeClient.refuse, FakeClient.down = [], False, False
+    FakeClient.interrupt = False
     monkeypatch.setattr(evaluate, "RewardClient", FakeClient)
     return FakeClient
 
@@ -240,6 +244,14 @@ def test_a_generated_run_outlives_a_failed_scoring(
     assert fake_client.requests[-1] == [
         {"completion": GOOD["completion"], "answer": a} for a in ("18", "3", "70000")
     ]
+    kept.unlink()
+    # Ctrl-C while scoring (a server gone: the retries wait up to 10 minutes) names it too.
+    fake_client.interrupt = True
+    assert main(argv) == 130
+    err = capsys.readouterr().err
+    (kept,) = tmp_path.glob("sde2-eval-*.jsonl")
+    assert "stopped while scoring" in err and f"--completions org/model={kept}" in err
+    fake_client.interrupt = False
     kept.unlink()
     assert main([*argv, "--json", str(tmp_path / "t.json")]) == 0
     assert list(tmp_path.glob("sde2-eval-*.jsonl")) == []

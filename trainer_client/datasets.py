@@ -301,7 +301,8 @@ def load_examples(
     cop_base: int = 0,
 ) -> list[Example]:
     """Examples of one dataset from ``source`` (default: its hub id), at most ``limit``. For
-    the default AIME source, ``train`` and ``test`` are its split of :data:`AIME_HOLDOUT`.
+    the default AIME source, given or by default, ``train`` and ``test`` are its split of
+    :data:`AIME_HOLDOUT` (named explicitly, its ``train`` held every test problem too).
 
     A bad row is a :class:`DataError` naming the file and line (or hub row) and the field.
     """
@@ -313,8 +314,10 @@ def load_examples(
         "aime": aime_example,
     }
     convert = converters[name]
-    held_out = name == "aime" and source is None and split in ("train", "test")
-    rows = read_located_rows(source or DEFAULT_SOURCES[name], "train" if held_out else split)
+    # The default AIME source's own split, however it was named (by default or by its id).
+    resolved = DEFAULT_SOURCES[name] if source is None else str(source)
+    held_out = resolved == DEFAULT_SOURCES["aime"] and split in ("train", "test")
+    rows = read_located_rows(resolved, "train" if held_out else split)
     out: list[Example] = []
     for index, (where, row) in enumerate(rows):
         if limit is not None and len(out) >= limit:

@@ -442,7 +442,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         run, tokenizer = generate_run(args, examples)
         runs.append(run)
-        save_run(run, args.save_completions or unscored_path(run))
+        saved = args.save_completions or unscored_path(run)
+        save_run(run, saved)
+        log.info("generated completions saved to %s (until scored)", saved)
     if any(r.num_tokens is None for r in read) and (args.tokenizer or args.model):
         if args.tokenizer or tokenizer is None:  # --tokenizer wins over the policy's
             from trainer_client.modeling import load_tokenizer
@@ -457,8 +459,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with RewardClient(args.reward_url, retry=retry) as client:
             rows = [score_run(client, r, args.recipe, args.ci) for r in runs]
-    except RewardServiceError as exc:  # a 422 carries the server's reason
-        print(f"sde2-eval: {exc}", file=sys.stderr)
+    except (RewardServiceError, KeyboardInterrupt) as exc:  # a 422 carries the server's reason
+        stopped = isinstance(exc, KeyboardInterrupt)  # Ctrl-C while the retries wait
+        print(f"sde2-eval: {'stopped while scoring' if stopped else exc}", file=sys.stderr)
         if args.model and not args.save_completions:
             path = unscored_path(runs[0])
             print(
@@ -466,7 +469,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"--completions {runs[0].method}={path}",
                 file=sys.stderr,
             )
-        return 2
+        return 130 if stopped else 2
     if args.model and not args.save_completions:
         unscored_path(runs[0]).unlink(missing_ok=True)  # scored: no longer needed
     status = emit("sde2-eval", Path("-"), [markdown_table(rows) + "\n"])  # quiet on `| head`

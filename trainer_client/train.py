@@ -105,7 +105,14 @@ def check_flags(args: argparse.Namespace) -> dict[str, Any]:
             f"--max-length ({args.max_length}) must exceed --max-new-tokens "
             f"({args.max_new_tokens}): the prompt needs room"
         )
-    for flag, value in (("--limit", args.limit), ("--sample", args.sample)):
+    counts = (
+        ("--limit", args.limit),
+        ("--sample", args.sample),
+        ("--grad-accum", args.grad_accum),  # 0 passed TRL's config, then failed after loading
+        ("--lora-r", args.lora_r),  # PEFT accepts 0 and fails once the model is loaded
+        ("--lora-alpha", args.lora_alpha),  # 0 scales the adapter to nothing: nothing learns
+    )
+    for flag, value in counts:
         if value is not None and value < 1:
             raise FlagError(f"{flag} must be >= 1, got {value}")
     if args.limit is not None and args.sample is not None:
@@ -118,6 +125,8 @@ def check_flags(args: argparse.Namespace) -> dict[str, Any]:
         raise FlagError(f"--resume: no checkpoint folder {args.resume}")
     if not 0 <= args.warmup_ratio < 1:  # TRL reads a warmup of 1 or more as a step count
         raise FlagError(f"--warmup-ratio must be in [0, 1), got {args.warmup_ratio}")
+    if not 0 <= args.lora_dropout < 1:  # PEFT accepts it; torch's Dropout fails once loaded
+        raise FlagError(f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")
     out = Path(args.output_dir)
     if out.exists() and not out.is_dir():
         raise FlagError(f"--output-dir {out}: is a file, not a folder")
@@ -132,14 +141,20 @@ def check_flags(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def check_grpo_flags(args: argparse.Namespace) -> None:
-    """TRL's own checks of the GRPO flags (the batch a multiple of G, G >= 2, ...), run before
-    the model loads rather than after; whether CUDA and 4-bit are used, which only pick the
-    optimizer and precision, is left to :func:`grpo_config` then. Seconds (TRL's import): run
-    after the cheaper checks."""
+    """TRL's own checks of the GRPO flags (the batch a multiple of G, G >= 2, ...), and
+    transformers' of ``--report-to``, run before the model loads rather than after; whether
+    CUDA and 4-bit are used, which only pick the optimizer and precision, is left to
+    :func:`grpo_config` then. Seconds (TRL's import): run after the cheaper checks."""
+    from transformers.integrations import get_reporting_integration_callbacks
+
     try:
-        grpo_config(args, quantize_4bit=False, cuda=False)
+        config = grpo_config(args, quantize_4bit=False, cuda=False)
     except ValueError as exc:
         raise FlagError(f"TRL's GRPOConfig refuses these flags: {exc}") from None
+    try:  # what the trainer asks of --report-to once the model is loaded
+        get_reporting_integration_callbacks(config.report_to)
+    except ValueError as exc:
+        raise FlagError(f"--report-to: {exc}") from None
 
 
 def local_data(args: argparse.Namespace) -> bool:
