@@ -98,6 +98,65 @@ def test_nfkc_expands_no_character_more_than_the_limit_check_assumes() -> None:
     assert widest == NFKC_MAX_EXPANSION
 
 
+@pytest.mark.parametrize(
+    ("field", "text"),
+    [
+        # NFKC orders a run of marks by insertion: 60,000 took 11 s, holding the GIL.
+        ("completion", "a" + "\u0301" * 30_000 + "\u0316" * 30_000),
+        # U+0F73 is a starter that decomposes into two marks: the explanation's offset map
+        # normalized a growing piece per character (cubic: 3,000 of them took 56 s).
+        ("completion", "<final_answer>" + "\u0f73" * 3000 + "</final_answer>"),
+        ("answer", "1" + "\U0001d165\u0301" * 20),  # marks past the BMP count alike
+    ],
+)
+def test_a_flood_of_combining_marks_is_refused_before_normalization(field: str, text: str) -> None:
+    """More than 30 non-starters in a row (UAX #15's stream-safe limit) is a 422 at once on
+    every scoring route; a text of short runs is scored as before."""
+    item = {"completion": "<final_answer>1</final_answer>", "answer": "1", field: text}
+    with http_client(make_service()) as c:
+        for route in ("/v1/score", "/v1/explain"):
+            start = time.perf_counter()
+            r = c.post(route, json={"items": [{"completion": "x", "answer": "1"}, item]})
+            assert time.perf_counter() - start < 5, route
+            assert r.status_code == 422, route
+            [detail] = r.json()["detail"]
+            assert detail["field"] == f"items.1.{field}"
+            assert "more than 30 combining marks in a row" in detail["msg"]
+        marked = "<final_answer>1</final_answer>" + ("e" + "\u0301\u0316" * 15) * 100
+        ok = c.post("/v1/explain", json={"items": [{"completion": marked, "answer": "1"}]})
+        assert ok.status_code == 200 and ok.json()["items"][0]["correct"]
+
+
+def test_every_non_starter_is_counted_in_a_flood() -> None:
+    """The run's character class holds every code point with a combining class, or whose
+    decomposition starts with one (U+0F73, U+FF9E...), of this Python's Unicode."""
+    from reward_server.core.text import non_starter_flood
+
+    starts = (unicodedata.normalize("NFKD", chr(c))[:1] for c in range(0x80, 0x110000))
+    for code, first in zip(range(0x80, 0x110000), starts, strict=True):
+        char = chr(code)
+        if unicodedata.combining(char) or (first and unicodedata.combining(first)):
+            assert non_starter_flood("a" + char * 31) == 1, hex(code)
+            assert non_starter_flood("a" + char * 30) is None, hex(code)
+
+
+def test_the_token_estimate_is_not_beaten_by_punctuation_or_cjk(onnx_model_dir: Path) -> None:
+    """Length alone estimated a text of punctuation at a quarter of its tokens (one request held
+    the encoder 4.5x its estimate). Each shape is now estimated within 2.5x of the tokenizer's
+    count, and GSM8K reasoning as a whole within 15 %."""
+    from benchmarks.workload import grpo_step
+    from reward_server.core import ScoreItem, prepare_batch
+    from reward_server.service.batcher import estimate_tokens
+
+    tok = load_tokenizer(onnx_model_dir)
+    shapes = ["!" * 254, "中文数学题" * 50, "a.b," * 60, ". " * 120, "1+2=3; " * 36, "x, " * 80]
+    for text, ids in zip(shapes, encode_ids(tok, shapes), strict=True):
+        assert estimate_tokens(text) * 2.5 >= len(ids), (text[:12], len(ids))
+    reasoning = prepare_batch([ScoreItem(**it) for it in grpo_step(seed=3)]).texts
+    true = sum(map(len, encode_ids(tok, reasoning)))
+    assert 0.85 <= sum(map(estimate_tokens, reasoning)) / true <= 1.15
+
+
 def test_batcher_stops_encoding_for_a_request_gone_between_chunks() -> None:
     encoder = SlowEncoder(delay=0.05)
     batcher = Batcher(encoder, capacity=8, batch_tokens=100_000, chunk_tokens=4 * 27)

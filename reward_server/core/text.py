@@ -10,7 +10,7 @@ import re
 import unicodedata
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cache, partial
 from itertools import pairwise
 
 import numpy as np
@@ -62,6 +62,57 @@ def preprocess(text: str) -> str:
         if char in text:
             text = text.replace(char, ascii_char)
     return unicodedata.normalize("NFKC", text)
+
+
+#: UAX #15's Stream-Safe Text Format: at most this many non-starters (combining marks, and
+#: characters whose decomposition starts with one) in a row. Longer runs are refused by the
+#: server: Python's NFKC orders a run's marks by insertion (quadratic time, holding the GIL:
+#: 60,000 marks took 11 s), and no writing system needs more than a handful.
+MAX_NON_STARTERS = 30
+#: Past the last combining mark of Unicode 15 (U+1E94A); the scan below reads up to here.
+_LAST_MARK = 0x1F000
+_ASTRAL = re.compile("[\U00010000-\U0010ffff]")
+
+
+@cache
+def _non_starter_runs() -> tuple[re.Pattern[str], re.Pattern[str]]:
+    """Runs of more than :data:`MAX_NON_STARTERS` non-starters: among characters of the Basic
+    Multilingual Plane only, and among all (built once, ~40 ms). The first class is a list of
+    characters, which ``re`` turns into one table lookup a character (6 ns); ranges past the
+    BMP are tested one by one (100 ns a character), so only texts holding such a character
+    (an emoji, say) are searched with the second."""
+    marks = []
+    for code in range(0x80, _LAST_MARK):
+        char = chr(code)
+        first = unicodedata.normalize("NFKD", char)[:1]
+        if unicodedata.combining(char) or (first and unicodedata.combining(first)):
+            marks.append(code)
+    bmp = "".join(re.escape(chr(code)) for code in marks if code < 0x10000)
+    astral: list[list[int]] = []
+    for code in (code for code in marks if code >= 0x10000):
+        if astral and astral[-1][1] == code - 1:
+            astral[-1][1] = code
+        else:
+            astral.append([code, code])
+    ranges = "".join(f"{chr(a)}-{chr(b)}" for a, b in astral)
+    run = f"]{{{MAX_NON_STARTERS + 1}}}"
+    return re.compile(f"[{bmp}{run}"), re.compile(f"[{bmp}{ranges}{run}")
+
+
+def non_starter_flood(text: str) -> int | None:
+    """Where ``text`` first holds more than :data:`MAX_NON_STARTERS` non-starters in a row
+    (the offset of the run), or None: a text the server refuses before normalizing it.
+
+    >>> non_starter_flood("e\u0301" + "a\u0301" * 40), non_starter_flood("x" + "\u0f73" * 31)
+    (None, 1)
+    >>> non_starter_flood("\U0001f600 a" + "\u0301\U0001d165" * 16)  # marks past the BMP too
+    3
+    """
+    if text.isascii():
+        return None
+    bmp, every = _non_starter_runs()
+    run = (every if _ASTRAL.search(text) else bmp).search(text)
+    return None if run is None else run.start()
 
 
 def field_text(raw: str) -> str:
