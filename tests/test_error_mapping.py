@@ -40,6 +40,7 @@ from reward_server.service.errors import (
     ServiceError,
     ShuttingDown,
     Unauthorized,
+    UnsupportedEncoding,
     error_classes,
     issue,
 )
@@ -89,6 +90,13 @@ ROWS: dict[str, Row] = {
         "request body larger than 100 bytes",
         grpc.StatusCode.RESOURCE_EXHAUSTED,
         "request body larger than 100 bytes",
+    ),
+    "unsupported_encoding": Row(
+        lambda: UnsupportedEncoding("gzip"),
+        415,
+        "Content-Encoding 'gzip' is not accepted: send the JSON body uncompressed",
+        grpc.StatusCode.UNIMPLEMENTED,
+        "Content-Encoding 'gzip' is not accepted: send the JSON body uncompressed",
     ),
     "body_timeout": Row(
         lambda: BodyTimeout(1.5),
@@ -304,7 +312,14 @@ PROVOKED: dict[str, Provoked] = {
 #: oversized message itself, see test_body_too_large_on_both_wires); a lost replica only under
 #: Ray (tests/test_ray_serve.py); a stalled upload and a vanished client on HTTP only
 #: (tests/test_hostile_clients.py).
-NOT_PROVOKED_HERE = {"body_too_large", "body_timeout", "client_disconnect", "replica_lost"}
+#: Provoked where their transport is (test_http, test_hostile_clients, test_ray_serve).
+NOT_PROVOKED_HERE = {
+    "body_too_large",
+    "body_timeout",
+    "client_disconnect",
+    "replica_lost",
+    "unsupported_encoding",
+}
 
 
 def test_every_reason_is_provoked_somewhere() -> None:

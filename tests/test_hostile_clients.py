@@ -246,6 +246,56 @@ def test_stalled_uploads_hold_no_slot_past_the_body_timeout(server: ServerProces
     assert 'sde2_requests_total{route="/v1/score",status="408"}' in metrics
 
 
+def _refused_then_closed(server: ServerProcess, head: bytes) -> bytes:
+    """Send ``head`` (declaring a gigabyte of body), then body bytes for up to 5 s: the answer
+    the server gave before closing the connection (a failure if it read on)."""
+    sock = connect(server)
+    try:
+        sock.sendall(head + b"x" * 65536)
+        sock.settimeout(0.05)
+        answer = b""
+        end = time.monotonic() + 5
+        while time.monotonic() < end:
+            try:
+                sock.sendall(b"x" * 65536)
+            except OSError:  # the server closed: writing fails (reset or broken pipe)
+                break
+            try:
+                chunk = sock.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+            if not chunk:
+                break
+            answer += chunk
+        else:
+            pytest.fail(f"the server kept reading the body after answering {answer[:12]!r}")
+        return answer + (closed_or_answered(sock, within=1.0) or b"")
+    finally:
+        sock.close()
+
+
+def test_a_body_refused_unread_closes_its_connection(onnx_model_dir: Path) -> None:
+    """After a 413 or a 401 the server answered and then read and discarded the rest of the
+    body to keep the connection alive: 58 GiB in 15 s past --max-body-bytes, unauthenticated
+    clients too. A refusal that leaves the body unread now says ``Connection: close`` and
+    closes it."""
+    size = b"content-length: 1000000000\r\n\r\n"
+    post = b"POST /v1/score HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+    with ServerProcess(onnx_model_dir, env={"SDE2_API_KEY": "k3y"}) as server:
+        unauthorized = _refused_then_closed(server, post + size)
+        assert unauthorized.startswith(b"HTTP/1.1 401"), unauthorized[:40]
+        assert b"connection: close" in unauthorized.lower()
+        too_large = _refused_then_closed(server, post + b"authorization: Bearer k3y\r\n" + size)
+        assert too_large.startswith(b"HTTP/1.1 413"), too_large[:40]
+        assert b"connection: close" in too_large.lower()
+        ok = httpx.post(
+            server.url + "/v1/score", json=VALID, headers={"authorization": "Bearer k3y"}
+        )
+        assert ok.status_code == 200 and "connection" not in ok.headers
+
+
 def test_disconnect_mid_upload_is_counted_without_a_traceback(server: ServerProcess) -> None:
     head = (
         b"POST /v1/score HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"

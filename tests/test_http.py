@@ -265,6 +265,22 @@ def test_get_reward_query_parameters_and_errors(client: Any) -> None:
         assert detail["field"] == "labels.0" and "option letter" in detail["msg"]
 
 
+def test_a_compressed_body_is_refused_naming_its_encoding(client: Any) -> None:
+    """A gzip body was a 422 "Invalid JSON" naming nothing, a plain one labelled gzip scored."""
+    import gzip
+
+    body = json.dumps({"items": [{"completion": "<final_answer>4</final_answer>", "answer": "4"}]})
+    for encoding, content in (("gzip", gzip.compress(body.encode())), ("br", body.encode())):
+        headers = {"content-type": "application/json", "content-encoding": encoding}
+        r = client.post("/v1/score", content=content, headers=headers)
+        assert r.status_code == 415, encoding
+        assert r.json()["detail"] == (
+            f"Content-Encoding '{encoding}' is not accepted: send the JSON body uncompressed"
+        )
+    headers = {"content-type": "application/json", "content-encoding": "identity"}
+    assert client.post("/v1/score", content=body, headers=headers).status_code == 200
+
+
 def test_a_query_parameter_a_route_does_not_read_is_refused(client: Any) -> None:
     """``?answer-type=choice`` (a typo) was ignored: a correct choice answer scored by the
     numeric matcher, 0.7 instead of 3.6 with no word. Every scoring route names it instead."""
@@ -277,6 +293,10 @@ def test_a_query_parameter_a_route_does_not_read_is_refused(client: Any) -> None
         assert bad.status_code == 422, query
         [detail] = [d for d in bad.json()["detail"] if d["field"] != "query.recipe"]
         assert detail["field"].startswith("query.") and "recipe, answer_type" in detail["msg"]
+    twice = client.post("/get_reward?answer_type=numeric&answer_type=choice", json=body)
+    assert twice.status_code == 422  # the last one won, silently
+    assert twice.json()["detail"][0]["field"] == "query.answer_type"
+    assert "given 2 times" in twice.json()["detail"][0]["msg"]
     item = {"completion": c, "answer": "C"}
     for route in ("/v1/score", "/score", "/v1/explain"):
         bad = client.post(f"{route}?recipe=cfl", json={"items": [item]})

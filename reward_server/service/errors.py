@@ -123,6 +123,22 @@ class BodyTooLarge(ServiceError):
         super().__init__(f"request body larger than {limit} bytes")
 
 
+class UnsupportedEncoding(ServiceError):
+    """A body sent with a ``Content-Encoding`` (gzip, br...): the server reads JSON as sent,
+    so a compressed body was refused as invalid JSON naming nothing, and a plain one labelled
+    compressed was scored. gRPC negotiates its own compression; the class declares a code for
+    completeness."""
+
+    reason = "unsupported_encoding"
+    http_status = 415
+    grpc_code = "UNIMPLEMENTED"
+
+    def __init__(self, encoding: str) -> None:
+        super().__init__(
+            f"Content-Encoding {encoding!r} is not accepted: send the JSON body uncompressed"
+        )
+
+
 class BodyTimeout(ServiceError):
     """The body did not arrive within ``body_timeout`` seconds after admission (a stalled or too
     slow upload). HTTP closes the connection; gRPC receives whole messages, so only HTTP raises
@@ -248,6 +264,7 @@ __all__ = [
     "ServiceError",
     "ShuttingDown",
     "Unauthorized",
+    "UnsupportedEncoding",
     "error_classes",
     "issue",
 ]

@@ -27,6 +27,7 @@ from reward_server.service.errors import (
     ClientGone,
     RequestInvalid,
     ServiceError,
+    UnsupportedEncoding,
     issue,
 )
 from reward_server.service.pipeline import LocMap, Scored, ScoringService
@@ -38,6 +39,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorResponse, "description": "missing or wrong bearer key"},
     408: {"model": ErrorResponse, "description": "body not received within the body timeout"},
     413: {"model": ErrorResponse, "description": "body larger than the server's limit"},
+    415: {"model": ErrorResponse, "description": "a Content-Encoding (send the body plain)"},
     422: {"model": ErrorResponse, "description": "invalid input; each issue names its field"},
     429: {"model": ErrorResponse, "description": "at capacity; retry after Retry-After seconds"},
     500: {"model": ErrorResponse, "description": "the encoder failed (never bad input)"},
@@ -93,12 +95,15 @@ async def answer_service_error(request: Request, exc: Exception) -> Response:
 
 
 async def read_body(request: Request, limit: int, timeout: float) -> bytes:
-    """The body, refusing (before buffering it) anything over ``limit`` bytes
-    (:class:`BodyTooLarge`) and a body not all received within ``timeout`` seconds
-    (:class:`BodyTimeout`: a stalled upload holds its admission slot at most this long);
+    """The body, refusing (before buffering it) a compressed one (:class:`UnsupportedEncoding`),
+    anything over ``limit`` bytes (:class:`BodyTooLarge`) and a body not all received within
+    ``timeout`` seconds (:class:`BodyTimeout`: a stalled upload holds its slot at most this long);
     :class:`ClientGone` when the client disconnects first."""
 
     async def read() -> bytes:
+        encoding = request.headers.get("content-encoding", "identity").strip().lower()
+        if encoding not in ("identity", ""):
+            raise UnsupportedEncoding(encoding)
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise BodyTooLarge(limit)
@@ -145,13 +150,15 @@ async def run_scoring(
     the route reads; any other is refused with the body's other faults (a misspelt
     ``?answer-type=choice`` silently scored with the default matcher)."""
     service = service_of(request)
-    unknown = [name for name in request.query_params if name not in query]
+    refused = query_refusal([name for name, _ in request.query_params.multi_items()], query)
     settings = service.settings
     body = b""
+    received = False
 
     async def receive() -> None:
-        nonlocal body
+        nonlocal body, received
         body = await read_body(request, settings.max_body_bytes, settings.body_timeout)
+        received = True
 
     async def gone() -> None:
         # Once the body is read, the next ASGI message is the client's disconnect.
@@ -159,33 +166,52 @@ async def run_scoring(
             pass
 
     def parse() -> ScoreRequest | None:
-        if unknown:
-            raise unknown_query(unknown, query)
+        if refused is not None:
+            raise refused
         return parse_body(body)
 
-    return await service.score(
-        parse,
-        authorization=request.headers.get("authorization"),
-        receive=receive,
-        gone=gone,
-        size=lambda: len(body),
-        loc_map=loc_map,
-        timeout=time_left(request, settings.request_timeout),
-        explain=explain,
-    )
+    try:
+        return await service.score(
+            parse,
+            authorization=request.headers.get("authorization"),
+            receive=receive,
+            gone=gone,
+            size=lambda: len(body),
+            loc_map=loc_map,
+            timeout=time_left(request, settings.request_timeout),
+            explain=explain,
+        )
+    except ServiceError as exc:
+        if not received:  # refused before its body was read whole (401, 413, 429...)
+            # Kept alive, the connection would have its unread body drained by the server
+            # (58 GiB in 15 s after a 413, past every limit): the answer closes it instead.
+            exc.headers["Connection"] = "close"
+        raise
 
 
-def unknown_query(names: Sequence[str], known: Collection[str]) -> RequestInvalid:
-    """The 422 for query parameters a route does not read, each named at ``query.NAME``.
+def query_refusal(names: Sequence[str], known: Collection[str]) -> RequestInvalid | None:
+    """The 422 for the query parameters ``names`` (in order, repeats kept) of a route that
+    reads ``known``: each one it does not read, and each given twice (the last one won), named
+    at ``query.NAME``; None when there is nothing to refuse.
 
-    >>> unknown_query(["answer-type"], ["recipe", "answer_type"]).message
+    >>> query_refusal(["answer-type"], ["recipe", "answer_type"]).message
     'query.answer-type: not a parameter of this route (it reads recipe, answer_type)'
-    >>> unknown_query(["recipe"], []).message
+    >>> query_refusal(["recipe"], []).message
     'query.recipe: not a parameter of this route (it reads none: parameters go in the body)'
+    >>> query_refusal(["recipe", "recipe"], ["recipe"]).message
+    'query.recipe: given 2 times: give it once'
+    >>> query_refusal(["recipe"], ["recipe"]) is None
+    True
     """
     reads = ", ".join(known) if known else "none: parameters go in the body"
-    msg = f"not a parameter of this route (it reads {reads})"
-    return RequestInvalid([issue(("query", name), msg, "unknown_query") for name in names])
+    issues = []
+    for name in dict.fromkeys(names):
+        if name not in known:
+            msg = f"not a parameter of this route (it reads {reads})"
+            issues.append(issue(("query", name), msg, "unknown_query"))
+        elif (times := names.count(name)) > 1:
+            issues.append(issue(("query", name), f"given {times} times: give it once", "repeated"))
+    return RequestInvalid(issues) if issues else None
 
 
 def scored_response(
