@@ -578,6 +578,30 @@ def test_batcher_refuses_work_that_would_outlast_the_deadline() -> None:
     batcher.close(5)
 
 
+def test_work_queued_behind_a_backlog_past_its_deadline_is_429_at_once() -> None:
+    """A burst of large requests was admitted (admission knows only the backlog), then each
+    answered 503 after waiting out its whole deadline. Work that the queue ahead of it and
+    its own would take past its deadline is refused at once with Retry-After; alone, a
+    request is still tried."""
+    encoder = SlowEncoder(delay=0.0)
+    encoder.gate.clear()
+    batcher = Batcher(encoder, capacity=100, batch_tokens=1000)
+    far = time.monotonic() + 30
+    blocker = batcher.submit(["block"], far)  # the worker holds this one at the gate
+    assert encoder.entered.wait(5)
+    # ~25k estimated tokens queued: at the starting estimate of 5k tokens/s, ~5 s of work.
+    queued = [batcher.submit(["t" * 1000 + str(i)], far) for i in range(100)]
+    with pytest.raises(Overloaded) as err:
+        batcher.submit(["late " * 200], time.monotonic() + 3)
+    assert err.value.retry_after >= 2 and "would outlast its deadline" in err.value.message
+    encoder.gate.set()
+    for f in [blocker, *queued]:
+        f.result(10)
+    alone = batcher.submit(["t" * 1000] * 50, time.monotonic() + 1)  # ~2.5 s estimated: tried
+    assert alone.result(10).embeddings.shape[0] == 50
+    batcher.close(5)
+
+
 async def asgi_post(app: Any, item: dict[str, Any], left: asyncio.Event) -> tuple[int, bytes]:
     """``POST /v1/score`` of one item as raw ASGI: the status and body; the client disconnects
     once ``left`` is set."""

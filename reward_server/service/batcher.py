@@ -266,9 +266,10 @@ class Batcher:
     def submit(self, texts: Sequence[str], deadline: float) -> JobFuture:
         """Queue ``texts`` for embedding; ``deadline`` is a :func:`time.monotonic` instant.
 
-        The future fails with :class:`DeadlineExceeded` if its texts are not encoded by then
-        (checked before each chunk); abandoning it (the caller gave up) makes the worker skip
-        the job, or stop encoding for it at the next chunk.
+        :class:`Overloaded` when the work queued before it and its own would outlast
+        ``deadline``. The future fails with :class:`DeadlineExceeded` if its texts are not
+        encoded by then (checked before each chunk); abandoning it (the caller gave up) makes
+        the worker skip the job, or stop encoding for it at the next chunk.
         """
         job = _Job(
             list(texts), sum(map(estimate_tokens, texts)), deadline, submitted=time.monotonic()
@@ -276,6 +277,19 @@ class Batcher:
         with self._cond:
             if self._stopped:
                 raise ShuttingDown("the encoder worker has stopped")
+            # Admission saw the backlog before this request's own work was known: a burst of
+            # large requests was all admitted, then answered 503 at the deadline, after
+            # waiting it out. Work queued behind others that would outlast the deadline is a
+            # 429 now, while waiting can still help (alone, it is tried: it may be quicker).
+            backlog = self._backlog_seconds_locked()
+            own = job.tokens / self._tokens_per_second
+            if backlog > 0 and job.submitted + backlog + own > deadline:
+                msg = (
+                    f"server busy: the queued work (~{backlog:.0f} s) and this request's "
+                    f"(~{own:.0f} s) would outlast its deadline; retry after "
+                    f"{self._retry_after_locked()} s"
+                )
+                raise Overloaded(self._retry_after_locked(), msg)
             self._jobs.append(job)
             self._queued_tokens += job.tokens
             self._notify_depth_locked()
