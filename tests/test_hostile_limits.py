@@ -163,7 +163,9 @@ def test_batcher_stops_encoding_for_a_request_gone_between_chunks() -> None:
     texts = [f"text number {i} " + "w" * 90 for i in range(40)]  # 27 estimated tokens each
     far = time.monotonic() + 30
     abandoned = batcher.submit(texts, far)
-    expiring = batcher.submit([f"soon {i} " + "w" * 90 for i in range(40)], time.monotonic() + 0.2)
+    # Its deadline leaves room for the backlog's estimate and its own (~0.2 s each at the
+    # starting 5k tokens/s): a shorter one is refused at submission (429), never started.
+    expiring = batcher.submit([f"soon {i} " + "w" * 90 for i in range(40)], time.monotonic() + 0.5)
     kept = batcher.submit(["kept " + "w" * 90], far)
     time.sleep(0.12)
     abandoned.abandon()
@@ -173,7 +175,7 @@ def test_batcher_stops_encoding_for_a_request_gone_between_chunks() -> None:
     with pytest.raises(BaseException):  # noqa: B017 - cancelled or failed: either way not served
         abandoned.result(1)
     encoded = [t for call in encoder.calls for t in call]
-    assert len(encoded) < 30, len(encoded)  # of 81: the rest was skipped
+    assert len(encoded) < 50, len(encoded)  # of 81: the rest was skipped
     assert all(len(call) <= 4 for call in encoder.calls)
     batcher.close(5)
 
