@@ -24,7 +24,12 @@ from hypothesis import strategies as st
 from reward_server.core import InvalidBatch, RewardParams, ScoreItem, score_batch
 from reward_server.core.answers import unmatchable_gold
 from reward_server.core.explain import ExplainLimits, score_and_explain
-from reward_server.core.text import field_text, preprocess, preprocess_with_offsets
+from reward_server.core.text import (
+    NotStreamSafe,
+    field_text,
+    preprocess,
+    preprocess_with_offsets,
+)
 from tests.doubles import HashEncoder, TableEncoder
 from tests.hostile import PIECES
 
@@ -324,15 +329,16 @@ def _explain_seconds(completion: str) -> float:
 @pytest.mark.parametrize(
     "unit",
     [
-        "\u0301",  # one run of combining marks after the "e": a single NFKC piece
+        "\u0316\u0301" * 15 + "e",  # runs of 30 combining marks (the most accepted), unsorted
         "\u1100\u1161\u0301",  # jamo that compose, then a mark
         "\ufb01\u0301",  # a ligature NFKC expands, then a mark
+        "\u0f73" * 30 + "x",  # a starter that decomposes into two marks, 30 in a row
     ],
-    ids=["combining-run", "jamo", "ligatures"],
+    ids=["combining-runs", "jamo", "ligatures", "decomposing-to-marks"],
 )
 def test_explanation_is_linear_on_adversarial_unicode(unit: str) -> None:
     """Explanations map offsets through preprocessing (:func:`preprocess_with_offsets`): as
-    linear as the parser (SPEC §1), also on a megabyte of combining marks."""
+    linear as the parser (SPEC §1), also on a megabyte of combining marks in runs of 30."""
     head = "<final_answer>1</final_answer>e"
     small = head + unit * (100_000 // len(unit))
     big = head + unit * (1_000_000 // len(unit))
@@ -340,6 +346,20 @@ def test_explanation_is_linear_on_adversarial_unicode(unit: str) -> None:
     assert t_big < 5.0, f"1 M characters of {unit!r} took {t_big:.2f}s"
     # 10x the input may cost ~10x the time, never ~100x (generous margin for a noisy machine).
     assert t_big < 40 * t_small + 0.05
+
+
+@pytest.mark.parametrize("flood", ["\u0301" * 500_000 + "\u0316" * 500_000, "\u0f73" * 100_000])
+def test_a_flood_of_combining_marks_is_refused_at_once(flood: str) -> None:
+    """Past 30 marks in a row NFKC's time is quadratic (and the offset map's cubic): the batch
+    is refused before any normalization, naming the item and where the run starts."""
+    start = time.perf_counter()
+    with pytest.raises(InvalidBatch) as err:
+        score_and_explain([ScoreItem(completion="e" + flood, answer="1")], HashEncoder())
+    assert time.perf_counter() - start < 2.0
+    assert err.value.loc == ("items", 0, "completion")
+    assert "more than 30 combining marks in a row (from character 1)" in err.value.message
+    with pytest.raises(NotStreamSafe):
+        preprocess_with_offsets("e" + flood)
 
 
 @settings(max_examples=300, deadline=None)

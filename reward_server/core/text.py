@@ -54,13 +54,22 @@ def preprocess(text: str) -> str:
 
     Most completions are pure ASCII, which neither step changes (the map's keys are all
     non-ASCII and NFKC leaves ASCII alone); ``str.isascii`` is O(1), and skipping both steps
-    took a quarter off parsing a GRPO step.
+    took a quarter off parsing a GRPO step. A text NFKC would change is first checked for
+    floods of combining marks (:class:`NotStreamSafe`).
+
+    >>> preprocess("a" + "\u0301\u0316" * 16)
+    Traceback (most recent call last):
+    ...
+    reward_server.core.text.NotStreamSafe: more than 30 combining marks in a row (from ...
     """
     if text.isascii():
         return text
     for char, ascii_char in _PUNCTUATION:
         if char in text:
             text = text.replace(char, ascii_char)
+    if unicodedata.is_normalized("NFKC", text):  # the usual non-ASCII text: nothing to do
+        return text
+    check_stream_safe(text)
     return unicodedata.normalize("NFKC", text)
 
 
@@ -75,18 +84,26 @@ _ASTRAL = re.compile("[\U00010000-\U0010ffff]")
 
 
 @cache
+def _non_starters() -> frozenset[str]:
+    """Every character with a combining class, or whose decomposition starts with one (U+0F73,
+    U+FF9E...): UAX #15's non-starters."""
+    found = []
+    for code in range(0x80, _LAST_MARK):
+        char = chr(code)
+        first = unicodedata.normalize("NFKD", char)[:1]
+        if unicodedata.combining(char) or (first and unicodedata.combining(first)):
+            found.append(char)
+    return frozenset(found)
+
+
+@cache
 def _non_starter_runs() -> tuple[re.Pattern[str], re.Pattern[str]]:
     """Runs of more than :data:`MAX_NON_STARTERS` non-starters: among characters of the Basic
     Multilingual Plane only, and among all (built once, ~40 ms). The first class is a list of
     characters, which ``re`` turns into one table lookup a character (6 ns); ranges past the
     BMP are tested one by one (100 ns a character), so only texts holding such a character
     (an emoji, say) are searched with the second."""
-    marks = []
-    for code in range(0x80, _LAST_MARK):
-        char = chr(code)
-        first = unicodedata.normalize("NFKD", char)[:1]
-        if unicodedata.combining(char) or (first and unicodedata.combining(first)):
-            marks.append(code)
+    marks = sorted(map(ord, _non_starters()))
     bmp = "".join(re.escape(chr(code)) for code in marks if code < 0x10000)
     astral: list[list[int]] = []
     for code in (code for code in marks if code >= 0x10000):
@@ -108,11 +125,30 @@ def non_starter_flood(text: str) -> int | None:
     >>> non_starter_flood("\U0001f600 a" + "\u0301\U0001d165" * 16)  # marks past the BMP too
     3
     """
-    if text.isascii():
-        return None
+    if text.isascii() or len(text) - len(text.encode("ascii", "ignore")) <= MAX_NON_STARTERS:
+        return None  # too few characters beyond ASCII for a run (a C pass, under 1 ns each)
     bmp, every = _non_starter_runs()
     run = (every if _ASTRAL.search(text) else bmp).search(text)
     return None if run is None else run.start()
+
+
+class NotStreamSafe(ValueError):
+    """A text with more than :data:`MAX_NON_STARTERS` non-starters in a row: refused before
+    NFKC, whose time on it is quadratic (60,000 marks: 11 s holding the GIL)."""
+
+    def __init__(self, offset: int) -> None:
+        super().__init__(
+            f"more than {MAX_NON_STARTERS} combining marks in a row (from character {offset}): "
+            "not stream-safe Unicode (UAX #15), whose NFKC takes quadratic time"
+        )
+        self.offset = offset
+
+
+def check_stream_safe(text: str) -> None:
+    """:class:`NotStreamSafe` when :func:`non_starter_flood` finds a run in ``text``."""
+    at = non_starter_flood(text)
+    if at is not None:
+        raise NotStreamSafe(at)
 
 
 def field_text(raw: str) -> str:
@@ -346,8 +382,9 @@ class OffsetMap:
 
 def _pieces(text: str) -> list[str]:
     """``text`` cut where NFKC of the whole is NFKC of the pieces joined: before every
-    character that neither is a combining mark nor composes with what precedes it (Hangul
-    jamo do). Checked pairwise here; :func:`preprocess_with_offsets` checks the whole.
+    character that neither is a non-starter (a combining mark, or one decomposing into marks
+    first) nor composes with what precedes it (Hangul jamo do). Checked pairwise here;
+    :func:`preprocess_with_offsets` checks the whole.
 
     Pieces are kept as start offsets (a piece grown a character at a time would be copied at
     each one: quadratic in a run of a million combining marks); only a character that is not
@@ -357,8 +394,9 @@ def _pieces(text: str) -> list[str]:
     [2, 1, 2]
     """
     starts: list[int] = []
+    non_starters = _non_starters()
     for i, char in enumerate(text):
-        if starts and (unicodedata.combining(char) or _composes(text[starts[-1] : i], char)):
+        if starts and (char in non_starters or _composes(text[starts[-1] : i], char)):
             continue
         starts.append(i)
     return [text[a:b] for a, b in pairwise([*starts, len(text)])]
@@ -379,6 +417,7 @@ def preprocess_with_offsets(text: str) -> tuple[str, OffsetMap]:
     """
     if text.isascii():
         return text, OffsetMap()
+    check_stream_safe(text)  # before any NFKC (its offset map normalizes piece by piece)
     parts: list[str] = []
     segments: list[tuple[int, int, int, int]] = []
     pos = 0  # next unread offset of text

@@ -21,7 +21,7 @@ import hmac
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, Collection, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -45,7 +45,7 @@ from reward_server.core import (
 from reward_server.core.answers import MathJudge, math_available
 from reward_server.core.explain import explain_batch
 from reward_server.core.normalization import Aggregate
-from reward_server.core.text import MAX_NON_STARTERS, non_starter_flood, preprocess
+from reward_server.core.text import NotStreamSafe, preprocess
 from reward_server.encoders.base import EMBEDDING_DIM, MAX_SEQ_LENGTH, Encoder, check_encoder
 from reward_server.encoders.model_store import ModelExportError, ModelLoadError
 from reward_server.math_judge import IsolatedMathJudge, MathDeadlineExceeded
@@ -127,30 +127,13 @@ def text_over_limit(value: str | None, limit: int, nfkc: bool) -> str | None:
     if len(value) > limit:
         return f"at most {limit} characters, got {len(value)}"
     if nfkc and value and len(value) * NFKC_MAX_EXPANSION > limit and not value.isascii():
-        n = len(preprocess(value))
+        try:
+            n = len(preprocess(value))
+        except NotStreamSafe as exc:  # refused before its quadratic NFKC
+            return str(exc)
         if n > limit:
             return f"at most {limit} characters after Unicode NFKC normalization, got {n}"
     return None
-
-
-def non_starter_floods(items: Sequence[ScoreItem]) -> Iterator[tuple[int, str, int]]:
-    """``(item, field, offset)`` of each text normalized by NFKC (:data:`NFKC_FIELDS`) that
-    holds a run of more non-starters than :data:`MAX_NON_STARTERS` (see
-    :func:`~reward_server.core.text.non_starter_flood`). A field whose texts are all ASCII
-    (the usual batch) costs one C-level pass.
-
-    >>> items = [ScoreItem("ok \u00e9", "1"), ScoreItem("a" + "\u0301" * 31, "1")]
-    >>> list(non_starter_floods(items))
-    [(1, 'completion', 1)]
-    """
-    for name in sorted(NFKC_FIELDS):
-        texts = list(map(attrgetter(name), items))
-        if all(map(str.isascii, texts)):
-            continue
-        for i, text in enumerate(texts):
-            at = non_starter_flood(text)
-            if at is not None:
-                yield i, name, at
 
 
 def could_be_over(items: Sequence[ScoreItem], name: str, limit: int) -> bool:
@@ -432,16 +415,6 @@ class ScoringService:
             for name, limit in item_text_limits(s).items()
             if could_be_over(request.items, name, limit)
         }
-        for i, name, at in non_starter_floods(request.items):  # before any NFKC
-            if len(issues) >= MAX_ISSUES:
-                break
-            msg = (
-                f"more than {MAX_NON_STARTERS} combining marks in a row (from character {at}): "
-                "not stream-safe Unicode (UAX #15), whose NFKC takes quadratic time"
-            )
-            add(("items", i, name), msg, "combining_marks")
-        if issues:
-            raise RequestInvalid(issues)
         for i, item in enumerate(request.items if limits else ()):
             if len(issues) >= MAX_ISSUES:
                 break
