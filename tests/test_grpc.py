@@ -145,6 +145,10 @@ async def test_without_the_key_the_message_is_not_converted(
         assert converted == []
         ok = await running.stub.Score(body, metadata=(("authorization", "Bearer k3y"),))
         assert len(ok.rewards) == 20 and len(converted) == 1
+        for pair in (("Bearer x", "Bearer k3y"), ("Bearer k3y", "Bearer x")):  # none, as HTTP
+            with pytest.raises(grpc.aio.AioRpcError) as two:
+                await running.stub.Score(body, metadata=[("authorization", v) for v in pair])
+            assert two.value.code() == grpc.StatusCode.UNAUTHENTICATED, pair
 
 
 async def test_too_many_items_are_refused_before_conversion(

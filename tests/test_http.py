@@ -464,6 +464,10 @@ def test_bearer_key_on_scoring_routes_only() -> None:
         assert scheme.status_code == 401
         auth = {"authorization": "Bearer s3cret"}
         assert c.post("/v1/score", json=body, headers=auth).status_code == 200
+        # Two credentials are none: HTTP read the first, gRPC the last, a proxy either.
+        for pair in (["Bearer s3cret", "Bearer x"], ["Bearer x", "Bearer s3cret"]):
+            two = [("authorization", value) for value in pair]
+            assert c.post("/v1/score", json=body, headers=two).status_code == 401, pair
         assert c.post("/score", json=body).status_code == 401
         openrlhf = {"query": [], "prompts": [], "labels": []}
         assert c.post("/get_reward", json=openrlhf).status_code == 401

@@ -39,7 +39,7 @@ from reward_server.service.grpc_messages import (
     request_to_json,
     scored_to_proto,
 )
-from reward_server.service.pipeline import Scored, ScoringService
+from reward_server.service.pipeline import Scored, ScoringService, one_credential
 from reward_server.service.schemas import ScoreRequest
 
 Context: TypeAlias = grpc.aio.ServicerContext
@@ -144,8 +144,8 @@ class RewardServicer:
 
 def _authorization(context: Context) -> str | None:
     """The credential the call carries (``authorization`` metadata), for the service to check."""
-    value = dict(context.invocation_metadata() or ()).get("authorization")
-    return None if value is None else str(value)
+    metadata = context.invocation_metadata() or ()
+    return one_credential([str(value) for key, value in metadata if key == "authorization"])
 
 
 def _translated(servicer: RewardServicer, name: str) -> Callable[[Any, Context], Awaitable[Any]]:

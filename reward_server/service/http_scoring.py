@@ -30,7 +30,7 @@ from reward_server.service.errors import (
     UnsupportedEncoding,
     issue,
 )
-from reward_server.service.pipeline import LocMap, Scored, ScoringService
+from reward_server.service.pipeline import LocMap, Scored, ScoringService, one_credential
 from reward_server.service.schemas import ErrorResponse, ScoreRequest
 
 TIMING_HEADERS = ("parse", "queue", "encode", "reward", "total")
@@ -173,7 +173,7 @@ async def run_scoring(
     try:
         return await service.score(
             parse,
-            authorization=request.headers.get("authorization"),
+            authorization=one_credential(request.headers.getlist("authorization")),
             receive=receive,
             gone=gone,
             size=lambda: len(body),

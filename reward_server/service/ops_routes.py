@@ -14,7 +14,7 @@ from pydantic import BaseModel
 
 from reward_server.service.http_scoring import route_label, service_of
 from reward_server.service.openrlhf_routes import ITEM_SOURCES
-from reward_server.service.pipeline import item_text_limits
+from reward_server.service.pipeline import item_text_limits, one_credential
 from reward_server.service.schemas import (
     ErrorResponse,
     InfoResponse,
@@ -56,7 +56,7 @@ async def readyz(request: Request) -> Response:
 async def info(request: Request) -> Response:
     """Open to all; the model's path only with the key, when one is set."""
     service = service_of(request)
-    info = service.info_for(request.headers.get("authorization"))
+    info = service.info_for(one_credential(request.headers.getlist("authorization")))
     service.metrics.requests.labels(route_label(request), "200").inc()  # as its refusals are
     return JSONResponse(jsonable_encoder(info))
 

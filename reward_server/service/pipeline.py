@@ -91,6 +91,19 @@ NFKC_FIELDS = frozenset({"completion", "answer"})
 LocMap = Callable[[Loc], Loc]
 
 
+def one_credential(values: Sequence[str]) -> str | None:
+    """The credential a request carries, from every ``Authorization`` value it sent: None
+    without one; two or more are no credential at all (``""``, never a key), since which one
+    counts differed (HTTP read the first, gRPC the last, a proxy may read either).
+
+    >>> one_credential([]), one_credential(["Bearer k"]), one_credential(["Bearer k", "Bearer x"])
+    (None, 'Bearer k', '')
+    """
+    if len(values) > 1:
+        return ""
+    return values[0] if values else None
+
+
 def item_text_limits(settings: Settings) -> dict[str, int]:
     """:data:`ITEM_TEXT_LIMITS` with this server's values."""
     return {name: int(getattr(settings, setting)) for name, setting in ITEM_TEXT_LIMITS.items()}
