@@ -226,10 +226,9 @@ def unmatchable_gold(answer_type: AnswerType, gold: str) -> str | None:
     >>> unmatchable_gold("numeric", "```js2"), unmatchable_gold("exact", "```js2")
     (None, 'the gold answer is empty')
     """
-    empty = not field_text(gold)
     if answer_type == "numeric" and canonical_numeric(gold) != "":
         return None  # a number, or a text with something left to compare
-    if empty:
+    if not field_text(gold):
         return "the gold answer is empty"
     shown = gold if len(gold) <= 40 else gold[:40] + "..."
     if answer_type == "numeric":

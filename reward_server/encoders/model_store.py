@@ -65,6 +65,10 @@ class ModelLoadError(RuntimeError):
     file (the message names it and what to do), never a silent other model."""
 
 
+#: The model store's errors whose message says what is wrong and what to do (a missing folder's
+#: FileNotFoundError names it and what is missing): logged as one line, without a traceback.
+EXPLAINED_LOAD_ERRORS = (ModelExportError, ModelLoadError, FileNotFoundError)
+
 #: What a damaged export's error advises.
 EXPORT_AGAIN = "export the model again (sde2-reward export, or delete the folder from the cache)"
 

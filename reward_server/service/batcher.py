@@ -284,12 +284,12 @@ class Batcher:
             backlog = self._backlog_seconds_locked()
             own = job.tokens / self._tokens_per_second
             if backlog > 0 and job.submitted + backlog + own > deadline:
+                wait = self._retry_after_locked()
                 msg = (
                     f"server busy: the queued work (~{backlog:.0f} s) and this request's "
-                    f"(~{own:.0f} s) would outlast its deadline; retry after "
-                    f"{self._retry_after_locked()} s"
+                    f"(~{own:.0f} s) would outlast its deadline; retry after {wait} s"
                 )
-                raise Overloaded(self._retry_after_locked(), msg)
+                raise Overloaded(wait, msg)
             self._jobs.append(job)
             self._queued_tokens += job.tokens
             self._notify_depth_locked()

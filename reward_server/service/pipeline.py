@@ -47,7 +47,7 @@ from reward_server.core.explain import explain_batch
 from reward_server.core.normalization import Aggregate
 from reward_server.core.text import NotStreamSafe, preprocess
 from reward_server.encoders.base import EMBEDDING_DIM, MAX_SEQ_LENGTH, Encoder, check_encoder
-from reward_server.encoders.model_store import ModelExportError, ModelLoadError
+from reward_server.encoders.model_store import EXPLAINED_LOAD_ERRORS
 from reward_server.math_judge import IsolatedMathJudge, MathDeadlineExceeded
 from reward_server.service.batcher import (
     CHUNK_TOKENS_PER_STREAM,
@@ -324,8 +324,7 @@ class ScoringService:
             log.info("encoder %s ready in %.1f s", encoder.name, time.monotonic() - t0)
         except Exception as exc:
             self.load_error = f"{type(exc).__name__}: {exc}"
-            # Its message says what to do (a missing folder: ours name it and what is missing).
-            if isinstance(exc, (ModelExportError, ModelLoadError, FileNotFoundError)):
+            if isinstance(exc, EXPLAINED_LOAD_ERRORS):  # its message says what to do
                 log.error("loading the encoder failed: %s", self.load_error)
             else:
                 log.exception("loading the encoder failed")

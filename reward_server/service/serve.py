@@ -350,7 +350,7 @@ def _run_workers(settings: Settings) -> int:
     0, 3 when a port is taken (as one process), 1 when a worker failed."""
     from reward_server.encoders.batched import available_cpus
     from reward_server.encoders.loading import runs_export
-    from reward_server.encoders.model_store import ModelExportError, ModelLoadError
+    from reward_server.encoders.model_store import EXPLAINED_LOAD_ERRORS
 
     taken = _taken_port(settings)
     if taken is not None:
@@ -358,16 +358,16 @@ def _run_workers(settings: Settings) -> int:
         return 3
     # Resolve (and, for the default model, export) once here, not concurrently in each worker.
     try:
-        model = resolve_model_dir(settings) if runs_export(settings.backend) else settings.model
-    except (ModelExportError, ModelLoadError, FileNotFoundError) as exc:  # as one process says it
+        model = (
+            str(resolve_model_dir(settings)) if runs_export(settings.backend) else settings.model
+        )
+    except EXPLAINED_LOAD_ERRORS as exc:  # one line, as one process says it
         log.error("loading the encoder failed: %s: %s", type(exc).__name__, exc)
         return 1
     threads = settings.intra_op_threads or max(1, available_cpus() // settings.workers)
     held: list[socket.socket] = []  # the ports chosen for "0", until the workers exit
     child = dataclasses.replace(
-        _concrete_ports(settings, held),
-        model=None if model is None else str(model),
-        intra_op_threads=threads,
+        _concrete_ports(settings, held), model=model, intra_op_threads=threads
     )
     try:
         with _shared_metrics_dir() as shared:
