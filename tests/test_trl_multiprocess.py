@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import faulthandler
+import gc
 import json
 import math
 import random
+import weakref
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -53,18 +57,43 @@ def step_rows() -> list[dict[str, Any]]:
     return rows
 
 
-def _worker(rank: int, url: str, store: str, out_dir: str) -> None:
-    """One training process: joins the gloo group, scores its half as TRL would, reports."""
+@contextmanager
+def _process_group(rank: int, store: str, out_dir: str) -> Iterator[None]:
+    """Joins a gloo group as ``accelerate launch`` would; on leaving, destroys it and records in
+    ``<rank>.held`` whether anything still holds the group without a garbage collection.
+
+    A group the adapter kept (a frame of a failed call's traceback in a reference cycle) was
+    freed by the collector at some later point, at exit too, where gloo's destructor aborted the
+    process now and then (SIGABRT, "terminate called without an active exception", seen in CI).
+    """
     import torch.distributed as dist
 
-    from trainer_client.trl import sde2_reward
-
-    # If the process dies in C++ (a gloo SIGABRT was seen once in CI, at an unknown step), the
-    # Python stack of every thread goes to stderr, which pytest shows with the failure.
+    # If the process dies in C++, the Python stack of every thread goes to stderr, which pytest
+    # shows with the failure.
     faulthandler.enable(all_threads=True)
+    gc.disable()  # only reference counts free the group: a cycle holding it shows
     # A file store: no rank hosts a TCP store that the other could outlive.
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    group = weakref.ref(dist.group.WORLD)
     try:
+        yield
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+        Path(out_dir, f"{rank}.held").write_text(str(group() is not None))
+        gc.enable()
+
+
+def _assert_groups_freed(out_dir: Path) -> None:
+    held = [(out_dir / f"{r}.held").read_text() for r in range(WORLD)]
+    assert held == ["False"] * WORLD, "the process group outlived destroy_process_group"
+
+
+def _worker(rank: int, url: str, store: str, out_dir: str) -> None:
+    """One training process: joins the gloo group, scores its half as TRL would, reports."""
+    from trainer_client.trl import sde2_reward
+
+    with _process_group(rank, store, out_dir):
         rows = step_rows()
         half = len(rows) // WORLD
         mine = rows[rank * half : (rank + 1) * half]
@@ -84,9 +113,6 @@ def _worker(rank: int, url: str, store: str, out_dir: str) -> None:
         )
         report = {"rewards": rewards, "metrics": metrics, "extra": extra}
         Path(out_dir, f"{rank}.json").write_text(json.dumps(report))
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 def test_two_processes_get_the_whole_step_rewards(
@@ -99,6 +125,7 @@ def test_two_processes_get_the_whole_step_rewards(
         _worker, args=(reward_server.url, str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD
     )
     reports = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(WORLD)]
+    _assert_groups_freed(tmp_path)
 
     rows = step_rows()
     items = [
@@ -133,17 +160,10 @@ def _failing_worker(rank: int, urls: list[str], store: str, out_dir: str, case: 
     """A step that cannot be scored (``case``: rank 0's server is dead, the ranks' answer types
     differ, rank 1 has no gold for a row): both processes must stop with an error, neither may
     hang or return rewards."""
-    import torch.distributed as dist
-
     from trainer_client.retry import RetryPolicy
     from trainer_client.trl import sde2_reward
 
-    # If the process dies in C++ (a gloo SIGABRT was seen once in CI, at an unknown step), the
-    # Python stack of every thread goes to stderr, which pytest shows with the failure.
-    faulthandler.enable(all_threads=True)
-    # A file store: no rank hosts a TCP store that the other could outlive.
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
-    try:
+    with _process_group(rank, store, out_dir):
         rows = step_rows()[rank::WORLD]
         fn = sde2_reward(urls[rank], retry=RetryPolicy(max_attempts=2, backoff_base=0.01))
         columns: dict[str, list[Any]] = {"answer": [r["answer"] for r in rows]}
@@ -163,9 +183,6 @@ def _failing_worker(rank: int, urls: list[str], store: str, out_dir: str, case: 
         except Exception as exc:
             outcome = f"{type(exc).__name__}: {exc}"
         Path(out_dir, f"{rank}.txt").write_text(outcome)
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("case", ["a dead server", "mixed answer types", "a missing gold"])
@@ -184,6 +201,7 @@ def test_a_failure_on_one_process_stops_every_process(
     args = (urls, str(tmp_path / "store"), str(tmp_path), case)
     mp.spawn(_failing_worker, args=args, nprocs=WORLD)
     outcomes = [(tmp_path / f"{r}.txt").read_text() for r in range(WORLD)]
+    _assert_groups_freed(tmp_path)
     if case == "a dead server":
         assert outcomes[0].startswith("RewardServiceError") and dead in outcomes[0]
         assert outcomes[1].startswith(

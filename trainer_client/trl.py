@@ -28,6 +28,7 @@ import hashlib
 import json
 import logging
 import sys
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from types import MethodType
 from typing import Any
@@ -197,8 +198,7 @@ class SDE2Reward:
         **kwargs: Any,
     ) -> list[float | None]:
         """Score one TRL call; logs per-step metrics and per-completion columns when given."""
-        group = _process_group()
-        if group is None:
+        if _process_group() is None:
             items, options = self._request(prompts, completions, completion_ids, kwargs)
             result = await self._get_client().score(items, normalize=self.normalize, **options)
             self.last_result = result
@@ -208,7 +208,7 @@ class SDE2Reward:
                 await self._log_extremes(items, answer_type, result, kwargs["log_extra"])
             return list(result.rewards)
         local, step, offset = await self._score_across_processes(
-            lambda: self._request(prompts, completions, completion_ids, kwargs), group
+            lambda: self._request(prompts, completions, completion_ids, kwargs)
         )
         self.last_result = step
         self._log(step, local, kwargs.get("log_metric"), kwargs.get("log_extra"))
@@ -260,7 +260,6 @@ class SDE2Reward:
     async def _score_across_processes(
         self,
         request: Callable[[], tuple[list[dict[str, Any]], dict[str, Any]]],
-        group: Any,
     ) -> tuple[ScoreResult, ScoreResult, int]:
         """(this slice raw, the whole step normalized, this slice's offset in the step).
 
@@ -281,7 +280,7 @@ class SDE2Reward:
         except Exception as exc:  # re-raised below, after the others learned of it
             error = exc
         message = None if error is None else f"{type(error).__name__}: {error}"
-        gathered = _all_gather((local, groups, answer_type, message), group)
+        gathered = _all_gather((local, groups, answer_type, message))
         if error is not None:
             raise error
         failed = [(rank, msg) for rank, (*_, msg) in enumerate(gathered) if msg is not None]
@@ -410,6 +409,13 @@ def _process_group() -> Any | None:
     trainer already initialized ``torch.distributed``. Objects are gathered over gloo (CPU): the
     default group when it is gloo, else one gloo group over every rank, created on first use (all
     processes score the same steps, so all create it at the same point).
+
+    The adapter never keeps the group beyond a call: only ``torch.distributed`` holds it (the
+    gloo group created here is remembered by a weak reference), and no frame of a failed call's
+    traceback refers to it (``_all_gather`` looks it up itself). A group still referenced after
+    the trainer's ``destroy_process_group`` is freed whenever the garbage collector reaches it,
+    at exit too, where gloo's destructor can abort the process (SIGABRT, "terminate called
+    without an active exception") over the error the user should have seen.
     """
     if "torch.distributed" not in sys.modules:
         return None
@@ -420,18 +426,21 @@ def _process_group() -> Any | None:
     if dist.get_backend() == "gloo":
         return dist.group.WORLD
     global _GLOO_GROUP
-    if _GLOO_GROUP is None:
-        _GLOO_GROUP = dist.new_group(backend="gloo")
-    return _GLOO_GROUP
+    group = None if _GLOO_GROUP is None else _GLOO_GROUP()
+    if group is None:  # first use, or the trainer destroyed the groups and made new ones
+        group = dist.new_group(backend="gloo")
+        _GLOO_GROUP = weakref.ref(group)
+    return group
 
 
-_GLOO_GROUP: Any = None
+_GLOO_GROUP: weakref.ref[Any] | None = None
 
 
-def _all_gather(obj: Any, group: Any) -> list[Any]:
-    """``obj`` from every process of ``group``, in rank order."""
+def _all_gather(obj: Any) -> list[Any]:
+    """``obj`` from every process of the step's group, in rank order."""
     import torch.distributed as dist
 
+    group = _process_group()
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
