@@ -210,14 +210,16 @@ def test_get_reward_openrlhf_protocol(client: Any) -> None:
 
 def test_get_reward_reports_at_most_twenty_issues(client: Any) -> None:
     """A small body of many bad samples gets a small 422 (was one issue per sample: a 4 MB body
-    of empty labels made a 128 MB answer), and the server keeps answering."""
-    n = 50_000
-    body = {"query": ["a"] * n, "prompts": ["b"] * n, "labels": [""] * n}
-    r = client.post("/get_reward", json=body)
-    assert r.status_code == 422
-    issues = r.json()["detail"]
-    assert len(issues) == 20 and len(r.content) < 20_000
-    assert issues[0]["loc"] == ["labels", 0] and issues[1]["loc"] == ["prompts", 0]
+    of empty labels made a 128 MB answer), and the server keeps answering. Such a body of
+    50,000 samples is now refused before parsing (too many JSON values); 2,000 reach the
+    sample checks."""
+    for n, first in ((2_000, ["labels", 0]), (50_000, [])):
+        body = {"query": ["a"] * n, "prompts": ["b"] * n, "labels": [""] * n}
+        r = client.post("/get_reward", json=body)
+        assert r.status_code == 422 and len(r.content) < 20_000
+        issues = r.json()["detail"]
+        assert len(issues) == (20 if n == 2_000 else 1) and issues[0]["loc"] == first
+    assert issues[0]["type"] == "too_many_values"
     assert client.get("/healthz").status_code == 200
 
 

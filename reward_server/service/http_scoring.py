@@ -11,6 +11,7 @@ request, so a full server answers 429 at once and the bodies held in memory are 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
@@ -21,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 from starlette.routing import get_route_path
 
+from reward_server.core import RewardParams, ScoreItem
 from reward_server.service.errors import (
     BodyTimeout,
     BodyTooLarge,
@@ -30,6 +32,7 @@ from reward_server.service.errors import (
     UnsupportedEncoding,
     issue,
 )
+from reward_server.service.json_values import values_of, values_over
 from reward_server.service.pipeline import LocMap, Scored, ScoringService, one_credential
 from reward_server.service.schemas import ErrorResponse, ScoreRequest
 
@@ -168,6 +171,8 @@ async def run_scoring(
     def parse() -> ScoreRequest | None:
         if refused is not None:
             raise refused
+        if (too_many := value_refusal(body, settings.max_items)) is not None:
+            raise too_many
         return parse_body(body)
 
     try:
@@ -212,6 +217,40 @@ def query_refusal(names: Sequence[str], known: Collection[str]) -> RequestInvali
         elif (times := names.count(name)) > 1:
             issues.append(issue(("query", name), f"given {times} times: give it once", "repeated"))
     return RequestInvalid(issues) if issues else None
+
+
+def max_values(max_items: int) -> int:
+    """The most JSON values a scoring body may hold: twice what the fullest accepted request
+    holds (the root, each field of the request and of its parameters, and ``max_items`` items
+    with every field; an OpenRLHF body holds three values a sample). The margin leaves a body
+    a little over the item limit to the schema, whose refusal names the field (``items``).
+
+    >>> max_values(1024)
+    12340
+    """
+    fields = dict.fromkeys(ScoreRequest.model_fields) | {"params": RewardParams().model_dump()}
+    item = dict.fromkeys(f.name for f in dataclasses.fields(ScoreItem))
+    return 2 * (values_of(fields) + max_items * values_of(item))
+
+
+def value_refusal(body: bytes, max_items: int) -> RequestInvalid | None:
+    """The 422 for a body holding more JSON values than :func:`max_values`, before the parser
+    builds them (see :mod:`~reward_server.service.json_values`); None for the others.
+
+    >>> value_refusal(b'{"items": [' + b"{}, " * 2000 + b'{}]}', 8).message
+    'body: 2003 JSON values, over the limit of 148 (twice what 8 items hold with every field): \
+send at most 8 items per request, with only the fields the API documents'
+    """
+    limit = max_values(max_items)
+    count = values_over(body, limit)
+    if count is None:
+        return None
+    msg = (
+        f"{count} JSON values, over the limit of {limit} (twice what {max_items} items hold "
+        f"with every field): send at most {max_items} items per request, with only the "
+        "fields the API documents"
+    )
+    return RequestInvalid.one((), msg, "too_many_values")
 
 
 def scored_response(
