@@ -198,6 +198,49 @@ def test_num_tokens_come_from_completion_ids(reward_server: ServerProcess) -> No
     assert holder.last_result.components["len"] == pytest.approx([0.0, -0.5, -1.0])
 
 
+def test_lengths_are_words_when_a_completion_holds_tool_turns(
+    reward_server: ServerProcess,  # noqa: F811
+) -> None:
+    """TRL's ``completion_ids`` hold the tool results' tokens too (it masks them in its own
+    lengths but does not pass the mask): a completion was penalized for a tool's output. With
+    a tool turn in the call every length is the words of the model's own text."""
+    holder = SDE2Reward(reward_server.url, recipe="cfl", params={"length_target": 10})
+    said = [{"role": "assistant", "content": PLAIN}]
+    tool = [
+        said[0],
+        {"role": "tool", "content": "x " * 500},
+        {"role": "assistant", "content": "ok"},
+    ]
+    kw = call_kwargs([PLAIN, PLAIN], ["p"] * 2)
+    kw.update(completions=[said, tool], completion_ids=[[0] * 4, [0] * 900])
+    asyncio.run(holder.cfl(**kw))
+    assert holder.last_result is not None
+    # 5 and 6 words of the model's (the tool's 500 not counted), both under the target of 10
+    assert holder.last_result.components["len"] == pytest.approx([0.0, 0.0])
+    kw.update(completions=[said, said])  # no tool turn: TRL's token counts stand
+    asyncio.run(holder.cfl(**kw))
+    assert holder.last_result.components["len"] == pytest.approx([0.0, -1.0])
+
+
+def test_prompts_with_images_are_grouped_by_their_pixels(
+    reward_server: ServerProcess,  # noqa: F811
+) -> None:
+    """TRL puts a vision prompt's PIL images in its messages; ``json.dumps`` of them failed on
+    the first reward call of every such run."""
+    from PIL import Image
+
+    def prompt(color: str) -> list[dict[str, Any]]:
+        image = Image.new("RGB", (4, 4), color)
+        return [{"role": "user", "content": [{"type": "image", "image": image},
+                                             {"type": "text", "text": "How many?"}]}]  # fmt: skip
+
+    assert prompt_key(prompt("red")) == prompt_key(prompt("red")) != prompt_key(prompt("blue"))
+    rewards = asyncio.run(
+        sde2_reward(reward_server.url)(**call_kwargs([GOOD, PLAIN], [prompt("red")] * 2))
+    )
+    assert len(rewards) == 2 and rewards[0] is not None
+
+
 def test_groups_follow_identical_prompts(reward_server: ServerProcess) -> None:  # noqa: F811
     holder = SDE2Reward(reward_server.url)
     a = [{"role": "user", "content": "A"}]

@@ -102,10 +102,48 @@ def completion_text(completion: Any) -> str:
     return "\n".join(parts)
 
 
+def _has_tool_turns(completion: Any) -> bool:
+    """Whether a conversational completion holds a turn that is not the model's (a tool's).
+
+    >>> _has_tool_turns([{"role": "assistant", "content": "a"}, {"role": "tool", "content": "9"}])
+    True
+    >>> _has_tool_turns("a"), _has_tool_turns([{"role": "assistant", "content": "a"}])
+    (False, False)
+    """
+    if isinstance(completion, str | Mapping) or not isinstance(completion, Sequence):
+        return False
+    return any(
+        isinstance(m, Mapping) and m.get("role", "assistant") != "assistant" for m in completion
+    )
+
+
 def prompt_key(prompt: Any) -> str:
-    """A stable group id for a prompt: identical prompts (text or messages) share it."""
-    canonical = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
+    """A stable group id for a prompt: identical prompts (text or messages) share it, images
+    included (TRL puts a vision prompt's PIL images in its messages), across processes too.
+
+    >>> prompt_key("2 + 2?") == prompt_key("2 + 2?") != prompt_key("2 + 3?")
+    True
+    """
+    canonical = (
+        prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, default=_digest)
+    )
     return hashlib.blake2b(canonical.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
+
+
+def _digest(value: Any) -> str:
+    """A prompt part JSON cannot write, as text that names its content: an image (PIL, numpy:
+    anything with ``tobytes``) by a digest of its pixels, mode and size; anything else by its
+    ``repr``."""
+    tobytes = getattr(value, "tobytes", None)
+    if not callable(tobytes):
+        return f"{type(value).__name__}:{value!r}"
+    shape = (
+        getattr(value, "size", None),
+        getattr(value, "mode", None),
+        getattr(value, "shape", None),
+    )
+    pixels = hashlib.blake2b(tobytes(), digest_size=16).hexdigest()
+    return f"{type(value).__name__}:{shape}:{pixels}"
 
 
 def _uniform(values: Sequence[Any], name: str, default: str) -> str:
@@ -232,6 +270,11 @@ class SDE2Reward:
         answers = kwargs[self.answer_column]
         answer_type = _uniform(kwargs.get("answer_type") or [], "answer_type", self.answer_type)
         items: list[dict[str, Any]] = []
+        # TRL's completion_ids hold the tool results' tokens too (it masks them in its own
+        # lengths, but does not pass the mask): with a tool turn in the call, its lengths are
+        # the words of the model's own text, counted by the server, for every item alike.
+        if completion_ids is not None and any(map(_has_tool_turns, completions)):
+            completion_ids = None
         for i, completion in enumerate(completions):
             try:
                 gold = gold_text(answers[i])
@@ -329,6 +372,9 @@ class SDE2Reward:
         except (TimeoutError, RewardServiceError) as exc:  # the rewards stand
             why = exc if str(exc) else f"no answer within {EXPLAIN_TIMEOUT:g} s"
             log.warning("no %s/explanation column this step: %s", self.recipe, why)
+            # An empty column, not none: TRL would show the last step's explanations beside
+            # this step's completions (its columns are queues one generation batch long).
+            log_extra(f"{self.recipe}/explanation", [None] * len(rewards))
             return
         explained = data["explanation"]["items"]
         column: list[str | None] = [None] * len(rewards)
