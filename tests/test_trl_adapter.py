@@ -320,6 +320,11 @@ def test_verl_compute_score(reward_server: ServerProcess, monkeypatch: pytest.Mo
     monkeypatch.setenv("SDE2_URL", reward_server.url)
     med = verl.compute_score("medmcqa", "<final_answer>(B)</final_answer>", "B")
     assert med["acc"] == 1.0
+    # verl judges MATH's expressions by equivalence; read as digits, "32" matched this gold.
+    gold = "\\frac{\\sqrt{3}}{2}"
+    for said, acc in (("32", 0.0), ("\\frac{\\sqrt3}{2}", 1.0)):
+        got = verl.compute_score("lighteval/MATH", f"<final_answer>{said}</final_answer>", gold)
+        assert got["acc"] == acc, said
     got = asyncio.run(verl.compute_score_async("gsm8k", PARTIAL, 72, recipe="cfee"))
     assert set(got) >= {"score", "oc", "fa", "re", "rd"} and got["acc"] == 0.0
     monkeypatch.delenv("SDE2_URL")

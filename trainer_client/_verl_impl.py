@@ -37,6 +37,27 @@ Client = TypeVar("Client", RewardClient, AsyncRewardClient)
 
 #: ``data_source`` substrings that imply a matcher other than the numeric default.
 _CHOICE_SOURCES = ("medmcqa", "mmlu", "medqa")
+#: The sources verl's own ``default_compute_score`` judges by mathematical equivalence (its
+#: MATH and DAPO and Numina scorers): their golds are expressions (``\frac{\sqrt{3}}{2}``),
+#: which the numeric matcher would read as digits (a "32" was scored correct). AIME's golds
+#: are integers: numeric, as by default.
+_MATH_SOURCES = frozenset(
+    {"lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500",
+     "math_dapo", "math", "math_dapo_reasoning", "numina_aops_forum", "numina_synthetic_math",
+     "numina_amc_aime", "numina_synthetic_amc", "numina_cn_k12", "numina_olympiads"}
+)  # fmt: skip
+
+
+def default_answer_type(data_source: Any) -> str:
+    """The matcher a sample's ``data_source`` implies when none is given.
+
+    >>> [default_answer_type(s) for s in ("openai/gsm8k", "lighteval/MATH", "medmcqa")]
+    ['numeric', 'math', 'choice']
+    """
+    source = str(data_source)
+    if source in _MATH_SOURCES:
+        return "math"
+    return "choice" if any(s in source.lower() for s in _CHOICE_SOURCES) else "numeric"
 
 
 def _option(name: str, extra_info: Mapping[str, Any] | None, kwargs: Mapping[str, Any]) -> Any:
@@ -162,9 +183,7 @@ def _request(
     extra_info: Mapping[str, Any] | None,
     kwargs: Mapping[str, Any],
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    answer_type = _option("answer_type", extra_info, kwargs) or (
-        "choice" if any(s in str(data_source).lower() for s in _CHOICE_SOURCES) else "numeric"
-    )
+    answer_type = _option("answer_type", extra_info, kwargs) or default_answer_type(data_source)
     try:
         gold = gold_text(ground_truth)
     except ValueError as exc:

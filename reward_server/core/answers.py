@@ -257,6 +257,15 @@ def math_equivalent(prediction: str, gold: str) -> bool:
     >>> long = "After simplifying " + "carefully and checking every step, " * 7
     >>> math_equivalent(long + "the result is $\\frac{1}{2}$", "$\\frac{1}{2}$")
     True
+
+    A text in which ``math-verify`` finds nothing is read again as one LaTeX formula: MATH's
+    golds and most final answers are bare LaTeX (``\\frac{\\sqrt{3}}{2}``), which it only
+    reads between delimiters (every such answer was judged wrong):
+
+    >>> math_equivalent("\\frac{\\sqrt3}{2}", "\\frac{\\sqrt{3}}{2}")
+    True
+    >>> math_equivalent("32", "\\frac{\\sqrt{3}}{2}")
+    False
     """
     try:
         from math_verify import parse, verify
@@ -268,8 +277,8 @@ def math_equivalent(prediction: str, gold: str) -> bool:
     on_main = threading.current_thread() is threading.main_thread()
     timeout = {} if on_main else {"parsing_timeout": None}
     verify_timeout = {} if on_main else {"timeout_seconds": None}
-    gold_parsed = parse(gold, **timeout)
-    pred_parsed = parse(prediction, **timeout)
+    gold_parsed = parse(gold, **timeout) or parse(f"${gold}$", **timeout)
+    pred_parsed = parse(prediction, **timeout) or parse(f"${prediction}$", **timeout)
     return bool(verify(gold_parsed, pred_parsed, **verify_timeout))
 
 
