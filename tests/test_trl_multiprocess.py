@@ -218,3 +218,60 @@ def test_a_failure_on_one_process_stops_every_process(
         assert outcomes[0].startswith(
             "RewardServiceError: reward scoring failed on process(es) rank 1: ValueError"
         ), outcomes[0]
+
+
+def _two_functions_worker(rank: int, url: str, store: str, out_dir: str) -> None:
+    """Two SD-E² reward functions (gold columns ``answer`` and ``other``) run concurrently as
+    TRL runs them; each process's answer for the function of its own rank comes back late."""
+    from trainer_client.trl import SDE2Reward
+
+    with _process_group(rank, store, out_dir):
+        rows = step_rows()[rank::WORLD]
+        holders = [SDE2Reward(url), SDE2Reward(url, answer_column="other")]
+
+        async def step() -> list[list[float | None]]:
+            for k, holder in enumerate(holders):
+                client = holder._get_client()
+                scored, delay = client.score, 0.5 if k == rank else 0.0
+
+                async def late(*args: Any, _s: Any = scored, _d: float = delay, **kw: Any) -> Any:
+                    await asyncio.sleep(_d)
+                    return await _s(*args, **kw)
+
+                client.score = late  # type: ignore[method-assign]
+            columns = {"answer": [r["answer"] for r in rows], "other": ["7"] * len(rows)}
+            calls = [
+                holder.sde2(prompts=[r["prompt"] for r in rows],
+                            completions=[r["completion"] for r in rows], **columns)
+                for holder in holders
+            ]  # fmt: skip
+            return await asyncio.gather(*calls)
+
+        Path(out_dir, f"{rank}.json").write_text(json.dumps(asyncio.run(step())))
+
+
+def test_two_reward_functions_gather_in_the_order_their_calls_began(
+    reward_server: ServerProcess,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Each function gathered when its own answer came back: rank 0 gathered the second
+    function first, rank 1 the first, and each merged its rewards with the other function's
+    (wrong rewards, no error). Now both processes gather in the order the calls began."""
+    import torch.multiprocessing as mp
+
+    args = (reward_server.url, str(tmp_path / "store"), str(tmp_path))
+    mp.spawn(_two_functions_worker, args=args, nprocs=WORLD)
+    _assert_groups_freed(tmp_path)
+    reports = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(WORLD)]
+    rows = step_rows()
+    order = [i for r in range(WORLD) for i in range(r, len(rows), WORLD)]  # rank 0's, rank 1's
+    with RewardClient(reward_server.url) as rc:
+        for k, gold in enumerate(("answer", "other")):
+            items = [
+                {"completion": rows[i]["text"], "answer": rows[i]["answer"] if k == 0 else "7",
+                 "group": prompt_key(rows[i]["prompt"])}
+                for i in order
+            ]  # fmt: skip
+            whole = rc.score(items).rewards
+            got = [r for report in reports for r in report[k]]
+            assert got == pytest.approx(whole, abs=1e-9), gold

@@ -24,12 +24,13 @@ forms its group advantages from them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
 import sys
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from types import MethodType
 from typing import Any
 
@@ -245,8 +246,9 @@ class SDE2Reward:
                 answer_type = options["answer_type"]
                 await self._log_extremes(items, answer_type, result, kwargs["log_extra"])
             return list(result.rewards)
+        ticket = _GatherTurns.of_loop().take()  # before any await: in the order calls begin
         local, step, offset = await self._score_across_processes(
-            lambda: self._request(prompts, completions, completion_ids, kwargs)
+            lambda: self._request(prompts, completions, completion_ids, kwargs), ticket
         )
         self.last_result = step
         self._log(step, local, kwargs.get("log_metric"), kwargs.get("log_extra"))
@@ -303,6 +305,7 @@ class SDE2Reward:
     async def _score_across_processes(
         self,
         request: Callable[[], tuple[list[dict[str, Any]], dict[str, Any]]],
+        ticket: int,
     ) -> tuple[ScoreResult, ScoreResult, int]:
         """(this slice raw, the whole step normalized, this slice's offset in the step).
 
@@ -323,23 +326,36 @@ class SDE2Reward:
         except Exception as exc:  # re-raised below, after the others learned of it
             error = exc
         message = None if error is None else f"{type(error).__name__}: {error}"
-        gathered = _all_gather((local, groups, answer_type, message))
+        # The gather blocks the loop: several reward functions (TRL runs them concurrently)
+        # must gather in one order on every process, the order their calls began, not the
+        # order their answers came back (which differs between processes).
+        async with _GatherTurns.of_loop().turn(ticket):
+            gathered = _all_gather((local, groups, answer_type, message, self._identity()))
         if error is not None:
             raise error
-        failed = [(rank, msg) for rank, (*_, msg) in enumerate(gathered) if msg is not None]
+        if len({identity for *_, identity in gathered}) > 1:
+            raise RuntimeError(
+                "reward functions were gathered out of order across processes: "
+                f"{sorted({identity for *_, identity in gathered})}"
+            )
+        failed = [(rank, msg) for rank, (*_, msg, _) in enumerate(gathered) if msg is not None]
         if failed:
             raise RewardServiceError(
                 "reward scoring failed on process(es) "
                 + "; ".join(f"rank {rank}: {msg}" for rank, msg in failed),
                 [],
             )
-        _uniform([t for _, _, t, _ in gathered], "answer_type across processes", "")
-        shards = [shard for shard, _, _, _ in gathered]
-        all_groups = [g for _, gs, _, _ in gathered for g in gs]
+        _uniform([t for _, _, t, _, _ in gathered], "answer_type across processes", "")
+        shards = [shard for shard, *_ in gathered]
+        all_groups = [g for _, gs, *_ in gathered for g in gs]
         step = merge(shards, normalize=self.normalize, groups=all_groups)
         offset = sum(len(shard) for shard in shards[: _rank()])
         assert local is not None
         return local, step, offset
+
+    def _identity(self) -> str:
+        """What tells this reward function from another one of the trainer's."""
+        return f"{self.recipe}:{self.answer_column}:{self.answer_type}:{self.params!r}"
 
     async def _log_extremes(
         self,
@@ -480,6 +496,54 @@ def _process_group() -> Any | None:
 
 
 _GLOO_GROUP: weakref.ref[Any] | None = None
+
+
+class _GatherTurns:
+    """Tickets taken as reward calls begin, served in order at the gather: a call whose answer
+    came back early waits for the calls that began before it. TRL starts its reward functions'
+    calls in one order on every process (``asyncio.gather`` over its list), so every process
+    gathers them in that order (in the order answers came back, rank 0 merged one function's
+    rewards with rank 1's of another: wrong rewards, no error)."""
+
+    def __init__(self) -> None:
+        self.issued = 0
+        self.serving = 0
+        self.abandoned: set[int] = set()
+        self.changed = asyncio.Condition()
+
+    @classmethod
+    def of_loop(cls) -> _GatherTurns:
+        """This event loop's turns (TRL runs its reward functions on one loop)."""
+        loop = asyncio.get_running_loop()
+        turns = _TURNS.get(loop)
+        if turns is None:
+            turns = _TURNS[loop] = cls()
+        return turns
+
+    def take(self) -> int:
+        """The next ticket."""
+        self.issued += 1
+        return self.issued - 1
+
+    @contextlib.asynccontextmanager
+    async def turn(self, ticket: int) -> AsyncIterator[None]:
+        """Wait for ``ticket``'s turn, hold it, pass it on (also when cancelled or failed: a
+        ticket given up is skipped)."""
+        try:
+            async with self.changed:
+                await self.changed.wait_for(lambda: self.serving == ticket)
+            yield
+        finally:
+            async with self.changed:
+                self.abandoned.add(ticket)
+                while self.serving in self.abandoned:
+                    self.abandoned.discard(self.serving)
+                    self.serving += 1
+                self.changed.notify_all()
+
+
+_TURNS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _GatherTurns]
+_TURNS = weakref.WeakKeyDictionary()
 
 
 def _all_gather(obj: Any) -> list[Any]:
