@@ -71,6 +71,14 @@ def test_refuses_to_overwrite_and_bad_variant(tmp_path: Path) -> None:
     (tmp_path / "busy" / "file").write_text("x")
     with pytest.raises(FileExistsError):
         export_model(None, tmp_path / "busy")
+    # --overwrite replaces an export, never a folder of other things or a file (it did: the
+    # folder's files were deleted, the file became the export's folder).
+    (tmp_path / "afile").write_text("keep")
+    for target in ("busy", "afile"):
+        with pytest.raises(FileExistsError, match=r"nothing there is replaced|is a file"):
+            export_model(None, tmp_path / target, overwrite=True)
+    assert (tmp_path / "busy" / "file").read_text() == "x"
+    assert (tmp_path / "afile").read_text() == "keep"
     with pytest.raises(ValueError, match="variant"):
         export_model(None, tmp_path / "new", "int4")
 

@@ -386,12 +386,20 @@ def export_model(
 
 
 def _check_target(out_dir: Path, overwrite: bool) -> None:
-    """Refuse to export over an export or into a non-empty folder, unless ``overwrite``."""
-    if out_dir.exists() and not overwrite:
-        if (out_dir / MANIFEST_FILE).is_file():
+    """Refuse to export over an export unless ``overwrite``, and over anything else always: a
+    file, or a non-empty folder that holds no export (``--overwrite`` replaced any folder
+    with the export, whatever it held)."""
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise FileExistsError(f"{out_dir} is a file, not a folder for the export")
+    if (out_dir / MANIFEST_FILE).is_file():
+        if not overwrite:
             raise FileExistsError(f"{out_dir} already holds an export (use --overwrite)")
-        if any(out_dir.iterdir()):
-            raise FileExistsError(f"{out_dir} exists and is not empty")
+    elif any(out_dir.iterdir()):
+        raise FileExistsError(
+            f"{out_dir} exists, is not empty and holds no export: nothing there is replaced"
+        )
 
 
 def _stage_tokenizer(src: SourceModel, stage: Path, max_len: int) -> Path:
