@@ -15,6 +15,7 @@ one (or from the given checkpoint folder) with optimizer, scheduler and RNG stat
 from __future__ import annotations
 
 import argparse
+import math
 import json
 import logging
 import random
@@ -111,10 +112,12 @@ def check_flags(args: argparse.Namespace) -> dict[str, Any]:
         ("--grad-accum", args.grad_accum),  # 0 passed TRL's config, then failed after loading
         ("--lora-r", args.lora_r),  # PEFT accepts 0 and fails once the model is loaded
         ("--lora-alpha", args.lora_alpha),  # 0 scales the adapter to nothing: nothing learns
+        ("--max-new-tokens", args.max_new_tokens),  # TRL refuses 0 once the model is loaded
     )
     for flag, value in counts:
         if value is not None and value < 1:
             raise FlagError(f"{flag} must be >= 1, got {value}")
+    check_reward_flags(args)
     if args.limit is not None and args.sample is not None:
         raise FlagError("--limit and --sample: give one (the first N questions, or N at random)")
     try:
@@ -138,6 +141,22 @@ def check_flags(args: argparse.Namespace) -> dict[str, Any]:
             "another --output-dir"
         )
     return checked_reward_params(args)
+
+
+def check_reward_flags(args: argparse.Namespace) -> None:
+    """The reward client's flags: a timeout of 0 failed every request against a healthy server
+    (after the model loaded, blaming the server), and the retry policy's own refusals were
+    tracebacks that named no flag."""
+    from trainer_client.retry import RetryPolicy
+
+    timeout = args.reward_timeout
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise FlagError(f"--reward-timeout must be a number of seconds > 0, got {timeout}")
+    try:
+        RetryPolicy(max_attempts=args.reward_retries, deadline=args.reward_deadline)
+    except ValueError as exc:
+        flag = "--reward-retries" if "max_attempts" in str(exc) else "--reward-deadline"
+        raise FlagError(f"{flag}: {exc}") from None
 
 
 def check_grpo_flags(args: argparse.Namespace) -> None:
