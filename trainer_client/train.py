@@ -15,9 +15,9 @@ one (or from the given checkpoint folder) with optimizer, scheduler and RNG stat
 from __future__ import annotations
 
 import argparse
-import math
 import json
 import logging
+import math
 import random
 import sys
 from collections.abc import Sequence
