@@ -9,19 +9,25 @@ two real server processes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import email.utils
 import json
 import math
 import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
 import pytest
 
 from reward_server.core import RewardParams, ScoreItem, score_batch
-from tests.client_fixtures import ServerProcess, two_reward_servers  # noqa: F401 - fixture
+from tests.client_fixtures import REPO, ServerProcess, two_reward_servers  # noqa: F401 - fixture
 from tests.doubles import HashEncoder
 from trainer_client import (
     AsyncRewardClient,
@@ -216,17 +222,54 @@ def test_an_answer_for_other_items_is_refused(client: str) -> None:
         return score(httpx.Request("POST", request.url, json=fewer))
 
     items = batch(1, 3)
+    once = RetryPolicy(max_attempts=1)
     if client == "blocking":
         with pytest.raises(RewardServiceError, match="2 results for 3"):
-            RewardClient(A, transport=httpx.MockTransport(short)).score(items)
+            RewardClient(A, transport=httpx.MockTransport(short), retry=once).score(items)
     else:
 
         async def run() -> None:
-            async with AsyncRewardClient(A, transport=httpx.MockTransport(short)) as rc:
+            transport = httpx.MockTransport(short)
+            async with AsyncRewardClient(A, transport=transport, retry=once) as rc:
                 await rc.score(items)
 
         with pytest.raises(RewardServiceError, match="2 results for 3"):
             asyncio.run(run())
+
+
+@pytest.mark.parametrize("client", ["blocking", "asyncio"])
+def test_an_answer_of_another_shape_is_a_failed_try(client: str) -> None:
+    """A 200 that is not a scoring answer (another service on the port, a misrouting proxy)
+    was a bare ``KeyError``, with a healthy replica beside it: now it is a failed try, and the
+    next replica answers."""
+    calls: list[dict[str, Any]] = []
+    score = core_handler(calls)
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "replica-a":
+            return httpx.Response(200, json={"detail": "not a reward service"})
+        return score(request)
+
+    items, urls = batch(1, 3), [A, B]
+    if client == "blocking":
+        rc = RewardClient(urls, transport=httpx.MockTransport(handler), sleep=lambda s: None)
+        result = rc.score(items, normalize=False)
+    else:
+
+        async def run() -> Any:
+            transport = httpx.MockTransport(handler)
+            async with AsyncRewardClient(urls, transport=transport, sleep=_no_wait) as arc:
+                return await arc.score(items, normalize=False)
+
+        result = asyncio.run(run())
+    assert len(result) == 3 and calls
+    with pytest.raises(RewardServiceError, match=r"not a scoring answer \(KeyError"):
+        RewardClient(A, transport=httpx.MockTransport(handler), sleep=lambda s: None,
+                     retry=RetryPolicy(max_attempts=2)).score(items)  # fmt: skip
+
+
+async def _no_wait(seconds: float) -> None:
+    return None
 
 
 def test_retry_after_http_date_and_cap() -> None:
@@ -812,3 +855,58 @@ def test_a_failed_batch_starts_no_new_request() -> None:
     raised = time.monotonic()
     time.sleep(0.8)
     assert [c for c in calls if c[0] > raised] == []
+
+
+@contextlib.contextmanager
+def silent_server() -> Iterator[str]:
+    """A server that accepts connections and never answers (a wedged replica)."""
+    sock = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+    running = True
+
+    def accept() -> None:
+        while running:
+            with contextlib.suppress(OSError):
+                held.append(sock.accept()[0])
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        running = False
+        sock.close()
+        for conn in held:
+            conn.close()
+
+
+def test_the_deadline_cuts_the_tries_timeout() -> None:
+    """A try begun before the deadline ran the whole request timeout past it (8 s against a
+    deadline of 2)."""
+    with silent_server() as url:
+        policy = RetryPolicy(max_attempts=None, deadline=1.0)
+        rc = RewardClient(url, timeout=8, retry=policy)
+        start = time.monotonic()
+        with pytest.raises(RewardServiceError, match="ReadTimeout"):
+            rc.score(batch(1, 2))
+        assert time.monotonic() - start < 4
+
+
+def test_ctrl_c_stops_a_batch_split_over_replicas_at_once() -> None:
+    """With several URLs the shards ran in a pool whose threads the interpreter waited for at
+    exit: after Ctrl-C the process went on for the request's timeout, logging retries."""
+    with silent_server() as url:
+        code = (
+            "import sys; from trainer_client import RewardClient\n"
+            f"rc = RewardClient([{url!r}, {url!r}], timeout=60)\n"
+            "print('scoring', flush=True)\n"
+            "rc.score([{'completion': 'a', 'answer': '1'}] * 4)\n"
+        )
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, cwd=REPO)  # fmt: skip
+        assert proc.stdout is not None and proc.stdout.readline() == b"scoring\n"
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        start = time.monotonic()
+        _, err = proc.communicate(timeout=30)
+        assert time.monotonic() - start < 5 and b"KeyboardInterrupt" in err

@@ -16,11 +16,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
+import queue
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any
@@ -245,6 +246,19 @@ class _Attempts:
         """Where the current attempt goes."""
         return self.client._url(self.replica, self.number) + self.path
 
+    def timeout(self) -> httpx.Timeout:
+        """The current attempt's timeout: the client's, cut to what the policy's deadline
+        leaves (a try begun just before the deadline ran the whole request timeout past it:
+        8 s against a deadline of 2)."""
+        configured = self.client._timeout
+        deadline = self.policy.deadline
+        if deadline is None:
+            return configured
+        left = max(0.001, deadline - (time.monotonic() - self.started))
+        read = configured.read if configured.read is not None else left
+        connect = configured.connect if configured.connect is not None else left
+        return httpx.Timeout(min(read, left), connect=min(connect, left))
+
     def succeeded(self, url: str, outcome: httpx.Response | httpx.RequestError) -> bool:
         """Record the attempt's outcome; True when :attr:`data` holds the decoded answer.
 
@@ -267,6 +281,20 @@ class _Attempts:
         self.client.failed_attempts += 1
         self._retryable = retryable
         return False
+
+    def read(self, url: str, reader: Callable[[Any, str], Any] | None) -> bool:
+        """Read the answer :meth:`succeeded` decoded with ``reader`` (into :attr:`data`); False,
+        the try failed (retryable), when ``reader`` finds it is not the answer expected."""
+        if reader is None:
+            return True
+        try:
+            self.data = reader(self.data, self.answered_by)
+        except ValueError as exc:
+            self.failures.append(Attempt(url, 200, str(exc)))
+            self.client.failed_attempts += 1
+            self._retryable = True
+            return False
+        return True
 
     def check_stop(self, stop: threading.Event | None) -> None:
         """Give up (:class:`RewardServiceError`) when ``stop`` is set: the batch this request
@@ -320,14 +348,22 @@ def _halves_or_raise(exc: RewardRequestError, body: Mapping[str, Any]) -> list[d
     return halves
 
 
-def _answer(done: _Attempts, body: Mapping[str, Any]) -> ScoreResult:
-    """The result of one score request, holding one entry per item sent (an answer to another
-    body, from a misrouting proxy say, would shift every reward after it onto other items)."""
-    result = ScoreResult.from_json(done.data, served_by=done.answered_by)
-    if len(result) != len(body["items"]):
-        wrong = Attempt(done.answered_by, 200, f"{len(result)} results for {len(body['items'])}")
-        raise RewardServiceError(f"{_scoring(body)}: the answer does not match", [wrong])
-    return result
+def _answer(body: Mapping[str, Any]) -> Callable[[Any, str], ScoreResult]:
+    """How the answer to the score request ``body`` is read: a result holding one entry per
+    item sent. Anything else (a service of another kind on the port, an answer to another body
+    from a misrouting proxy, which would shift every reward after it onto other items) is a
+    ``ValueError``: a failed try, retried on the next replica (it was a bare ``KeyError``)."""
+
+    def read(data: Any, served_by: str) -> ScoreResult:
+        try:
+            result = ScoreResult.from_json(data, served_by=served_by)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"not a scoring answer ({type(exc).__name__}: {exc})") from None
+        if len(result) != len(body["items"]):
+            raise ValueError(f"{len(result)} results for {len(body['items'])} items")
+        return result
+
+    return read
 
 
 def _scoring(body: Mapping[str, Any]) -> str:
@@ -357,6 +393,8 @@ class _Base:
         self.retry = retry or RetryPolicy()
         #: Failed attempts so far (retried or not): a cheap health signal for logs and tests.
         self.failed_attempts = 0
+        if not (math.isfinite(timeout) and timeout > 0):
+            raise ValueError(f"timeout must be a number of seconds > 0, got {timeout}")
         self._timeout = httpx.Timeout(timeout, connect=connect_timeout)
         self._limits = httpx.Limits(
             max_connections=max_connections, max_keepalive_connections=max_connections
@@ -442,9 +480,11 @@ class RewardClient(_Base):
         what: str = "",
         retry: RetryPolicy | None = None,
         stop: threading.Event | None = None,
+        reader: Callable[[Any, str], Any] | None = None,
     ) -> _Attempts:
-        """:meth:`request`'s loop, returning its record (the answer and who gave it); gives up
-        before its next try once ``stop`` is set (another shard of the batch failed)."""
+        """:meth:`request`'s loop, returning its record (the answer, read by ``reader`` when
+        given, and who gave it); gives up before its next try once ``stop`` is set (another
+        shard of the batch failed)."""
         attempts = _Attempts(self, method, path, replica, what, retry)
         content = encode_body(body)
         while True:
@@ -452,10 +492,12 @@ class RewardClient(_Base):
             url = attempts.url()
             outcome: httpx.Response | httpx.RequestError
             try:
-                outcome = self._http.request(method, url, content=content, headers=_JSON)
+                outcome = self._http.request(
+                    method, url, content=content, headers=_JSON, timeout=attempts.timeout()
+                )
             except httpx.RequestError as exc:
                 outcome = exc
-            if attempts.succeeded(url, outcome):
+            if attempts.succeeded(url, outcome) and attempts.read(url, reader):
                 return attempts
             wait = attempts.next_wait()
             attempts.check_stop(stop)
@@ -491,26 +533,39 @@ class RewardClient(_Base):
             replica, body = shard
             try:
                 done = self._exchange(
-                    "POST", SCORE_PATH, body, replica=replica, what=_scoring(body), stop=stop
-                )
+                    "POST", SCORE_PATH, body, replica=replica, what=_scoring(body), stop=stop,
+                    reader=_answer(body),
+                )  # fmt: skip
             except RewardRequestError as exc:
                 halves = _halves_or_raise(exc, body)
                 return [piece for half in halves for piece in one((replica, half))]
-            return [_answer(done, body)]
+            return [done.data]
 
         if len(plan.shards) == 1:
             return plan.finish([one(plan.shards[0])])
-        pool = ThreadPoolExecutor(max_workers=len(plan.shards))
+        results: list[list[ScoreResult]] = [[] for _ in plan.shards]
+        finished: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
+
+        def run(k: int) -> None:
+            try:
+                results[k] = one(plan.shards[k])
+            except BaseException as exc:  # handed to the caller's thread
+                finished.put(exc)
+            else:
+                finished.put(None)
+
+        # Daemon threads: a caller stopped (Ctrl-C) leaves at once, where a pool's threads held
+        # the process until their request's timeout ran out, still logging retries.
+        for k in range(len(plan.shards)):
+            threading.Thread(target=run, args=(k,), name="sde2-shard", daemon=True).start()
         try:
-            futures = [pool.submit(one, shard) for shard in plan.shards]
-            wait(futures, return_when=FIRST_EXCEPTION)
-            failed = next((f for f in futures if f.done() and f.exception()), None)
-            if failed is not None:
-                stop.set()
-                raise failed.exception()  # type: ignore[misc]
-            return plan.finish([f.result() for f in futures])
+            for _ in plan.shards:
+                failure = finished.get()
+                if failure is not None:
+                    raise failure
+            return plan.finish(results)
         finally:
-            pool.shutdown(wait=False, cancel_futures=True)
+            stop.set()  # the other shards stop at their next try
 
     def info(self, replica: int = 0, *, retry: RetryPolicy | None = None) -> dict[str, Any]:
         """``GET /v1/info`` of one replica (encoder, limits, defaults)."""
@@ -595,18 +650,22 @@ class AsyncRewardClient(_Base):
         replica: int = 0,
         what: str = "",
         retry: RetryPolicy | None = None,
+        reader: Callable[[Any, str], Any] | None = None,
     ) -> _Attempts:
-        """:meth:`request`'s loop, returning its record (the answer and who gave it)."""
+        """:meth:`request`'s loop, returning its record (the answer, read by ``reader`` when
+        given, and who gave it)."""
         attempts = _Attempts(self, method, path, replica, what, retry)
         content = encode_body(body)
         while True:
             url = attempts.url()
             outcome: httpx.Response | httpx.RequestError
             try:
-                outcome = await self._http.request(method, url, content=content, headers=_JSON)
+                outcome = await self._http.request(
+                    method, url, content=content, headers=_JSON, timeout=attempts.timeout()
+                )
             except httpx.RequestError as exc:
                 outcome = exc
-            if attempts.succeeded(url, outcome):
+            if attempts.succeeded(url, outcome) and attempts.read(url, reader):
                 return attempts
             await self._sleep(attempts.next_wait())
 
@@ -636,12 +695,13 @@ class AsyncRewardClient(_Base):
         async def one(replica: int, body: dict[str, Any]) -> list[ScoreResult]:
             try:
                 done = await self._exchange(
-                    "POST", SCORE_PATH, body, replica=replica, what=_scoring(body)
-                )
+                    "POST", SCORE_PATH, body, replica=replica, what=_scoring(body),
+                    reader=_answer(body),
+                )  # fmt: skip
             except RewardRequestError as exc:
                 halves = _halves_or_raise(exc, body)
                 return [piece for half in halves for piece in await one(replica, half)]
-            return [_answer(done, body)]
+            return [done.data]
 
         tasks = [asyncio.ensure_future(one(r, b)) for r, b in plan.shards]
         try:
