@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -195,6 +196,10 @@ def test_model_ref_and_read_run(tmp_path: Path) -> None:
     runfile.write_text("\n".join(json.dumps(r) for r in rows))
     run = read_run(f"base={runfile}")
     assert run.method == "base" and run.num_tokens is None and run.answers == ["1", "2"]
+    # A name holding "=" (the hint sde2-eval prints after a failure names its --method so):
+    # split before the file, as the shell gives it back from the quoted hint.
+    (hint,) = shlex.split(shlex.quote(f"lr=5e-6 run={runfile}"))
+    assert read_run(hint).method == "lr=5e-6 run"
     rows[0]["num_tokens"] = 3  # on some lines only: no #TOK of the run, refused
     runfile.write_text("\n".join(json.dumps(r) for r in rows))
     with pytest.raises(ValueError, match=r"num_tokens is missing on line 2"):

@@ -144,6 +144,19 @@ def test_limit_applies_to_read_runs(tmp_path: Path, fake_client: type[FakeClient
     assert [len(r) for r in fake_client.requests] == [2]
 
 
+def test_a_plot_without_token_counts_is_not_written(
+    tmp_path: Path, fake_client: type[FakeClient], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Runs without ``num_tokens`` (and no ``--tokenizer``) have no #TOK to place them by: an
+    empty chart was written and reported as the plot."""
+    runfile = write_run(tmp_path / "r.jsonl", [GOOD] * 2)
+    plot = tmp_path / "p.png"
+    argv = ["--reward-url", URL, "--completions", f"a={runfile}", "--completions", f"b={runfile}"]
+    with caplog.at_level("WARNING", logger="sde2.eval"):
+        assert main([*argv, "--plot", str(plot)]) == 0
+    assert not plot.exists() and "none of the runs have token counts" in caplog.text
+
+
 def test_a_refused_request_is_one_line_with_the_servers_reason(
     tmp_path: Path, fake_client: type[FakeClient], capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -20,6 +20,7 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -174,15 +175,28 @@ def _lines_list(numbers: Sequence[int], most: int = 10) -> str:
     return shown if len(numbers) <= most else f"{shown} and {len(numbers) - most} more"
 
 
+def split_run_spec(spec: str) -> tuple[str, str]:
+    """``NAME=FILE`` as (name, file): at the first ``=`` after which a file exists (a name
+    may hold ``=``, as ``lr=5e-6``), else the first; a spec without ``=`` is a file named by
+    its stem.
+
+    >>> split_run_spec("base=runs/a.jsonl"), split_run_spec("runs/b.jsonl")
+    (('base', 'runs/a.jsonl'), ('b', 'runs/b.jsonl'))
+    """
+    cuts = [i for i, char in enumerate(spec) if char == "="]
+    if not cuts:
+        return Path(spec).stem, spec
+    at = next((i for i in cuts if Path(spec[i + 1 :]).is_file()), cuts[0])
+    return spec[:at], spec[at + 1 :]
+
+
 def read_run(spec: str, limit: int | None = None) -> Run:
     """``NAME=FILE`` to a run of at most ``limit`` completions (the first ones).
 
     A run must use one answer type (one scoring request family), and give ``num_tokens`` on
     every line or on none: a mean over some lines would not be the run's #TOK.
     """
-    name, sep, where = spec.partition("=")
-    if not sep:
-        name, where = Path(spec).stem, spec
+    name, where = split_run_spec(spec)
     path = Path(where)
     if path.is_dir():
         raise RunFileError(f"{path}: is a folder, not a JSONL file of completions")
@@ -466,7 +480,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             path = unscored_path(runs[0])
             print(
                 f"sde2-eval: the generated completions are in {path}: score them again with "
-                f"--completions {runs[0].method}={path}",
+                f"--completions {shlex.quote(f'{runs[0].method}={path}')}",
                 file=sys.stderr,
             )
         return 130 if stopped else 2
@@ -478,8 +492,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         written = emit("sde2-eval", args.json, [json.dumps(payload, indent=1)])
         status = status or written
     if args.plot:
+        placed = [r.method for r in rows if r.tokens is not None]
         if len(rows) < 2:
             log.warning("--plot compares methods: give at least two runs")
+        elif len(placed) < 2:  # an empty chart was written and reported
+            log.warning(
+                "--plot places runs by #TOK: %s of the runs have token counts (give "
+                "num_tokens on each line, or --tokenizer): no plot",
+                len(placed) or "none",
+            )
         elif plot_runs(rows, args.plot):
             log.info("plot written to %s", args.plot)
     return status
