@@ -910,3 +910,19 @@ def test_ctrl_c_stops_a_batch_split_over_replicas_at_once() -> None:
         start = time.monotonic()
         _, err = proc.communicate(timeout=30)
         assert time.monotonic() - start < 5 and b"KeyboardInterrupt" in err
+
+
+@pytest.mark.slow
+def test_the_start_up_probe_asks_every_replica(
+    two_reward_servers: tuple[ServerProcess, ServerProcess],  # noqa: F811
+) -> None:
+    """sde2-train and sde2-eval probe the server before loading a model; a probe of the
+    client failed over, so a dead second URL passed it and then cost a retry every request."""
+    from tests.server_process import free_port
+    from trainer_client.client import probe_each
+
+    a, b = two_reward_servers
+    assert len(probe_each([a.url, b.url])) == 2
+    dead = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(RewardServiceError, match=dead):
+        probe_each([a.url, dead])

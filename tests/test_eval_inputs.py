@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 
 import pytest
 
+from trainer_client import client as client_module
 from trainer_client import evaluate
 from trainer_client.evaluate import Run, generated_label, main, read_run
 from trainer_client.results import ItemDiagnostics
@@ -101,7 +102,7 @@ class FakeClient:
     down: ClassVar[bool] = False
     interrupt: ClassVar[bool] = False  # Ctrl-C while the retries wait
 
-    def __init__(self, urls: object, retry: object = None) -> None:
+    def __init__(self, urls: object, retry: object = None, api_key: object = None) -> None:
         pass
 
     def __enter__(self) -> FakeClient:
@@ -135,6 +136,7 @@ def fake_client(monkeypatch: pytest.MonkeyPatch) -> type[FakeClient]:
     FakeClient.requests, FakeClient.refuse, FakeClient.down = [], False, False
     FakeClient.interrupt = False
     monkeypatch.setattr(evaluate, "RewardClient", FakeClient)
+    monkeypatch.setattr(client_module, "RewardClient", FakeClient)  # the start-up probe's
     return FakeClient
 
 

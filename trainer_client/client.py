@@ -31,6 +31,7 @@ import httpx
 from reward_server.core.params import RewardParams
 from trainer_client.results import ScoreResult
 from trainer_client.retry import (
+    PROBE_RETRY,
     RETRYABLE_STATUSES,
     Attempt,
     RetryPolicy,
@@ -719,3 +720,14 @@ class AsyncRewardClient(_Base):
         """``GET /v1/info`` of one replica."""
         info = await self.request("GET", "/v1/info", replica=replica, what="get info", retry=retry)
         return dict(info)
+
+
+def probe_each(urls: str | Sequence[str], api_key: str | None = None) -> list[dict[str, Any]]:
+    """``GET /v1/info`` of every replica on its own, as a command's start-up check: a wrong
+    URL is an error in seconds. A client's request fails over to the next replica, so a dead
+    second URL passed a probe of the first and surfaced only as a retry at every request."""
+    infos = []
+    for url in normalize_urls(urls):
+        with RewardClient(url, api_key=api_key, retry=PROBE_RETRY) as one:
+            infos.append(one.info())
+    return infos

@@ -40,7 +40,7 @@ from reward_server.jsonl_files import (
     parse_json_line,
     write_output,
 )
-from trainer_client.client import RewardClient
+from trainer_client.client import RewardClient, probe_each
 from trainer_client.datasets import (
     DATASETS,
     DEFAULT_SOURCES,
@@ -50,7 +50,7 @@ from trainer_client.datasets import (
 )
 from trainer_client.metrics import INTERVALS, RunMetrics, markdown_table, summarize
 from trainer_client.modeling import ModelRef
-from trainer_client.retry import PROBE_RETRY, RetryPolicy, RewardServiceError
+from trainer_client.retry import RetryPolicy, RewardServiceError
 
 log = logging.getLogger("sde2.eval")
 SCORE_CHUNK = 256  # items per scoring request: well under the server's default max_items
@@ -441,8 +441,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     retry = RetryPolicy(max_attempts=None, deadline=600.0)  # the deadline rules
     split = args.split or EVAL_SPLITS[args.dataset]
     try:
-        with RewardClient(args.reward_url) as probe:  # before minutes of generation
-            probe.info(retry=PROBE_RETRY)
+        probe_each(args.reward_url)  # before minutes of generation
     except RewardServiceError as exc:
         print(f"sde2-eval: {exc}", file=sys.stderr)
         return 2

@@ -35,7 +35,7 @@ from trainer_client.datasets import (
     looks_like_path,
 )
 from trainer_client.modeling import ModelRef
-from trainer_client.retry import PROBE_RETRY, RetryPolicy, RewardServiceError
+from trainer_client.retry import RetryPolicy, RewardServiceError
 
 log = logging.getLogger("sde2.train")
 
@@ -327,7 +327,7 @@ def build_trainer(
     """
     from trl import GRPOTrainer
 
-    from trainer_client.client import RewardClient
+    from trainer_client.client import probe_each
     from trainer_client.modeling import (
         ModelRef,
         can_load_4bit,
@@ -340,8 +340,7 @@ def build_trainer(
 
     params = params if params is not None else check_flags(args)
     retry = RetryPolicy(max_attempts=args.reward_retries, deadline=args.reward_deadline)
-    with RewardClient(args.reward_url, retry=retry) as probe:  # fail fast on a wrong URL
-        info = probe.info(retry=PROBE_RETRY)
+    info = probe_each(args.reward_url)[0]  # fail fast on a wrong URL
     log.info("reward server: %s (%d replica(s))", info.get("encoder"), len(args.reward_url))
     examples = examples if examples is not None else training_examples(args)
 
