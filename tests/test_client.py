@@ -630,6 +630,9 @@ def test_real_server_422_is_a_request_error(
 ) -> None:
     a, _ = two_reward_servers
     with RewardClient(a.url) as rc, pytest.raises(RewardRequestError, match="422"):
+        rc.score(ONE, answer_type="roman numerals")
+    # Parameters are checked before any request, naming the field (the server refused them).
+    with RewardClient(a.url) as rc, pytest.raises(ValueError, match=r"params\.eps: "):
         rc.score(ONE, params={"eps": 5.0})
 
 

@@ -51,12 +51,25 @@ def item_to_json(item: ItemLike, index: int = 0) -> dict[str, Any]:
 
 
 def params_to_json(params: RewardParams | Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """Only what the caller set: the server fills the defaults and echoes every effective value."""
+    """Only what the caller set: the server fills the defaults and echoes every effective value.
+    A mapping is checked here, naming a bad field (a NaN was a bare "Out of range float values
+    are not JSON compliant", a numpy float a TypeError), and its numbers sent as JSON numbers.
+
+    >>> params_to_json({"explore_cap": float("nan")})
+    Traceback (most recent call last):
+    ...
+    ValueError: params.explore_cap: Input should be a finite number
+    """
     if params is None:
         return None
-    if isinstance(params, RewardParams):
-        return params.model_dump(exclude_unset=True)
-    return dict(params)
+    if not isinstance(params, RewardParams):
+        try:
+            params = RewardParams.model_validate(dict(params))
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(map(str, ("params", *first["loc"])))
+            raise ValueError(f"{where}: {first['msg']}") from None
+    return params.model_dump(exclude_unset=True)
 
 
 def split(n_items: int, n_shards: int) -> list[range]:
