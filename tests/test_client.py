@@ -929,3 +929,20 @@ def test_the_start_up_probe_asks_every_replica(
     dead = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(RewardServiceError, match=dead):
         probe_each([a.url, dead])
+
+
+def test_ready_is_quick_on_a_wedged_replica_and_async_too() -> None:
+    """``ready()`` ("right now") waited the 180 s request timeout on a replica that accepts and
+    never answers; ``AsyncRewardClient`` had none, though documented with the same API."""
+    from trainer_client import client as client_module
+
+    with silent_server() as url:
+        start = time.monotonic()
+        assert RewardClient(url).ready() is False
+        assert time.monotonic() - start < client_module.READY_TIMEOUT + 2
+
+        async def run() -> bool:
+            async with AsyncRewardClient(url) as arc:
+                return await arc.ready()
+
+        assert asyncio.run(run()) is False

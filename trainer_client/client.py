@@ -56,6 +56,10 @@ _JSON = {"content-type": "application/json"}
 DEFAULT_TIMEOUT = 180.0  # seconds; a large step on a CPU server can take a while (OpenRLHF: 180)
 
 
+#: Seconds ``ready()`` waits for a replica's answer.
+READY_TIMEOUT = 5.0
+
+
 def encode_body(body: Any) -> bytes | None:
     """``body`` as the JSON httpx would send (``None``: no body), encoded once for every try.
 
@@ -573,10 +577,12 @@ class RewardClient(_Base):
         return dict(self.request("GET", "/v1/info", replica=replica, what="get info", retry=retry))
 
     def ready(self) -> bool:
-        """Whether every replica answers ``GET /readyz`` with 200 right now (no retries)."""
+        """Whether every replica answers ``GET /readyz`` with 200 right now (no retries, at most
+        :data:`READY_TIMEOUT` seconds a replica: a wedged one is not ready, not a wait of the
+        request timeout)."""
         for url in self.urls:
             try:
-                if self._http.get(url + "/readyz").status_code != 200:
+                if self._http.get(url + "/readyz", timeout=READY_TIMEOUT).status_code != 200:
                     return False
             except httpx.TransportError:
                 return False
@@ -715,6 +721,18 @@ class AsyncRewardClient(_Base):
             for task in tasks:
                 task.cancel()  # a no-op for the finished ones
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def ready(self) -> bool:
+        """:meth:`RewardClient.ready`, the replicas asked concurrently."""
+
+        async def one(url: str) -> bool:
+            try:
+                answer = await self._http.get(url + "/readyz", timeout=READY_TIMEOUT)
+            except httpx.TransportError:
+                return False
+            return answer.status_code == 200
+
+        return all(await asyncio.gather(*map(one, self.urls)))
 
     async def info(self, replica: int = 0, *, retry: RetryPolicy | None = None) -> dict[str, Any]:
         """``GET /v1/info`` of one replica."""
