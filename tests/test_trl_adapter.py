@@ -355,3 +355,37 @@ def test_gold_answers_from_numbers_and_missing_ones(reward_server: ServerProcess
     assert verl.compute_score("gsm8k", texts[0], 1e-05, url)["acc"] == 1.0
     with pytest.raises(ValueError, match="ground_truth of a 'gsm8k' sample: the gold answer"):
         verl.compute_score("gsm8k", texts[0], None, url)
+
+
+def test_a_cancelled_call_gives_up_its_turn_at_the_gather(
+    reward_server: ServerProcess,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under several processes the calls gather in the order they began; a call cancelled
+    while its request ran kept its turn, and every later gather on the loop (this step's other
+    reward function, the next steps') waited for it forever. One process stands in for the
+    group here: the gather hands back this process's own part."""
+    from trainer_client import trl
+
+    monkeypatch.setattr(trl, "_process_group", lambda: "group")
+    monkeypatch.setattr(trl, "_all_gather", lambda obj: [obj])
+    monkeypatch.setattr(trl, "_rank", lambda: 0)
+    stuck, other = SDE2Reward(reward_server.url), SDE2Reward(reward_server.url)
+
+    async def step() -> list[float | None]:
+        client = stuck._get_client()
+
+        async def never(*args: Any, **kwargs: Any) -> Any:
+            await asyncio.sleep(3600)
+
+        client.score = never  # type: ignore[method-assign]
+        kw = call_kwargs([GOOD, PLAIN], ["p"] * 2)
+        first = asyncio.ensure_future(stuck.sde2(**kw))  # takes the first turn
+        second = asyncio.ensure_future(other.sde2(**kw))
+        await asyncio.sleep(0.5)
+        first.cancel()
+        await asyncio.wait_for(second, 30)
+        return await asyncio.wait_for(other.sde2(**kw), 30)  # and the next step's
+
+    rewards = asyncio.run(step())
+    assert len(rewards) == 2 and rewards[0] is not None

@@ -24,13 +24,12 @@ forms its group advantages from them.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import json
 import logging
 import sys
 import weakref
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import MethodType
 from typing import Any
 
@@ -246,10 +245,16 @@ class SDE2Reward:
                 answer_type = options["answer_type"]
                 await self._log_extremes(items, answer_type, result, kwargs["log_extra"])
             return list(result.rewards)
-        ticket = _GatherTurns.of_loop().take()  # before any await: in the order calls begin
-        local, step, offset = await self._score_across_processes(
-            lambda: self._request(prompts, completions, completion_ids, kwargs), ticket
-        )
+        turns = _GatherTurns.of_loop()
+        ticket = turns.take()  # before any await: in the order the calls begin
+        try:
+            local, step, offset = await self._score_across_processes(
+                lambda: self._request(prompts, completions, completion_ids, kwargs),
+                turns,
+                ticket,
+            )
+        finally:
+            turns.release(ticket)
         self.last_result = step
         self._log(step, local, kwargs.get("log_metric"), kwargs.get("log_extra"))
         return list(step.rewards[offset : offset + len(local)])
@@ -305,6 +310,7 @@ class SDE2Reward:
     async def _score_across_processes(
         self,
         request: Callable[[], tuple[list[dict[str, Any]], dict[str, Any]]],
+        turns: _GatherTurns,
         ticket: int,
     ) -> tuple[ScoreResult, ScoreResult, int]:
         """(this slice raw, the whole step normalized, this slice's offset in the step).
@@ -329,8 +335,8 @@ class SDE2Reward:
         # The gather blocks the loop: several reward functions (TRL runs them concurrently)
         # must gather in one order on every process, the order their calls began, not the
         # order their answers came back (which differs between processes).
-        async with _GatherTurns.of_loop().turn(ticket):
-            gathered = _all_gather((local, groups, answer_type, message, self._identity()))
+        await turns.wait(ticket)
+        gathered = _all_gather((local, groups, answer_type, message, self._identity()))
         if error is not None:
             raise error
         if len({identity for *_, identity in gathered}) > 1:
@@ -503,13 +509,16 @@ class _GatherTurns:
     came back early waits for the calls that began before it. TRL starts its reward functions'
     calls in one order on every process (``asyncio.gather`` over its list), so every process
     gathers them in that order (in the order answers came back, rank 0 merged one function's
-    rewards with rank 1's of another: wrong rewards, no error)."""
+    rewards with rank 1's of another: wrong rewards, no error).
+
+    Every ticket is released once its call ends, however it ends (a call cancelled before its
+    gather would otherwise hold every later one, this step's and the next steps')."""
 
     def __init__(self) -> None:
         self.issued = 0
         self.serving = 0
-        self.abandoned: set[int] = set()
-        self.changed = asyncio.Condition()
+        self.released: set[int] = set()
+        self.waiting: dict[int, asyncio.Event] = {}
 
     @classmethod
     def of_loop(cls) -> _GatherTurns:
@@ -525,21 +534,22 @@ class _GatherTurns:
         self.issued += 1
         return self.issued - 1
 
-    @contextlib.asynccontextmanager
-    async def turn(self, ticket: int) -> AsyncIterator[None]:
-        """Wait for ``ticket``'s turn, hold it, pass it on (also when cancelled or failed: a
-        ticket given up is skipped)."""
-        try:
-            async with self.changed:
-                await self.changed.wait_for(lambda: self.serving == ticket)
-            yield
-        finally:
-            async with self.changed:
-                self.abandoned.add(ticket)
-                while self.serving in self.abandoned:
-                    self.abandoned.discard(self.serving)
-                    self.serving += 1
-                self.changed.notify_all()
+    async def wait(self, ticket: int) -> None:
+        """Until the calls that took the tickets before ``ticket`` have released them."""
+        while self.serving != ticket:
+            await self.waiting.setdefault(ticket, asyncio.Event()).wait()
+
+    def release(self, ticket: int) -> None:
+        """``ticket``'s call has ended (a second release is nothing): the next one's turn."""
+        if ticket < self.serving:
+            return
+        self.released.add(ticket)
+        while self.serving in self.released:
+            self.released.discard(self.serving)
+            self.serving += 1
+        event = self.waiting.pop(self.serving, None)
+        if event is not None:
+            event.set()
 
 
 _TURNS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _GatherTurns]
