@@ -946,3 +946,18 @@ def test_ready_is_quick_on_a_wedged_replica_and_async_too() -> None:
                 return await arc.ready()
 
         assert asyncio.run(run()) is False
+
+
+def test_params_are_checked_naming_the_field_and_sent_as_json_numbers() -> None:
+    """A NaN was a bare "Out of range float values are not JSON compliant", a numpy number a
+    TypeError (``np.int64`` then "not a valid integer"): now the field is named, and numpy
+    scalars are sent as the numbers they hold."""
+    import numpy as np
+
+    from trainer_client.sharding import params_to_json
+
+    with pytest.raises(ValueError, match=r"^params\.explore_cap: Input should be a finite number"):
+        params_to_json({"explore_cap": math.nan})
+    given = {"length_target": np.int64(256), "weights": {"sd": np.float32(0.5)}}
+    assert params_to_json(given) == {"length_target": 256, "weights": {"sd": 0.5}}
+    assert json.dumps(params_to_json(given))  # plain JSON

@@ -102,7 +102,7 @@ class FakeClient:
     down: ClassVar[bool] = False
     interrupt: ClassVar[bool] = False  # Ctrl-C while the retries wait
 
-    def __init__(self, urls: object, retry: object = None, api_key: object = None) -> None:
+    def __init__(self, urls: object, **options: object) -> None:
         pass
 
     def __enter__(self) -> FakeClient:

@@ -746,6 +746,7 @@ def probe_each(urls: str | Sequence[str], api_key: str | None = None) -> list[di
     second URL passed a probe of the first and surfaced only as a retry at every request."""
     infos = []
     for url in normalize_urls(urls):
-        with RewardClient(url, api_key=api_key, retry=PROBE_RETRY) as one:
+        # A replica that accepts and never answers is an error in seconds too.
+        with RewardClient(url, api_key=api_key, retry=PROBE_RETRY, timeout=READY_TIMEOUT) as one:
             infos.append(one.info())
     return infos

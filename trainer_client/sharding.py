@@ -64,12 +64,26 @@ def params_to_json(params: RewardParams | Mapping[str, Any] | None) -> dict[str,
         return None
     if not isinstance(params, RewardParams):
         try:
-            params = RewardParams.model_validate(dict(params))
+            params = RewardParams.model_validate(_plain(params))
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(map(str, ("params", *first["loc"])))
             raise ValueError(f"{where}: {first['msg']}") from None
     return params.model_dump(exclude_unset=True)
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with numpy scalars (a config's ``np.int64(256)``) as Python numbers, nested
+    mappings included: the strict parameter model refuses an ``np.int64`` as "not a valid
+    integer".
+
+    >>> _plain({"weights": {"sd": __import__("numpy").int64(0)}})
+    {'weights': {'sd': 0}}
+    """
+    if isinstance(value, Mapping):
+        return {key: _plain(item) for key, item in value.items()}
+    item = getattr(value, "item", None)
+    return item() if callable(item) and getattr(value, "shape", None) == () else value
 
 
 def split(n_items: int, n_shards: int) -> list[range]:

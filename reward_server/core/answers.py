@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
+from typing import Any
 
 from reward_server.core.params import AnswerType
 from reward_server.core.text import field_text
@@ -258,14 +259,16 @@ def math_equivalent(prediction: str, gold: str) -> bool:
     >>> math_equivalent(long + "the result is $\\frac{1}{2}$", "$\\frac{1}{2}$")
     True
 
-    A text in which ``math-verify`` finds nothing is read again as one LaTeX formula: MATH's
+    A LaTeX text in which ``math-verify`` finds nothing is read again as one formula: MATH's
     golds and most final answers are bare LaTeX (``\\frac{\\sqrt{3}}{2}``), which it only
-    reads between delimiters (every such answer was judged wrong):
+    reads between delimiters (every such answer was judged wrong). Only a text holding LaTeX's
+    marks (``\\ ^ _ {``): read as a formula, letters are a product of symbols, and "CBA"
+    would equal "ABC".
 
     >>> math_equivalent("\\frac{\\sqrt3}{2}", "\\frac{\\sqrt{3}}{2}")
     True
-    >>> math_equivalent("32", "\\frac{\\sqrt{3}}{2}")
-    False
+    >>> math_equivalent("32", "\\frac{\\sqrt{3}}{2}"), math_equivalent("CBA", "ABC")
+    (False, False)
     """
     try:
         from math_verify import parse, verify
@@ -277,9 +280,18 @@ def math_equivalent(prediction: str, gold: str) -> bool:
     on_main = threading.current_thread() is threading.main_thread()
     timeout = {} if on_main else {"parsing_timeout": None}
     verify_timeout = {} if on_main else {"timeout_seconds": None}
-    gold_parsed = parse(gold, **timeout) or parse(f"${gold}$", **timeout)
-    pred_parsed = parse(prediction, **timeout) or parse(f"${prediction}$", **timeout)
-    return bool(verify(gold_parsed, pred_parsed, **verify_timeout))
+
+    def read(text: str) -> list[Any]:
+        found = parse(text, **timeout)
+        if found or _LATEX_MARK.search(text) is None:
+            return list(found)
+        return list(parse(f"${text}$", **timeout))
+
+    return bool(verify(read(gold), read(prediction), **verify_timeout))
+
+
+#: What tells bare LaTeX from words: a command, a script, a group.
+_LATEX_MARK = re.compile(r"[\\^_{]")
 
 
 def math_available() -> bool:
