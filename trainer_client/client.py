@@ -60,6 +60,18 @@ DEFAULT_TIMEOUT = 180.0  # seconds; a large step on a CPU server can take a whil
 READY_TIMEOUT = 5.0
 
 
+def check_timeout(seconds: float, name: str = "timeout") -> None:
+    """Refuse a request timeout that no request could meet (``ValueError`` naming ``name``).
+
+    >>> check_timeout(0.0, "--reward-timeout")
+    Traceback (most recent call last):
+    ...
+    ValueError: --reward-timeout must be a number of seconds > 0, got 0.0
+    """
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"{name} must be a number of seconds > 0, got {seconds}")
+
+
 def encode_body(body: Any) -> bytes | None:
     """``body`` as the JSON httpx would send (``None``: no body), encoded once for every try.
 
@@ -282,6 +294,10 @@ class _Attempts:
             retry_after = parse_retry_after(outcome.headers.get("retry-after"))
             if retry_after is not None:
                 self._held[url] = (time.monotonic(), self.policy.delay(self.number, retry_after))
+        return self._failed(failure, retryable)
+
+    def _failed(self, failure: Attempt, retryable: bool) -> bool:
+        """Record a failed try (False, what :meth:`succeeded` and :meth:`read` then answer)."""
         self.failures.append(failure)
         self.client.failed_attempts += 1
         self._retryable = retryable
@@ -295,10 +311,7 @@ class _Attempts:
         try:
             self.data = reader(self.data, self.answered_by)
         except ValueError as exc:
-            self.failures.append(Attempt(url, 200, str(exc)))
-            self.client.failed_attempts += 1
-            self._retryable = True
-            return False
+            return self._failed(Attempt(url, 200, str(exc)), retryable=True)
         return True
 
     def check_stop(self, stop: threading.Event | None) -> None:
@@ -398,8 +411,7 @@ class _Base:
         self.retry = retry or RetryPolicy()
         #: Failed attempts so far (retried or not): a cheap health signal for logs and tests.
         self.failed_attempts = 0
-        if not (math.isfinite(timeout) and timeout > 0):
-            raise ValueError(f"timeout must be a number of seconds > 0, got {timeout}")
+        check_timeout(timeout)
         self._timeout = httpx.Timeout(timeout, connect=connect_timeout)
         self._limits = httpx.Limits(
             max_connections=max_connections, max_keepalive_connections=max_connections

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import random
 import sys
 from collections.abc import Sequence
@@ -147,11 +146,12 @@ def check_reward_flags(args: argparse.Namespace) -> None:
     """The reward client's flags: a timeout of 0 failed every request against a healthy server
     (after the model loaded, blaming the server), and the retry policy's own refusals were
     tracebacks that named no flag."""
-    from trainer_client.retry import RetryPolicy
+    from trainer_client.client import check_timeout
 
-    timeout = args.reward_timeout
-    if not (math.isfinite(timeout) and timeout > 0):
-        raise FlagError(f"--reward-timeout must be a number of seconds > 0, got {timeout}")
+    try:
+        check_timeout(args.reward_timeout, "--reward-timeout")
+    except ValueError as exc:
+        raise FlagError(str(exc)) from None
     try:
         RetryPolicy(max_attempts=args.reward_retries, deadline=args.reward_deadline)
     except ValueError as exc:

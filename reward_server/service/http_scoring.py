@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import Callable, Collection, Sequence
+from functools import cache
 from typing import Any
 
 import orjson
@@ -219,6 +220,7 @@ def query_refusal(names: Sequence[str], known: Collection[str]) -> RequestInvali
     return RequestInvalid(issues) if issues else None
 
 
+@cache  # once per limit, not per request: it builds the default parameters
 def max_values(max_items: int) -> int:
     """The most JSON values a scoring body may hold: twice what the fullest accepted request
     holds (the root, each field of the request and of its parameters, and ``max_items`` items
