@@ -11,7 +11,10 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import os
 import pickle
+import subprocess
+import sys
 from collections import defaultdict
 from typing import Any
 
@@ -389,3 +392,33 @@ def test_a_cancelled_call_gives_up_its_turn_at_the_gather(
 
     rewards = asyncio.run(step())
     assert len(rewards) == 2 and rewards[0] is not None
+
+
+def test_prompt_parts_group_alike_in_every_process() -> None:
+    """A prompt part JSON cannot write was keyed by its repr: a set's order follows the hash
+    seed (each process grouped the same prompt apart), and an object's default repr is its
+    address (every call did)."""
+    prompt = [{"role": "user", "content": "A", "tags": {"alpha", "beta", "gamma", "delta"}}]
+    code = f"from trainer_client.trl import prompt_key; print(prompt_key({prompt!r}))"
+    keys = {
+        subprocess.run(
+            [sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True, text=True, check=True,
+        ).stdout
+        for seed in ("1", "2", "3", "4")
+    }  # fmt: skip
+    assert len(keys) == 1
+
+    class Opaque:
+        pass
+
+    with pytest.raises(ValueError, match=r"prompt holds a Opaque.*its repr is its address"):
+        prompt_key([{"role": "user", "content": "A", "extra": Opaque()}])
+
+
+def test_a_prompt_without_content_is_refused_naming_its_row(
+    reward_server: ServerProcess,  # noqa: F811
+) -> None:
+    prompts = ["p", [{"role": "user", "content": "A", "extra": object()}]]
+    with pytest.raises(ValueError, match=r"^prompts, row 1: a prompt holds a object"):
+        asyncio.run(sde2_reward(reward_server.url)(**call_kwargs([GOOD, PLAIN], prompts)))

@@ -75,18 +75,9 @@ def completion_text(completion: Any) -> str:
     """
     if isinstance(completion, str):
         return completion
-    if isinstance(completion, Mapping):
-        completion = [completion]
-    if not isinstance(completion, Sequence):
-        kind = type(completion).__name__
-        raise ValueError(f"a completion is a string or a list of messages, got {kind}")
-    for message in completion:
-        if not isinstance(message, Mapping):
-            kind = type(message).__name__
-            raise ValueError(f"a completion's messages are mappings, got a {kind}")
     parts: list[str] = []
-    for message in completion:
-        if message.get("role", "assistant") != "assistant":
+    for message in _messages(completion):
+        if not _is_model_turn(message):
             continue
         reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k)), None)
         if isinstance(reasoning, str):
@@ -102,6 +93,26 @@ def completion_text(completion: Any) -> str:
     return "\n".join(parts)
 
 
+def _messages(completion: Any) -> Sequence[Mapping[str, Any]]:
+    """A conversational completion's messages (one message alone is a list of one); a
+    :class:`ValueError` naming what else it is."""
+    if isinstance(completion, Mapping):
+        return [completion]
+    if isinstance(completion, str) or not isinstance(completion, Sequence):
+        kind = type(completion).__name__
+        raise ValueError(f"a completion is a string or a list of messages, got {kind}")
+    for message in completion:
+        if not isinstance(message, Mapping):
+            kind = type(message).__name__
+            raise ValueError(f"a completion's messages are mappings, got a {kind}")
+    return completion
+
+
+def _is_model_turn(message: Mapping[str, Any]) -> bool:
+    """Whether a message holds the model's words (an assistant turn; no role: the model's)."""
+    return message.get("role", "assistant") == "assistant"
+
+
 def _has_tool_turns(completion: Any) -> bool:
     """Whether a conversational completion holds a turn that is not the model's (a tool's).
 
@@ -110,11 +121,7 @@ def _has_tool_turns(completion: Any) -> bool:
     >>> _has_tool_turns("a"), _has_tool_turns([{"role": "assistant", "content": "a"}])
     (False, False)
     """
-    if isinstance(completion, str | Mapping) or not isinstance(completion, Sequence):
-        return False
-    return any(
-        isinstance(m, Mapping) and m.get("role", "assistant") != "assistant" for m in completion
-    )
+    return not isinstance(completion, str) and not all(map(_is_model_turn, _messages(completion)))
 
 
 def prompt_key(prompt: Any) -> str:
@@ -130,12 +137,28 @@ def prompt_key(prompt: Any) -> str:
     return hashlib.blake2b(canonical.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
 
 
-def _digest(value: Any) -> str:
-    """A prompt part JSON cannot write, as text that names its content: an image (PIL, numpy:
-    anything with ``tobytes``) by a digest of its pixels, mode and size; anything else by its
-    ``repr``."""
+def _digest(value: Any) -> Any:
+    """A prompt part JSON cannot write, as something it can that names its content alike in
+    every process: an image (PIL, numpy: anything with ``tobytes``) by a digest of its pixels,
+    mode and size; a set by its members in order; anything else by its ``repr``, unless that is
+    the default one, which shows an address (each process would group the same prompt apart).
+
+    >>> _digest({"b", "a"}), _digest(b"x")
+    (['a', 'b'], "bytes:b'x'")
+    >>> _digest(object())  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: a prompt holds a object, which names no content: ... (give it a tobytes() ...)
+    """
+    if isinstance(value, set | frozenset):
+        return sorted(value, key=repr)
     tobytes = getattr(value, "tobytes", None)
     if not callable(tobytes):
+        if type(value).__repr__ is object.__repr__:
+            raise ValueError(
+                f"a prompt holds a {type(value).__name__}, which names no content: JSON cannot "
+                "write it and its repr is its address (give it a tobytes() or a __repr__)"
+            )
         return f"{type(value).__name__}:{value!r}"
     shape = (
         getattr(value, "size", None),
@@ -277,25 +300,29 @@ class SDE2Reward:
         answers = kwargs[self.answer_column]
         answer_type = _uniform(kwargs.get("answer_type") or [], "answer_type", self.answer_type)
         items: list[dict[str, Any]] = []
+        texts: list[str] = []
+        tool_turns = False
+        for i, completion in enumerate(completions):
+            try:
+                texts.append(completion_text(completion))
+                tool_turns = tool_turns or _has_tool_turns(completion)
+            except ValueError as exc:
+                raise ValueError(f"completions, row {i}: {exc}") from None
         # TRL's completion_ids hold the tool results' tokens too (it masks them in its own
         # lengths, but does not pass the mask): with a tool turn in the call, its lengths are
         # the words of the model's own text, counted by the server, for every item alike.
-        if completion_ids is not None and any(map(_has_tool_turns, completions)):
+        if tool_turns:
             completion_ids = None
-        for i, completion in enumerate(completions):
+        for i, text in enumerate(texts):
             try:
                 gold = gold_text(answers[i])
             except ValueError as exc:
                 raise ValueError(f"dataset column {self.answer_column!r}, row {i}: {exc}") from None
             try:
-                text = completion_text(completion)
+                group = prompt_key(prompts[i])
             except ValueError as exc:
-                raise ValueError(f"completions, row {i}: {exc}") from None
-            item: dict[str, Any] = {
-                "completion": text,
-                "answer": gold,
-                "group": prompt_key(prompts[i]),
-            }
+                raise ValueError(f"prompts, row {i}: {exc}") from None
+            item: dict[str, Any] = {"completion": text, "answer": gold, "group": group}
             if completion_ids is not None:
                 item["num_tokens"] = len(completion_ids[i])
             items.append(item)
