@@ -115,3 +115,16 @@ def test_huge_weights_give_the_advantages_of_ordinary_ones() -> None:
     for normalize in (False, True):
         out = aggregate({"oc": [1.0, 0.0]}, big, normalize=normalize, groups=["g", "g"])
         assert out.advantages == pytest.approx([1.0, -1.0], rel=1e-5)
+
+
+@pytest.mark.parametrize("value", [12345678903.834568, 3.3e15, 1.7e308, -7.1e12])
+def test_equal_values_normalize_to_zero_at_any_scale(value: float) -> None:
+    """SPEC §5: equal values have σ = 0, so R − μ = 0. sum/n rounded the value off by a step,
+    which past ~5e9 exceeds eps: every item read about ±1 (normalized and advantages alike)."""
+    z, mu, sigma = zscore([value] * 3, 1e-6)
+    assert (z, mu, sigma) == ([0.0, 0.0, 0.0], value, 0.0)
+    assert group_advantages([value] * 3 + [1.0, 2.0], ["g"] * 3 + ["h"] * 2, 1e-6)[:3] == [0.0] * 3
+    params = RewardParams(lambda_oc=value) if value > 0 else RewardParams()
+    agg = aggregate({"oc": [value] * 3}, params, normalize=True, groups=["g"] * 3)
+    assert agg.normalized["oc"] == [0.0] * 3 and agg.std["oc"] == 0.0 and agg.mean["oc"] == value
+    assert agg.rewards == [0.0] * 3 and agg.advantages == [0.0] * 3

@@ -47,7 +47,10 @@ def _advantages_group_by_group(rewards: list[float], groups: list[str], eps: flo
     for g in dict.fromkeys(groups):
         members = [i for i, x in enumerate(groups) if x == g]
         values = r[members]
-        out[members] = (values - values.mean()) / (values.std() + eps)
+        if values.max() == values.min():  # R − μ = 0 (sum/n may round off the value)
+            out[members] = 0.0
+        else:
+            out[members] = (values - values.mean()) / (values.std() + eps)
     return out.tolist()
 
 
@@ -75,12 +78,16 @@ def test_row_mean_std_is_numpys_mean_and_std_bit_for_bit(
     data: st.DataObject, rows: int, n: int
 ) -> None:
     """The one computation of means and deviations that zscore, the batch z-scores and the
-    advantages share is numpy's own ``mean`` and ``std``, to the bit."""
+    advantages share is numpy's own ``mean`` and ``std``, to the bit, but for a row of one
+    value: its own mean, σ = 0 and zeros (sum/n may round off the value)."""
     x = np.array(data.draw(st.lists(st.lists(_VALUE, min_size=n, max_size=n), min_size=rows,
                                     max_size=rows)), np.float64)  # fmt: skip
+    level = x.max(axis=1) == x.min(axis=1)
     mu, sigma, centered = row_mean_std(x)
-    assert repr(mu.tolist()) == repr(x.mean(axis=1).tolist())
-    assert repr(sigma.tolist()) == repr(x.std(axis=1).tolist())
-    assert repr(centered.tolist()) == repr((x - x.mean(axis=1, keepdims=True)).tolist())
-    for row, m, s in zip(x, mu.tolist(), sigma.tolist(), strict=True):
+    want_mu = np.where(level, x[:, 0], x.mean(axis=1))
+    want_centered = np.where(level[:, None], 0.0, x - x.mean(axis=1, keepdims=True))
+    assert repr(mu.tolist()) == repr(want_mu.tolist())
+    assert repr(sigma.tolist()) == repr(np.where(level, 0.0, x.std(axis=1)).tolist())
+    assert repr(centered.tolist()) == repr(want_centered.tolist())
+    for row, m, s in zip(x[~level], mu[~level].tolist(), sigma[~level].tolist(), strict=True):
         assert repr((m, s)) == repr((float(np.mean(row)), float(np.std(row))))

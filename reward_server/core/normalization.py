@@ -106,11 +106,21 @@ def row_mean_std(
 
     >>> [a.tolist() for a in row_mean_std(np.array([[1.0, 3.0], [2.0, 2.0]]))]
     [[2.0, 2.0], [1.0, 0.0], [[-1.0, 1.0], [0.0, 0.0]]]
+    >>> [a.tolist() for a in row_mean_std(np.array([[12345678903.834568] * 3]))]
+    [[12345678903.834568], [0.0], [[0.0, 0.0, 0.0]]]
     """
     n = x.shape[1]
     mu = np.add.reduce(x, axis=1) / n
     centered = x - mu[:, None]
     sigma = np.sqrt(np.add.reduce(np.square(centered), axis=1) / n)
+    # A row of one value has σ = 0 and R − μ = 0 exactly (SPEC §5), but sum/n can be that
+    # value off by a rounding step, which past ~5e9 exceeds eps: each item then read about ±1
+    # (the same sign for all) instead of 0.
+    level = np.maximum.reduce(x, axis=1) == np.minimum.reduce(x, axis=1)
+    if level.any():
+        mu[level] = x[level, 0]
+        centered[level] = 0.0
+        sigma[level] = 0.0
     return mu, sigma, centered
 
 
