@@ -199,6 +199,85 @@ async def test_a_message_of_millions_of_other_fields_is_refused_unscanned() -> N
         assert len(ok.rewards) == 2
 
 
+async def test_a_varint_that_never_ends_is_refused_at_once() -> None:
+    """The item count read a varint until a byte without the continuation bit: a message of
+    0xff bytes was one varint growing a Python integer (quadratic: 400 KB held the event loop,
+    HTTP and health included, 5 s; the 16 MiB limit about two hours). A varint is at most 10
+    bytes: past them the message is not protobuf, refused as any other."""
+    async with Running(make_service()) as running:
+        score = running.channel.unary_unary("/sde2.v1.RewardService/Score")
+        for junk in (b"\xff" * 4_000_000, b"\x80" * 4_000_000, b"\x0a\x00" + b"\xff" * 100):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await score(junk, timeout=20)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "not a valid protobuf message" in (err.value.details() or "")
+        health = await running.stub.Health(pb.HealthRequest(), timeout=5)
+        assert health.status == pb.HealthResponse.SERVING
+
+
+def _field(number: int, wire: int, payload: bytes) -> bytes:
+    """One protobuf field: its key, then ``payload`` (a length-delimited one's length first)."""
+    key = bytes([number << 3 | wire])
+    return key + (_varint_bytes(len(payload)) + payload if wire == 2 else payload)
+
+
+async def test_declared_fields_of_another_wire_type_are_refused_naming_them() -> None:
+    """protobuf keeps a declared field sent with another wire type among the unknown ones, and
+    the message reads its default: a client built from another .proto (float for double,
+    double for int64) was scored with the defaults, silently. Refused, each field named, as
+    HTTP refuses a value of the wrong type; an unknown number is still ignored."""
+    item = _field(1, 2, b"x") + _field(2, 2, b"1") + _field(5, 1, b"\x00" * 8)
+    params = _field(9, 5, b"\x00\x00\x00\x3f") + _field(11, 2, _field(1, 0, b"\x02"))
+    body = (
+        _field(1, 2, item) + _field(2, 0, b"\x01") + _field(4, 2, params) + _field(5, 2, b"x")
+        + _field(15, 0, b"\x01")
+    )  # fmt: skip
+    async with Running(make_service()) as running:
+        score = running.channel.unary_unary("/sde2.v1.RewardService/Score")
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await score(body)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        fields = re.findall(r"(?:^|; )([\w.]+): sent as a ([\w-]+) field", err.value.details())
+        assert fields == [
+            ("recipe", "varint"),
+            ("normalize", "length-delimited"),
+            ("items.0.num_tokens", "64-bit"),
+            ("params.similarity_threshold", "32-bit"),
+            ("params.weights.oc", "varint"),
+        ]
+        assert "declared double (64-bit): send it as sde2.v1 declares it" in err.value.details()
+
+
+async def test_millions_of_unknown_fields_inside_an_item_are_refused() -> None:
+    """Unknown fields are read into Python objects to tell a misread declared field (~1 us
+    and 100 bytes each): past a few KB of them the request is refused instead (3 million in
+    one item held the loop 2 s and 300 MB); an item with a few is served, as are repeated
+    declared fields (a merged message), which are not unknown."""
+    junk = b"\x78\x01" * 3_000_000  # field 15, undeclared, as varints
+    async with Running(make_service()) as running:
+        score = running.channel.unary_unary("/sde2.v1.RewardService/Score")
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await score(b"\x0a" + _varint_bytes(len(junk)) + junk)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert re.fullmatch(
+            r"body: 600000\d bytes of fields that sde2.v1 does not declare, over the limit of "
+            r"16384: send the fields it declares",
+            err.value.details() or "",
+        )
+        item = _field(1, 2, b"x") + _field(2, 2, b"1")
+        for extra in (b"\x78\x01" * 100, _field(1, 2, b"y") * 3000):
+            body = pb.ScoreResponse.FromString(await score(_field(1, 2, item + extra)))
+            assert len(body.rewards) == 1
+
+
+def _varint_bytes(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    return bytes([*out, value])
+
+
 async def test_calls_in_progress_are_bounded_past_the_queue(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

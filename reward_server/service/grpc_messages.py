@@ -15,11 +15,13 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
+from google.protobuf.unknown_fields import UnknownFieldSet
 
 from reward_server.core.params import RewardParams, Weights
 from reward_server.service._generated.sde2.v1 import reward_pb2 as pb
-from reward_server.service.errors import RequestInvalid
+from reward_server.service.errors import RequestInvalid, issue
 from reward_server.service.pipeline import Scored
 
 SERVICE = "sde2.v1.RewardService"
@@ -28,6 +30,15 @@ SERVICE = "sde2.v1.RewardService"
 PARAM_FIELDS = tuple(name for name in RewardParams.model_fields if name != "weights")
 WEIGHT_FIELDS = tuple(Weights.model_fields)
 
+
+#: The names of the field types these messages declare, as the .proto spells them.
+FIELD_TYPE_NAMES = {
+    FieldDescriptor.TYPE_DOUBLE: "double",
+    FieldDescriptor.TYPE_INT64: "int64",
+    FieldDescriptor.TYPE_BOOL: "bool",
+    FieldDescriptor.TYPE_STRING: "string",
+    FieldDescriptor.TYPE_MESSAGE: "message",
+}
 
 #: Each method's request and response message names.
 METHODS: dict[str, tuple[str, str]] = {
@@ -103,16 +114,36 @@ def info_to_proto(info: dict[str, Any]) -> pb.InfoResponse:
     )
 
 
+#: The longest varint protobuf writes (a 64-bit value, 7 bits a byte).
+_VARINT_MAX_BYTES = 10
+
+
+class _NotAVarint(ValueError):
+    """More than :data:`_VARINT_MAX_BYTES` bytes with the continuation bit: not protobuf."""
+
+
 def _varint(data: bytes, pos: int) -> tuple[int, int]:
-    """The varint at ``pos`` and the position after it; IndexError past the end."""
+    """The varint at ``pos`` and the position after it; IndexError past the end,
+    :class:`_NotAVarint` past its tenth byte (unbounded, a message of 0xff bytes was one
+    varint growing a Python integer: quadratic time, minutes for a few MB, holding the loop).
+
+    >>> _varint(b"\\xac\\x02", 0)
+    (300, 2)
+    >>> _varint(b"\\xff" * 11, 0)
+    Traceback (most recent call last):
+    ...
+    reward_server.service.grpc_messages._NotAVarint: a varint longer than 10 bytes
+    """
     value = shift = 0
-    while True:
-        byte = data[pos]
-        pos += 1
+    for at in range(pos, min(pos + _VARINT_MAX_BYTES, len(data))):
+        byte = data[at]
         value |= (byte & 0x7F) << shift
         if byte < 0x80:
-            return value, pos
+            return value, at + 1
         shift += 7
+    if len(data) > pos + _VARINT_MAX_BYTES:
+        raise _NotAVarint(f"a varint longer than {_VARINT_MAX_BYTES} bytes")
+    raise IndexError("the message ends inside a varint")
 
 
 #: Top-level fields beyond the items a ``ScoreRequest`` may hold (six are declared): a message
@@ -166,7 +197,7 @@ def count_items(data: bytes, stop_after: int) -> int | None:
                 pos += 8 if wire == 1 else 4
             else:  # a group (3, 4: none in this message, yet protobuf keeps unknown ones whole,
                 return None  # items and all, so the count would stop short) or not protobuf
-    except IndexError:
+    except (IndexError, _NotAVarint):
         pass
     return found
 
@@ -211,4 +242,76 @@ def parse_request(data: bytes) -> pb.ScoreRequest:
     request = lenient(pb, "ScoreRequest")(data)
     if isinstance(request, Malformed):
         raise request.refusal()
+    # Fields it does not declare: none when the known fields alone make up the bytes sent (a
+    # C-level check, ~20 us a step); else they are read anew, within a bound.
+    request.DiscardUnknownFields()
+    if request.ByteSize() != len(data):  # unknown fields, or only an unusual encoding
+        whole = pb.ScoreRequest.FromString(data)
+        _check_unknown_fields(whole, whole.ByteSize() - request.ByteSize())
     return request
+
+
+#: The most bytes of fields ``sde2.v1`` does not declare that a request may hold (a newer
+#: client's few fields fit): each is read into a Python object, ~1 us and 100 bytes each, so
+#: a message of millions would hold the event loop for seconds.
+MAX_UNKNOWN_BYTES = 16384
+
+
+def _check_unknown_fields(request: pb.ScoreRequest, unknown_bytes: int) -> None:
+    """Refuse ``request`` (parsed with its unknown fields) when they are over
+    :data:`MAX_UNKNOWN_BYTES` or when one is a declared field sent with another wire type.
+    ``unknown_bytes``: their size."""
+    if unknown_bytes > MAX_UNKNOWN_BYTES:
+        msg = (
+            f"{unknown_bytes} bytes of fields that sde2.v1 does not declare, over the limit of "
+            f"{MAX_UNKNOWN_BYTES}: send the fields it declares"
+        )
+        raise RequestInvalid.one((), msg, "unknown_fields")
+    misread = [
+        *_misread(request, ()),
+        *(i for k, item in enumerate(request.items) for i in _misread(item, ("items", k))),
+    ]
+    if request.HasField("params"):
+        misread += _misread(request.params, ("params",))
+        if request.params.HasField("weights"):
+            misread += _misread(request.params.weights, ("params", "weights"))
+    if misread:
+        raise RequestInvalid(misread)
+
+
+#: The wire type protobuf writes for each field type of these messages, and its name.
+_WIRE_OF_TYPE = {
+    FieldDescriptor.TYPE_DOUBLE: 1,
+    FieldDescriptor.TYPE_INT64: 0,
+    FieldDescriptor.TYPE_BOOL: 0,
+    FieldDescriptor.TYPE_STRING: 2,
+    FieldDescriptor.TYPE_MESSAGE: 2,
+}
+_WIRE_NAMES = {0: "varint", 1: "64-bit", 2: "length-delimited", 3: "group", 5: "32-bit"}
+
+
+def _misread(message: Message, loc: tuple[str | int, ...]) -> list[dict[str, Any]]:
+    """An issue for each field of ``message`` that was sent under a number it declares but
+    with another wire type (a float for a double, a double for an int64: a client built from a
+    .proto other than ``sde2.v1``'s). protobuf keeps such a field among the unknown ones and
+    the message reads the field's default: scored as if it was not sent, where HTTP refuses a
+    value of the wrong type. Unknown numbers stay ignored, as protobuf ignores them.
+
+    >>> sent = pb.Weights(oc=2.0).SerializeToString().replace(b"\\x09", b"\\x0d", 1)[:5]
+    >>> [i["field"] + ": " + i["msg"] for i in _misread(pb.Weights.FromString(sent), ("w",))]
+    ['w.oc: sent as a 32-bit field, declared double (64-bit): send it as sde2.v1 declares it']
+    """
+    declared = message.DESCRIPTOR.fields_by_number
+    issues = []
+    unknowns = UnknownFieldSet(message)  # indexed: its stub declares no __iter__
+    for unknown in map(unknowns.__getitem__, range(len(unknowns))):
+        field = declared.get(unknown.field_number)
+        if field is None:
+            continue
+        wire = _WIRE_NAMES.get(unknown.wire_type, str(unknown.wire_type))
+        kind = FIELD_TYPE_NAMES.get(field.type, str(field.type))
+        expected = _WIRE_NAMES[_WIRE_OF_TYPE[field.type]]
+        msg = f"sent as a {wire} field, declared {kind} ({expected})"
+        msg += ": send it as sde2.v1 declares it"
+        issues.append(issue((*loc, field.name), msg, "wire_type"))
+    return issues
