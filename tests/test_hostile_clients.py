@@ -599,3 +599,39 @@ def test_json_bodies_of_millions_of_values_are_refused_before_parsing(
     grown = _peak_rss_mb(server) - before
     assert grown < 150, f"peak memory grew {grown:.0f} MiB"
     assert httpx.post(server.url + "/v1/score", json=VALID).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("target", "status"),
+    [
+        ("/nonexistent", b"404"),
+        ("/healthz", b"405"),
+        ("/v1/score/", b"307"),
+        ("/get_reward?normalize=maybe", b"422"),
+    ],
+)
+def test_a_reply_sent_before_its_body_closes_the_connection(
+    server: ServerProcess, target: str, status: bytes
+) -> None:
+    """Replies the app sends without reading the body (no such route, a method it does not
+    take, a redirect, a bad query value) left the connection kept alive, so the server took in
+    the body, discarded, past every limit and deadline (12-16 GB in 8 s, or a byte every few
+    seconds for ever). The connection is closed once the reply is out."""
+    head = (
+        f"POST {target} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n".encode()
+        + b"content-length: 1000000000\r\n\r\n"
+    )
+    answer = _refused_then_closed(server, head)
+    assert answer.startswith(b"HTTP/1.1 " + status), answer[:40]
+    assert httpx.get(server.url + "/healthz").status_code == 200
+
+
+def test_a_bad_query_value_without_the_key_is_401(onnx_model_dir: Path) -> None:
+    """FastAPI checks query values before the route runs, so a client without the key was told
+    422 (which values the server reads) where every other refusal says 401 first."""
+    with ServerProcess(onnx_model_dir, env={"SDE2_API_KEY": "k3y"}) as server:
+        url = server.url + "/get_reward?normalize=maybe"
+        body = {"query": ["q 1"], "prompts": ["q"], "labels": ["1"]}
+        assert httpx.post(url, json=body).status_code == 401
+        keyed = httpx.post(url, json=body, headers={"authorization": "Bearer k3y"})
+        assert keyed.status_code == 422 and keyed.json()["detail"][0]["field"] == "query.normalize"

@@ -27,19 +27,26 @@ from fastapi.responses import Response
 
 from reward_server import __version__
 from reward_server.service import explain_routes, openrlhf_routes, ops_routes, score_routes
-from reward_server.service.errors import RequestInvalid, ServiceError, issue
-from reward_server.service.http_scoring import answer_service_error
-from reward_server.service.pipeline import ScoringService
+from reward_server.service.errors import RequestInvalid, ServiceError, Unauthorized, issue
+from reward_server.service.http_scoring import answer_service_error, service_of
+from reward_server.service.pipeline import ScoringService, one_credential
 
 
 async def _query_invalid(request: Request, exc: Exception) -> Response:
-    """FastAPI's own validation (query parameters): the same 422 as the service's."""
+    """FastAPI's own validation (query parameters): the same 422 as the service's, after the
+    key check as there (FastAPI validates before the route runs: without the key, a client
+    learnt which values the server reads)."""
     assert isinstance(exc, RequestValidationError)
     issues = [
         issue(tuple(e.get("loc", ())), str(e.get("msg", "")), str(e.get("type", "")))
         for e in exc.errors()
     ]
-    return await answer_service_error(request, RequestInvalid(issues))
+    refusal: ServiceError = RequestInvalid(issues)
+    try:
+        service_of(request).authorize(one_credential(request.headers.getlist("authorization")))
+    except Unauthorized as unauthorized:
+        refusal = unauthorized
+    return await answer_service_error(request, refusal)
 
 
 def create_app(service: ScoringService) -> FastAPI:

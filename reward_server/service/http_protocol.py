@@ -18,8 +18,10 @@ client sending one header byte a second, or nothing at all, holds its connection
   does the same in front.)
 
 The body has its own deadline in the app (``--body-timeout``, see ``http_scoring``), where a 408
-can be answered and counted. (h11, uvicorn's other protocol, bounds the head itself, but costs
-0.1-0.2 ms more a scoring request: benchmarks/README.md.)
+can be answered and counted; a connection whose answer went out before its body was all
+received is closed (what would follow is only that body, unbounded). (h11, uvicorn's other
+protocol, bounds the head itself, but costs 0.1-0.2 ms more a scoring request:
+benchmarks/README.md.)
 """
 
 from __future__ import annotations
@@ -83,6 +85,14 @@ class _BoundedHttpToolsProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         super().on_message_complete()
         self._in_head, self._head_bytes = True, 0  # what follows is the next request's head
+
+    def on_response_complete(self) -> None:
+        # An answer sent before its request's body was all received (a 404, a 405, a redirect,
+        # a refusal of the query): kept alive, the connection would go on taking in that body,
+        # discarded, with no size limit and no deadline (13 GB in 8 s, measured). Closed.
+        if self.cycle is not None and self.cycle.more_body and not self.transport.is_closing():
+            self.transport.close()
+        super().on_response_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_timer()
