@@ -95,9 +95,10 @@ def parse_json_line(path: Path, number: int, text: str) -> Any:
         raise json_error(path, number, str(exc)) from None
 
 
-def check_output(path: Path, flag: str = "--out") -> None:
+def check_output(path: Path, flag: str = "--out", inputs: Iterable[tuple[str, Path]] = ()) -> None:
     """Refuse an output path (given as ``flag``) that cannot be written before the parse and
-    the encoder spend minutes on it: a folder, a missing parent folder, no write permission."""
+    the encoder spend minutes on it: a folder, a missing parent folder, no write permission,
+    or one of the command's ``inputs`` (``(flag, file)`` pairs: the output would replace it)."""
     if str(path) == "-":
         return
     if path.is_dir():
@@ -107,6 +108,12 @@ def check_output(path: Path, flag: str = "--out") -> None:
             raise OutputError(f"{flag} {path}: not writable")
         if not path.is_file():
             return  # a device or a pipe: written in place
+        for input_flag, source in inputs:
+            if source.is_file() and path.samefile(source):
+                raise OutputError(
+                    f"{flag} {path}: is the {input_flag} file; writing it would replace what "
+                    "it reads: name another file"
+                )
     parent = path.resolve().parent
     if not parent.is_dir():
         raise OutputError(f"{flag} {path}: no folder {path.parent}")

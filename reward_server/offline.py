@@ -278,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
     cannot be written."""
     command = "sde2-reward score"
     try:
-        check_output(args.out)
+        check_output(args.out, inputs=[("--in", args.input)])
         check_model(args.backend, args.model)
     except (OutputError, InputError) as exc:
         print(f"{command}: {exc}", file=sys.stderr)

@@ -315,3 +315,22 @@ def test_tokenizer_counts_read_runs_even_with_a_model(
     assert main([*argv, "--tokenizer", "org/tok"]) == 0
     runs = {r["method"]: r for r in json.loads((tmp_path / "t.json").read_text())["runs"]}
     assert runs["read"]["tokens"] == 1.0
+
+
+def test_an_output_that_is_a_run_file_or_another_output_is_refused(
+    tmp_path: Path, fake_client: type[FakeClient], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--json`` or ``--save-completions`` naming a ``--completions`` file replaced the run
+    with the table; two outputs naming one file kept the last one written."""
+    runfile = write_run(tmp_path / "r.jsonl", [GOOD])
+    argv = ["--reward-url", URL, "--completions", f"a={runfile}"]
+    with pytest.raises(SystemExit) as stop:
+        main([*argv, "--json", str(runfile)])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--json {runfile}: is the --completions file; writing it would replace" in err
+    both = tmp_path / "t.out"
+    with pytest.raises(SystemExit):
+        main([*argv, "--json", str(both), "--plot", str(both)])
+    assert f"--plot {both}: is also --json's file" in capsys.readouterr().err
+    assert read_run(f"a={runfile}").completions == [GOOD["completion"]]  # as it was

@@ -209,3 +209,18 @@ def test_a_damaged_model_is_one_line_naming_the_file(
     err = capsys.readouterr().err
     assert f"{graph}: sha256" in err and "does not match manifest.json" in err
     assert "Traceback" not in err
+
+
+def test_an_out_that_is_the_input_is_refused_and_the_input_kept(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--out`` naming the ``--in`` file (or a link to it) replaced the input with the scores,
+    exit 0."""
+    src = write_lines(tmp_path / "in.jsonl", [json.dumps(GOOD)])
+    (tmp_path / "link.jsonl").symlink_to(src)
+    for out in (src, tmp_path / "link.jsonl", tmp_path / "." / "in.jsonl"):
+        assert main(score_argv(src, out)) == 2
+        err = capsys.readouterr().err
+        assert f"--out {out}: is the --in file; writing it would replace what it reads" in err
+        assert json.loads(src.read_text()) == GOOD
+    assert main(score_argv(src, tmp_path / "out.jsonl")) == 0

@@ -374,12 +374,17 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         "--plot": args.plot,
         "--save-completions": args.save_completions,
     }
+    runs = [("--completions", Path(split_run_spec(spec)[1])) for spec in args.completions]
+    named: dict[Path, str] = {}
     for flag, path in outputs.items():
-        if path is not None:
-            try:
-                check_output(path, flag)
-            except OutputError as exc:
-                parser.error(str(exc))
+        if path is None or str(path) == "-":
+            continue
+        if (first := named.setdefault(path.resolve(), flag)) != flag:
+            parser.error(f"{flag} {path}: is also {first}'s file: name another file")
+        try:
+            check_output(path, flag, inputs=runs)  # not a file the runs are read from
+        except OutputError as exc:
+            parser.error(str(exc))
 
 
 def unscored_path(run: Run) -> Path:
