@@ -387,3 +387,22 @@ def test_math_answer_type_is_explained_with_the_same_judge() -> None:
     assert [o["matches"] for o in outcomes] == [True, False]
     assert outcomes[0]["canonical"] == {"kind": "math", "value": None}
     assert "note" not in explanation["items"][0]
+
+
+@pytest.mark.parametrize(("kept", "listed_others"), [(32, 64), (72, 64), (3, 5)])
+def test_every_kept_block_and_up_to_64_others_are_listed(kept: int, listed_others: int) -> None:
+    """The cap on other blocks counted the kept ones too: with 32 kept only 32 others were
+    listed, with 64 or more none (the inspector showed "Ignored (5)" over an empty table)."""
+    block = "<strategy><reasoning>r{}</reasoning><strategy_outcome>{}</strategy_outcome></strategy>"
+    distinct = [block.format(k, k) for k in range(kept)]
+    duplicates = [block.format(0, 0)] * min(listed_others + 20, 100)
+    if kept == 3:
+        duplicates = duplicates[:5]
+    items = [ScoreItem(completion="".join(distinct + duplicates), answer="1")]
+    params = RewardParams(max_strategies=max(kept, 32))
+    _, explanation = score_and_explain(items, HashEncoder(), params=params)
+    ex = explanation["items"][0]
+    listed = [b["status"] for b in ex["strategies"]]
+    assert listed.count("kept") == kept
+    assert len(listed) - listed.count("kept") == listed_others  # duplicates, or beyond the cap
+    assert ex["blocks_listed"] == kept + listed_others

@@ -137,6 +137,7 @@ def _explain_blocks(
 ) -> tuple[list[Json], list[Json], list[tuple[int, int]], Counter[str], list[bool]]:
     """Every block and stray tag; the strategies of ``S(a)`` must be those the reward used."""
     listed: list[Json] = []
+    others = 0  # blocks listed that are not kept (at most max_listed)
     ignored: list[Json] = []
     covered: list[tuple[int, int]] = []
     counts: Counter[str] = Counter()
@@ -165,8 +166,10 @@ def _explain_blocks(
             kept_strategies.append(event.strategy)
         if event.status != "kept":
             counts[f"{event.status}_block"] += 1
-        if event.status != "kept" and len(listed) >= limits.max_listed:
-            continue  # counted, not listed: every kept block is listed (at most 256)
+        if event.status != "kept":
+            if others >= limits.max_listed:
+                continue  # counted, not listed: every kept block is listed (at most 256)
+            others += 1
         reasoning, r_issue = _field(pre, offsets, "reasoning", event, limits)
         outcome, o_issue = _field(pre, offsets, "strategy_outcome", event, limits)
         if event.status != "beyond_max" and event.strategy.outcome:
