@@ -620,9 +620,16 @@ def test_arguments_are_checked_at_build_time() -> None:
         ({"header_timeout": 3}, "header_timeout.*http_options"),  # uvicorn's, not Ray's proxy's
         ({"max_header_bytes": 2000}, "max_header_bytes"),
         ({"keep_alive_timeout": 9}, "keep_alive_timeout_s"),
+        # Not "max_replicas: invalid value 4", an argument never set.
+        ({"min_replicas": 5}, "min_replicas 5 is over max_replicas 4 .the default 4 unless set"),
     ):
         with pytest.raises(ValueError, match=word):
             split_args(bad)
+    with pytest.raises(ValueError) as unknown:  # the arguments it lists are ones to set
+        split_args({"max_itemz": 1})
+    listed = str(unknown.value).split("known: ")[1].split(", ")
+    assert "max_items" in listed and "min_replicas" in listed
+    assert not {"api_key", "header_timeout", "max_header_bytes", "port"} & set(listed)
     # YAML `key:` (null) leaves the default, for options and settings alike (the connection
     # limits included); a connection limit given at its default is accepted, as from SDE2_*.
     settings, options, passed = split_args(

@@ -160,7 +160,7 @@ class RayOptions:
         checks = [
             ("num_replicas", self.num_replicas is None or self.num_replicas >= 1),
             ("min_replicas", self.min_replicas >= 0),
-            ("max_replicas", self.max_replicas >= max(1, self.min_replicas)),
+            ("max_replicas", self.max_replicas >= 1),
             ("target_ongoing_requests", self.target_ongoing_requests > 0),
             ("max_ongoing_requests", self.max_ongoing_requests >= 1),
             ("max_queued_requests", self.max_queued_requests >= 1),
@@ -177,6 +177,11 @@ class RayOptions:
         for name, ok in checks:
             if not ok:
                 raise ValueError(f"{name}: invalid value {getattr(self, name)!r}")
+        if self.max_replicas < self.min_replicas:  # both named: either may be the one set
+            raise ValueError(
+                f"min_replicas {self.min_replicas} is over max_replicas {self.max_replicas} "
+                "(the default 4 unless set): raise max_replicas or lower min_replicas"
+            )
 
     def scorer_options(self, settings: Settings) -> dict[str, Any]:
         """``Deployment.options(...)`` of the scorer."""
@@ -240,7 +245,8 @@ def split_args(args: Mapping[str, Any]) -> tuple[Settings, RayOptions, dict[str,
         elif key in setting_names:
             setting_args[key] = str(value)
         else:
-            known = sorted(set(ray_fields) | (setting_names - set(_NOT_UNDER_RAY)))
+            settable = setting_names - set(_NOT_UNDER_RAY) - set(_PROXY_SETTINGS) - {"api_key"}
+            known = sorted(set(ray_fields) | settable)
             raise ValueError(f"unknown argument {raw_key!r}; known: {', '.join(known)}")
     options = RayOptions(**ray_values)
     return settings_from_args(setting_args, options), options, setting_args
