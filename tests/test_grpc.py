@@ -467,3 +467,25 @@ async def test_calls_the_client_ends_are_counted() -> None:
         assert _count(running, requests, route="grpc:Score", status="DEADLINE_EXCEEDED") == 1
         assert _count(running, "sde2_failures_total", reason="client_disconnect") == 1
         assert _count(running, "sde2_failures_total", reason="deadline") == 1
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"items": [], "recipe": None}, "recipe: a string, got NoneType None"),
+        ({"items": [], "params": {"lambda_oc": True}}, "params.lambda_oc: a double, got bool"),
+        ({"items": [], "normalize": 1}, "normalize: a boolean, got int 1"),
+        ({"items": [], "params": {"weights": None}}, "params.weights: an object, got NoneType"),
+        ({"items": [], "params": {"eps": None}}, "params.eps: a double, got NoneType"),
+        ({"items": [], "params": {"length_target": 512.0}}, "params.length_target: an integer"),
+        ({"items": [{"completion": 3, "answer": "1"}]}, "items.0.completion: a string, got int"),
+        ({"items": [], "recipee": "sde2"}, "recipee: not a field of sde2.v1's ScoreRequest"),
+    ],
+)
+def test_request_from_dict_refuses_what_the_message_would_carry_otherwise(
+    body: dict[str, Any], message: str
+) -> None:
+    """protobuf coerces ``True`` into ``1.0`` and ``1`` into ``true`` and reads a missing
+    field's default: the helper sent what HTTP refuses as something the server scored."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        request_from_dict(body)

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import grpc
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
 
 from reward_server.service.grpc_messages import (
     METHODS,
@@ -36,22 +38,89 @@ class RewardStub:
 
 
 def request_from_dict(body: dict[str, Any]) -> pb.ScoreRequest:
-    """A ``ScoreRequest`` message from the HTTP JSON shape (clients, tests)."""
-    body = dict(body)
-    params = dict(body.pop("params", None) or {})
-    weights = params.pop("weights", None)
-    msg = pb.ScoreRequest(**{k: v for k, v in body.items() if k != "items"})
-    for item in body.get("items", []):
-        msg.items.add(**{k: v for k, v in item.items() if v is not None})
-    if params or weights is not None:
-        msg.params.SetInParent()
-        for k, v in params.items():
-            setattr(msg.params, k, v)
-        if weights is not None:
-            msg.params.weights.SetInParent()
-            for k, v in weights.items():
-                setattr(msg.params.weights, k, v)
+    """A ``ScoreRequest`` message from the HTTP JSON shape (clients, tests).
+
+    A value the message would carry as something else is a :class:`ValueError` naming its
+    field, where protobuf would coerce it (``True`` into ``1.0``, ``1`` into ``true``) or drop
+    it (``None``: the default) and the server would score what HTTP refuses. Values of the
+    right type go through unchecked: the server validates them as over HTTP.
+
+    >>> request_from_dict({"items": [{"completion": "a", "answer": "1", "group": None}]}).items[0]
+    completion: "a"
+    answer: "1"
+    <BLANKLINE>
+    >>> request_from_dict({"items": [], "params": {"lambda_oc": True}})
+    Traceback (most recent call last):
+    ...
+    ValueError: params.lambda_oc: a double, got bool True (HTTP refuses it too)
+    """
+    msg = pb.ScoreRequest()
+    for key, value in body.items():
+        if key == "items":
+            for k, item in enumerate(_listed(value, ("items",))):
+                fields = {f: v for f, v in _mapping(item, ("items", k)).items() if v is not None}
+                _fill(msg.items.add(), fields, ("items", k))
+        elif key == "params":
+            params = dict(_mapping(value, ("params",)))
+            weights = params.pop("weights", {})
+            msg.params.SetInParent()
+            _fill(msg.params, params, ("params",))
+            if "weights" in _mapping(value, ("params",)):
+                msg.params.weights.SetInParent()
+                _fill(
+                    msg.params.weights,
+                    _mapping(weights, ("params", "weights")),
+                    ("params", "weights"),
+                )
+        else:
+            _fill(msg, {key: value}, ())
     return msg
+
+
+#: Which Python values each field type of these messages carries as HTTP's JSON reads them.
+_CARRIES: dict[int, tuple[str, Callable[[Any], bool]]] = {
+    FieldDescriptor.TYPE_DOUBLE: (
+        "a double",
+        lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+    ),
+    FieldDescriptor.TYPE_INT64: (
+        "an integer",
+        lambda v: isinstance(v, int) and not isinstance(v, bool),
+    ),
+    FieldDescriptor.TYPE_BOOL: ("a boolean", lambda v: isinstance(v, bool)),
+    FieldDescriptor.TYPE_STRING: ("a string", lambda v: isinstance(v, str)),
+}
+
+
+def _fill(message: Message, fields: Mapping[str, Any], loc: tuple[str | int, ...]) -> None:
+    """Set each of ``fields`` on ``message``, refusing (naming the field) an unknown name and
+    a value its field would carry as something else."""
+    declared = message.DESCRIPTOR.fields_by_name
+    for name, value in fields.items():
+        path = ".".join(map(str, (*loc, name)))
+        field = declared.get(name)
+        if field is None or field.type not in _CARRIES:
+            raise ValueError(f"{path}: not a field of sde2.v1's {message.DESCRIPTOR.name}")
+        kind, carries = _CARRIES[field.type]
+        if not carries(value):
+            raise ValueError(
+                f"{path}: {kind}, got {type(value).__name__} {value!r} (HTTP refuses it too)"
+            )
+        setattr(message, name, value)
+
+
+def _mapping(value: Any, loc: tuple[str | int, ...]) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        path = ".".join(map(str, loc))
+        raise ValueError(f"{path}: an object, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _listed(value: Any, loc: tuple[str | int, ...]) -> list[Any]:
+    if not isinstance(value, list | tuple):
+        path = ".".join(map(str, loc))
+        raise ValueError(f"{path}: a list, got {type(value).__name__}")
+    return list(value)
 
 
 def response_to_dict(resp: pb.ScoreResponse) -> dict[str, Any]:

@@ -209,7 +209,8 @@ def create_server(
         # gRPC's core receives each message whole before a handler runs (HTTP reads a body only
         # once admitted): the calls in progress, and so the messages held, are bounded here;
         # past it gRPC answers RESOURCE_EXHAUSTED itself. The headroom keeps Info and Health
-        # answering while the scoring calls fill the queue.
+        # answering while the scoring calls fill the queue. (A call counts from its headers:
+        # calls that never send their message hold places too; README, gRPC.)
         maximum_concurrent_rpcs=service.settings.queue_capacity + GRPC_HEADROOM,
         options=[
             ("grpc.so_reuseport", 1 if reuse_port else 0),
