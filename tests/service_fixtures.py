@@ -21,7 +21,6 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import grpc
 import numpy as np
 import numpy.typing as npt
 import pytest
@@ -29,7 +28,7 @@ import pytest
 from reward_server.core import RewardParams, ScoreItem, score_batch
 from reward_server.encoders.base import Encoder, EncoderWrapper
 from reward_server.service.config import Settings
-from reward_server.service.grpc_client import RewardStub
+from reward_server.service.grpc_client import RewardStub, insecure_channel
 from reward_server.service.grpc_server import create_server
 from reward_server.service.pipeline import ScoringService
 from tests.doubles import HashEncoder
@@ -216,9 +215,9 @@ class Running:
         self.service = service
 
     async def __aenter__(self) -> Running:
-        self.server, port = create_server(self.service, "127.0.0.1", 0)
+        self.server, self.port = create_server(self.service, "127.0.0.1", 0)
         await self.server.start()
-        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        self.channel = insecure_channel(f"127.0.0.1:{self.port}")
         self.stub = RewardStub(self.channel)
         return self
 

@@ -489,3 +489,20 @@ def test_request_from_dict_refuses_what_the_message_would_carry_otherwise(
     field's default: the helper sent what HTTP refuses as something the server scored."""
     with pytest.raises(ValueError, match=re.escape(message)):
         request_from_dict(body)
+
+
+async def test_the_clients_channel_takes_an_explanation_over_4_mib() -> None:
+    """gRPC's default channel refuses answers over 4 MiB: an Explain of a few hundred items
+    failed on the client (RESOURCE_EXHAUSTED) after the server had done the work."""
+    from reward_server.service.grpc_client import insecure_channel
+
+    body = request_from_dict({"items": step_items(seed=5, prompts=96)})  # 768 completions
+    async with Running(make_service(max_request_tokens=2**21)) as running:
+        target = f"127.0.0.1:{running.port}"
+        async with grpc.aio.insecure_channel(target) as default:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await RewardStub(default).Explain(body)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        async with insecure_channel(target) as channel:
+            answer = await RewardStub(channel).Explain(body)
+        assert answer.ByteSize() > 4 * 2**20

@@ -594,6 +594,10 @@ def test_work_queued_behind_a_backlog_past_its_deadline_is_429_at_once() -> None
     with pytest.raises(Overloaded) as err:
         batcher.submit(["late " * 200], time.monotonic() + 3)
     assert err.value.retry_after >= 2 and "would outlast its deadline" in err.value.message
+    assert "alone" not in err.value.message  # retrying when the queue is gone can help
+    with pytest.raises(Overloaded) as err:  # its own work alone is past its deadline
+        batcher.submit(["t" * 1000] * 50, time.monotonic() + 1)
+    assert "its own work alone is estimated over the 1 s its deadline leaves" in err.value.message
     encoder.gate.set()
     for f in [blocker, *queued]:
         f.result(10)

@@ -289,6 +289,11 @@ class Batcher:
                     f"server busy: the queued work (~{backlog:.0f} s) and this request's "
                     f"(~{own:.0f} s) would outlast its deadline; retry after {wait} s"
                 )
+                if job.submitted + own > deadline:  # over it even alone: a retry may not help
+                    msg += (
+                        f" (its own work alone is estimated over the {deadline - job.submitted:.0f}"
+                        " s its deadline leaves: send fewer or shorter texts, or a later deadline)"
+                    )
                 raise Overloaded(wait, msg)
             self._jobs.append(job)
             self._queued_tokens += job.tokens

@@ -37,6 +37,19 @@ class RewardStub:
         self.Explain = method("Explain")
 
 
+#: Channel options of :func:`insecure_channel`: no cap on the answers received. gRPC's default
+#: of 4 MiB refused an ``Explain`` of a few hundred items after the server had done the work
+#: (it sends up to ``--max-body-bytes``, at least 64 MiB).
+CHANNEL_OPTIONS = (("grpc.max_receive_message_length", -1),)
+
+
+def insecure_channel(target: str) -> grpc.aio.Channel:
+    """An asyncio channel to ``target`` (``host:port``) that takes any answer the server
+    sends (:data:`CHANNEL_OPTIONS`); ``grpc.insecure_channel(target, CHANNEL_OPTIONS)`` is
+    the blocking one."""
+    return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+
+
 def request_from_dict(body: dict[str, Any]) -> pb.ScoreRequest:
     """A ``ScoreRequest`` message from the HTTP JSON shape (clients, tests).
 
