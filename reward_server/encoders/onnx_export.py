@@ -44,7 +44,7 @@ import numpy as np
 import numpy.typing as npt
 
 from reward_server.encoders import fidelity
-from reward_server.encoders.base import EMBEDDING_DIM, MAX_SEQ_LENGTH
+from reward_server.encoders.base import EMBEDDING_DIM, MAX_SEQ_LENGTH, dimension_problem
 from reward_server.encoders.loading import EXPORT_STACK, require_torch_stack
 from reward_server.encoders.model_store import (
     GRAPH_RECIPE,
@@ -54,6 +54,7 @@ from reward_server.encoders.model_store import (
     ModelExportError,
     sha256_file,
 )
+from reward_server.encoders.reference import embedding_size
 from reward_server.encoders.tokenization import save_configured_tokenizer
 
 if TYPE_CHECKING:
@@ -132,6 +133,9 @@ def load_reference(folder: Path) -> Any:
     if len(pooling) != 1 or getattr(pooling[0], "pooling_mode", "mean") != "mean":
         mode = getattr(pooling[0], "pooling_mode", "?") if pooling else "none"
         raise ExportRefused(f"{folder}: only mean-pooling encoders are supported (found {mode})")
+    problem = dimension_problem(embedding_size(model), folder)
+    if problem is not None:
+        raise ExportRefused(problem)
     return model
 
 
@@ -612,22 +616,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--opset", type=int, default=17)
     parser.add_argument(
         "--fidelity-texts",
-        type=int,
+        type=_count,
         default=300,
         help="number of GSM8K-derived texts compared with sentence-transformers",
     )
     parser.add_argument(
         "--gate-completions",
-        type=int,
+        type=_count,
         default=400,
         help="number of synthetic completions in the int8 Uniq gate",
     )
     parser.add_argument(
         "--int8-min-agreement",
-        type=float,
+        type=_share,
         default=fidelity.GATE_MIN_AGREEMENT,
         help="share of completions whose Uniq decisions must match fp32 at every δ",
     )
+
+
+def _count(text: str) -> int:
+    """A count of 1 or more (0 texts failed after tracing, with numpy's broadcast error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _share(text: str) -> float:
+    """A share in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:

