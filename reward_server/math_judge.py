@@ -34,8 +34,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Any
 
-from reward_server.core.answers import MathJudge
-
 log = logging.getLogger(__name__)
 
 #: Pairs longer than this (characters, both sides) are not cached: the cache stays small.
@@ -91,10 +89,9 @@ class _Child:
         """Wait (once) for the child's hello; raise if it cannot check math answers."""
         if self._started:
             return self
-        try:
-            hello = self.read(timeout)
-        except _ChildDied:
-            hello = {"error": f"the math checker exited with {self.process.wait()}"}
+        # A child that exits before its hello (killed while it starts: the OOM killer) is a
+        # death like one mid-check: _ChildDied, retried in a fresh child.
+        hello = self.read(timeout)
         if hello is None or "error" in hello:
             self.kill()
             why = "did not start in time" if hello is None else hello["error"]
@@ -241,12 +238,12 @@ class IsolatedMathJudge:
         """Whether ``prediction`` equals ``gold``; ``deadline`` is a ``time.monotonic()`` time."""
         return self.check(prediction, gold, deadline)[0]
 
-    def bounded(self, deadline: float | None) -> MathJudge:
+    def bounded(self, deadline: float | None) -> RequestJudge:
         """This judge for one request, with ``deadline`` fixed: what
         :func:`~reward_server.core.prepare_batch` takes. A pair that timed out is not checked
         again within the request (128 copies of one slow answer cost ``time_limit`` once), but
         the next request checks it afresh."""
-        return _RequestJudge(self, deadline)
+        return RequestJudge(self, deadline)
 
     def close(self) -> None:
         """Stop the children (idle ones now; busy ones when their check returns)."""
@@ -398,15 +395,27 @@ class IsolatedMathJudge:
                 self._cache.popitem(last=False)
 
 
-class _RequestJudge:
+class MathChecksCancelled(Exception):
+    """The request's checks were cancelled (:meth:`RequestJudge.cancel`): its caller left."""
+
+
+class RequestJudge:
     """One request's view of the judge (see :meth:`IsolatedMathJudge.bounded`)."""
 
     def __init__(self, judge: IsolatedMathJudge, deadline: float | None) -> None:
         self.judge = judge
         self.deadline = deadline
         self.timed_out: set[tuple[str, str]] = set()
+        self._cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        """Start no further check for this request (one running ends within its limit):
+        :class:`MathChecksCancelled` from the next call on."""
+        self._cancelled.set()
 
     def __call__(self, prediction: str, gold: str) -> bool:
+        if self._cancelled.is_set():
+            raise MathChecksCancelled("the request's math checks were cancelled")
         key = (prediction, gold)
         if key in self.timed_out:
             return False

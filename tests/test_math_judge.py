@@ -219,3 +219,27 @@ def test_what_the_child_prints_stays_out_of_the_protocol() -> None:
     )
     assert proc.stdout == '{"ready": true}\n'
     assert "sympy says hello" in proc.stderr
+
+
+def test_a_child_that_dies_while_it_starts_is_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A child killed before its hello (the OOM killer, while it imports sympy) was a
+    RuntimeError, answered by the server as a bare uncounted 500; it is a death like one
+    mid-check: the check runs again in a fresh child."""
+    from reward_server import math_judge
+
+    real_popen = subprocess.Popen
+    spawned: list[list[str]] = []
+
+    def popen(args: list[str], **kwargs: object) -> subprocess.Popen[bytes]:
+        spawned.append(args)
+        if len(spawned) == 1:  # the first child exits before saying hello
+            args = [sys.executable, "-c", "import sys; sys.exit(9)"]
+        return real_popen(args, **kwargs)  # type: ignore[call-overload,no-any-return]
+
+    monkeypatch.setattr(math_judge.subprocess, "Popen", popen)
+    j = IsolatedMathJudge(time_limit=20, workers=1)
+    try:
+        assert j("$\\frac{10}{2}$", "$5$") is True
+        assert len(spawned) == 2
+    finally:
+        j.close()

@@ -3,6 +3,7 @@ the server keeps answering meanwhile, and a server without the math extra says s
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -96,3 +97,77 @@ def test_a_math_explanation_waits_in_the_math_pool(monkeypatch: pytest.MonkeyPat
             body = {"items": [item], "answer_type": answer_type}
             assert c.post("/v1/explain", json=body).status_code == 200
     assert [t.rsplit("_", 1)[0] for t in threads] == ["sde2-math", "sde2-cpu"], threads
+
+
+def _slow_items(tag: int, answers: int) -> list[dict[str, Any]]:
+    """Items whose every math check runs into the time limit (towers of powers), distinct
+    across ``tag`` (the judge caches verdicts)."""
+    return [
+        {"completion": _completion([f"$9^{{9^{{9^{{{k}{tag}}}}}}}$"], "$1$"), "answer": "$5$"}
+        for k in range(10, 10 + answers)
+    ]
+
+
+def _score(service: Any, body: dict[str, Any], gone: Any = None) -> Any:
+    from reward_server.service.schemas import ScoreRequest
+
+    return service.score(lambda: ScoreRequest.model_validate_json(json.dumps(body)), gone=gone)
+
+
+@pytest.mark.slow
+async def test_a_one_item_math_request_waits_for_one_check_not_for_other_requests() -> None:
+    """The math pool had two threads a child and each request waited for all its checks in
+    one: three heavy requests held them, and a one-item request queued behind a whole heavy
+    request (46 s measured) instead of one check. It is answered before any heavy one."""
+    import asyncio
+
+    service = make_service(math_workers=1, math_timeout=0.5, queue_capacity=8)
+    finished: list[str] = []
+
+    async def run(name: str, body: dict[str, Any]) -> None:
+        await _score(service, body)
+        finished.append(name)
+
+    light = {"items": [{"completion": _completion(["$5$"], "$\\sqrt{25}$"), "answer": "$5$"}]}
+    try:
+        await run("warm", {**light, "answer_type": "math"})  # the child has booted
+        bodies = [{"items": _slow_items(r, 6), "answer_type": "math"} for r in range(3)]
+        heavy = [asyncio.ensure_future(run(f"heavy{r}", b)) for r, b in enumerate(bodies)]
+        await asyncio.sleep(0.3)
+        await run("light", {**light, "answer_type": "math"})
+        await asyncio.gather(*heavy)
+    finally:
+        service.close()
+    assert finished[:2] == ["warm", "light"], finished
+
+
+@pytest.mark.slow
+async def test_a_client_gone_during_its_math_checks_frees_its_place_at_once() -> None:
+    """A client that hung up while its answers were checked kept its admission slot and its
+    thread for every check left (20 slow checks: 20 s), and was counted as answered; its
+    checks now stop after the one running, and the request ends as the client's leaving."""
+    import asyncio
+
+    from reward_server.service.errors import ClientGone
+
+    service = make_service(math_workers=1, math_timeout=0.5)
+    left = asyncio.Event()
+
+    async def gone() -> None:
+        await left.wait()
+
+    scoring = asyncio.ensure_future(
+        _score(service, {"items": _slow_items(7, 20), "answer_type": "math"}, gone)
+    )
+    await asyncio.sleep(2.5)  # the child has booted, a few checks have run
+    assert service.batcher is not None and service.batcher.admitted == 1
+    left.set()
+    with pytest.raises(ClientGone, match="while its math answers were checked"):
+        await asyncio.wait_for(scoring, 5)
+    assert service.batcher.admitted == 0
+    judge = service._math_judge
+    assert judge is not None
+    at_leaving = judge.timeouts
+    await asyncio.sleep(2.0)  # four check limits: at most the running check ends
+    assert judge.timeouts <= at_leaving + 1 and at_leaving < 10
+    service.close()

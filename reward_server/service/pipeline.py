@@ -42,13 +42,17 @@ from reward_server.core import (
     finish_batch,
     prepare_batch,
 )
-from reward_server.core.answers import MathJudge, math_available
+from reward_server.core.answers import MathJudge, math_available, math_equivalent
 from reward_server.core.explain import explain_batch
 from reward_server.core.normalization import Aggregate
 from reward_server.core.text import NotStreamSafe, preprocess
 from reward_server.encoders.base import EMBEDDING_DIM, MAX_SEQ_LENGTH, Encoder, check_encoder
 from reward_server.encoders.model_store import EXPLAINED_LOAD_ERRORS
-from reward_server.math_judge import IsolatedMathJudge, MathDeadlineExceeded
+from reward_server.math_judge import (
+    IsolatedMathJudge,
+    MathDeadlineExceeded,
+    RequestJudge,
+)
 from reward_server.service.batcher import (
     CHUNK_TOKENS_PER_STREAM,
     Batcher,
@@ -282,8 +286,13 @@ class ScoringService:
         # time, and waiting requests take the next free child in turn (first come first served):
         # one request cannot take every child, and a one-item request waits for one check, not
         # for another request's hundred.
+        # A thread for every admitted request: a request waits for its checks in its thread,
+        # so with fewer threads than requests (it had twice the children) four heavy requests
+        # held them all and a one-item request queued behind their whole work (46 s), never
+        # reaching the children's fair hand-out. (Threads start only when needed.)
         self._math_pool = ThreadPoolExecutor(
-            max_workers=2 * settings.math_workers, thread_name_prefix="sde2-math"
+            max_workers=max(2 * settings.math_workers, settings.queue_capacity),
+            thread_name_prefix="sde2-math",
         )
         self._math_judge: IsolatedMathJudge | None = None
         self._math_lock = threading.Lock()
@@ -366,7 +375,7 @@ class ScoringService:
         if self._math_judge is not None:
             self._math_judge.close()
 
-    def math_judge(self, deadline: float) -> MathJudge:
+    def math_judge(self, deadline: float) -> RequestJudge:
         """The isolated ``math`` matcher bounded by ``deadline`` (its processes start on first
         use: most servers never see ``answer_type = "math"``)."""
         with self._math_lock:
@@ -535,7 +544,7 @@ class ScoringService:
                 await receive()
             inline = size is not None and size() <= self.settings.inline_bytes
             parsed = await self._parse_and_prepare(
-                parse, loc_map, deadline, explain, batcher, inline
+                parse, loc_map, deadline, explain, batcher, inline, gone
             )
             if parsed is None:
                 spent = time.monotonic() - t0
@@ -578,7 +587,7 @@ class ScoringService:
             queue_s, encode_s = 0.0, cached.found.encode_seconds
         explanation = None
         if explain:
-            explanation = await self._explain(request, prepared, embeddings, score, deadline)
+            explanation = await self._explain(request, prepared, embeddings, score, deadline, gone)
             t3 = time.monotonic()
             if t3 > deadline:  # its size is bounded, its time only by the deadline
                 raise DeadlineExceeded("request deadline passed while explaining")
@@ -613,13 +622,14 @@ class ScoringService:
         explain: bool,
         batcher: Batcher,
         inline: bool,
+        gone: Callable[[], Awaitable[object]] | None = None,
     ) -> tuple[ScoreRequest, PreparedBatch, _CachedReward | None] | None:
         """Validation, limits and parsing in one trip to the CPU pool, or on the event loop
         itself when ``inline`` (a small body). When every embedding the request needs is
         cached, the same trip also looks them up and computes the reward
         (:meth:`_reward_if_cached`). A math request is prepared in threads of its own instead:
         its checks wait on the judge's children and must not hold the pool every request
-        shares.
+        shares; when ``gone`` returns first, its checks stop (:class:`ClientGone`).
 
         Why a small body stays on the loop: the trip there and back is two thread wake-ups,
         ~0.1 ms of a 2 ms standard step on an idle machine, and the pool does not keep the
@@ -630,14 +640,14 @@ class ScoringService:
         ``max_body_bytes``) goes to the pool, where the loop gets the GIL every 5 ms.
         """
 
-        def prepare(request: ScoreRequest) -> PreparedBatch:
+        def prepare(request: ScoreRequest, judge: MathJudge | None = None) -> PreparedBatch:
             return prepare_batch(
                 request.items,
                 recipe=request.recipe,
                 answer_type=request.answer_type,
                 params=request.params,
                 diagnostics=request.diagnostics or explain,
-                math_judge=self.math_judge(deadline),
+                math_judge=math_equivalent if judge is None else judge,  # only math asks it
             )
 
         def parse_and_prepare() -> (
@@ -659,7 +669,9 @@ class ScoringService:
                 return None
             request, prepared, cached = parsed
             if prepared is None:
-                prepared = await self._in_pool(partial(prepare, request), self._math_pool)
+                judge = self.math_judge(deadline)
+                checks = self._in_pool(partial(prepare, request, judge), self._math_pool)
+                prepared = await _unless_gone(checks, gone, judge.cancel)
         except ValidationError as exc:
             raise RequestInvalid(issues_from_validation(exc, loc_map)) from None
         except InvalidBatch as exc:
@@ -743,13 +755,16 @@ class ScoringService:
         embeddings: np.ndarray,
         score: BatchScore,
         deadline: float,
+        gone: Callable[[], Awaitable[object]] | None = None,
     ) -> dict[str, Any]:
         """Why each item got its reward (:mod:`reward_server.core.explain`). A ``math``
         request's explanation checks its answers again, so it waits on them in the math pool,
-        as its preparation did, never in the CPU pool every request shares."""
+        as its preparation did, never in the CPU pool every request shares (and stops them
+        when ``gone`` returns first)."""
         pool = self._math_pool if request.answer_type == "math" else None
+        judge = self.math_judge(deadline)
         try:
-            return await self._in_pool(
+            explaining = self._in_pool(
                 partial(
                     explain_batch,
                     request.items,
@@ -757,10 +772,11 @@ class ScoringService:
                     embeddings,
                     score,
                     normalize=request.normalize,
-                    math_judge=self.math_judge(deadline),
+                    math_judge=judge,
                 ),
                 pool,
             )
+            return await _unless_gone(explaining, gone if pool is not None else None, judge.cancel)
         except MathDeadlineExceeded as exc:
             raise DeadlineExceeded(str(exc)) from None
 
@@ -795,3 +811,30 @@ class ScoringService:
             },
             "limits": s.public(self.unenforced),
         }
+
+
+async def _unless_gone(
+    work: Awaitable[T], gone: Callable[[], Awaitable[object]] | None, stop: Callable[[], None]
+) -> T:
+    """``work``'s result, or :class:`ClientGone` when ``gone`` returns first, after calling
+    ``stop`` (a request's math checks: its thread ends within one check, its admission slot
+    is freed now). A client that hung up during its checks held its slot and a thread for
+    every check left, and was counted as answered."""
+    task = asyncio.ensure_future(work)
+    if gone is None:
+        return await task
+    watch = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if task.done():
+        return task.result()
+    stop()
+    task.add_done_callback(_ignore_outcome)  # it ends with MathChecksCancelled, unread
+    raise ClientGone("client disconnected while its math answers were checked")
+
+
+def _ignore_outcome(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
