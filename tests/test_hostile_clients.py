@@ -635,3 +635,41 @@ def test_a_bad_query_value_without_the_key_is_401(onnx_model_dir: Path) -> None:
         assert httpx.post(url, json=body).status_code == 401
         keyed = httpx.post(url, json=body, headers={"authorization": "Bearer k3y"})
         assert keyed.status_code == 422 and keyed.json()["detail"][0]["field"] == "query.normalize"
+
+
+def test_an_answer_left_unread_is_dropped_after_the_body_timeout(onnx_model_dir: Path) -> None:
+    """The admission slot is freed once a request is scored, but a client that never reads
+    kept its answer whole in the server's send buffer (an explanation: ~7 MB a client, 30
+    such clients +270 MB, held until they closed). Unread past --body-timeout, the connection
+    is dropped with its buffer."""
+    blocks = "".join(
+        f"<strategy><reasoning>approach {j} {'x' * 200}</reasoning>"
+        f"<strategy_outcome>{j}</strategy_outcome></strategy>"
+        for j in range(11)
+    )
+    items = [{"completion": blocks + "<final_answer>7</final_answer>", "answer": "1"}] * 1024
+    body = orjson.dumps({"items": items})
+    head = (
+        "POST /v1/explain HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n\r\n"
+    ).encode()
+    with ServerProcess(onnx_model_dir, "--body-timeout", "2", grpc=False) as server:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", server.port))
+        sock.sendall(head + body)
+        time.sleep(8)  # scored, answered into the buffer, then unread past the timeout
+        received, declared = b"", None
+        sock.settimeout(5)
+        with contextlib.suppress(OSError):
+            while chunk := sock.recv(1 << 20):
+                received += chunk
+                if declared is None and b"\r\n\r\n" in received:
+                    found = re.search(rb"content-length: (\d+)", received, re.IGNORECASE)
+                    declared = int(found[1]) if found else None
+        sock.close()
+        assert received.startswith(b"HTTP/1.1 200"), received[:40]
+        assert declared is not None and declared > 8_000_000
+        assert len(received.partition(b"\r\n\r\n")[2]) < declared  # cut: dropped, not sent
+        ok = httpx.post(server.url + "/v1/score", json=VALID)
+        assert ok.status_code == 200

@@ -149,7 +149,8 @@ class Settings:
         metadata={
             "info": "body_timeout_s",
             "help": "seconds an admitted request has to send its whole body (408 after it): how "
-            "long a stalled upload can hold an admission slot",
+            "long a stalled upload can hold an admission slot; and a client that stops reading "
+            "its answer is dropped after it",
         },
     )
     keep_alive_timeout: int = field(

@@ -19,7 +19,9 @@ client sending one header byte a second, or nothing at all, holds its connection
 
 The body has its own deadline in the app (``--body-timeout``, see ``http_scoring``), where a 408
 can be answered and counted; a connection whose answer went out before its body was all
-received is closed (what would follow is only that body, unbounded). (h11, uvicorn's other
+received is closed (what would follow is only that body, unbounded). An answer the client
+stops reading is dropped with its connection after ``--body-timeout`` (``send_timeout``):
+the send buffer held it whole, outside every admission bound. (h11, uvicorn's other
 protocol, bounds the head itself, but costs 0.1-0.2 ms more a scoring request:
 benchmarks/README.md.)
 """
@@ -48,10 +50,12 @@ class _BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     header_timeout: float = 10.0
     max_header_bytes: int = 32 * 1024
+    send_timeout: float = 15.0
     on_timeout: Callable[[], None] | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._send_timer: asyncio.TimerHandle | None = None
         self._head_timer: asyncio.TimerHandle | None = None
         self._in_head = True  # the bytes arriving now belong to a request head
         self._head_bytes = 0  # received while this head is incomplete
@@ -94,8 +98,31 @@ class _BoundedHttpToolsProtocol(HttpToolsProtocol):
             self.transport.close()
         super().on_response_complete()
 
+    def pause_writing(self) -> None:
+        # The client is not reading: the answer waits in the send buffer, whole (10 MB for a
+        # large explanation), past the admission that bounded it. Unless the client reads
+        # again within send_timeout, the connection is dropped with its buffer.
+        super().pause_writing()
+        if self._send_timer is None:
+            self._send_timer = self.loop.call_later(self.send_timeout, self._send_timed_out)
+
+    def resume_writing(self) -> None:
+        self._disarm_send_timer()
+        super().resume_writing()
+
+    def _disarm_send_timer(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _send_timed_out(self) -> None:
+        self._send_timer = None
+        log.debug("dropping %s: its answer unread for %.1f s", self.client, self.send_timeout)
+        self.transport.abort()  # close() would keep the buffer until it is sent
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_timer()
+        self._disarm_send_timer()
         super().connection_lost(exc)
 
     def send_400_response(self, msg: str) -> None:
@@ -138,7 +165,11 @@ class _BoundedHttpToolsProtocol(HttpToolsProtocol):
 
 
 def bounded_http_protocol(
-    header_timeout: float, max_header_bytes: int, on_timeout: Callable[[], None] | None = None
+    header_timeout: float,
+    max_header_bytes: int,
+    on_timeout: Callable[[], None] | None = None,
+    *,
+    send_timeout: float = 15.0,
 ) -> type[HttpToolsProtocol]:
     """The protocol class to pass as uvicorn's ``http``, with these limits."""
     return type(
@@ -147,6 +178,7 @@ def bounded_http_protocol(
         {
             "header_timeout": header_timeout,
             "max_header_bytes": max_header_bytes,
+            "send_timeout": send_timeout,
             "on_timeout": staticmethod(on_timeout) if on_timeout is not None else None,
         },
     )

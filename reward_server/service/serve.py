@@ -173,6 +173,7 @@ def _http_server(settings: Settings, service: ScoringService) -> uvicorn.Server:
             settings.header_timeout,
             settings.max_header_bytes,
             on_timeout=service.metrics.failures.labels("header_timeout").inc,
+            send_timeout=settings.body_timeout,
         ),
         timeout_keep_alive=settings.keep_alive_timeout,
     )
