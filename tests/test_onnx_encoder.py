@@ -418,3 +418,24 @@ def test_reference_backend(reference_encoder: Any) -> None:  # noqa: F811
     out = reference_encoder.encode(["So the answer is 18.", ""])
     assert out.dtype == np.float32 and out.shape == (2, EMBEDDING_DIM)
     np.testing.assert_allclose(np.linalg.norm(out, axis=1), 1.0, atol=1e-5)
+
+
+def test_serving_on_a_provider_this_build_lacks_stops_in_one_line(
+    fp32_export: Path,  # noqa: F811
+) -> None:
+    """``--provider cuda`` on a CPU-only onnxruntime logged a traceback, then "received
+    SIGTERM: draining" though no signal came: the cause, once, then exit status 1."""
+    import subprocess
+    import sys
+
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("this onnxruntime build has CUDA: the provider is available here")
+    cmd = [sys.executable, "-m", "reward_server.cli", "serve", "--provider", "cuda",
+           "--port", "0", "--model", str(fp32_export)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "SIGTERM" not in done.stderr, done.stderr[-2000:]
+    assert done.stderr.count("CUDAExecutionProvider is not available in this onnxruntime") >= 1
+    assert "install onnxruntime-gpu" in done.stderr

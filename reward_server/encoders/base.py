@@ -22,6 +22,12 @@ from typing import Literal, Protocol, get_args, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
+
+class EncoderUnavailableError(RuntimeError):
+    """The backend or provider asked for cannot run here (a missing extra, no CUDA in this
+    onnxruntime build, a variant it does not run): the message says what to install or use."""
+
+
 #: Output dimension of all-MiniLM-L6-v2.
 EMBEDDING_DIM = 384
 

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from reward_server.encoders.base import EncoderUnavailableError
 from reward_server.encoders.batched import BatchedEncoder
 from reward_server.encoders.model_store import ensure_ctranslate2_model
 
@@ -34,7 +35,7 @@ from reward_server.encoders.model_store import ensure_ctranslate2_model
 DEFAULT_MAX_BATCH_TOKENS = 192
 
 
-class CTranslate2UnavailableError(RuntimeError):
+class CTranslate2UnavailableError(EncoderUnavailableError):
     """The ``ctranslate2`` backend was asked for where it cannot run (not installed, not a
     CPU, not the fp32 export, a graph it cannot convert)."""
 

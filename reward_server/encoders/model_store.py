@@ -29,6 +29,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+from reward_server.encoders.base import EncoderUnavailableError
+
 log = logging.getLogger(__name__)
 
 #: Name of the cache entry of the default model (the offline all-MiniLM-L6-v2 package).
@@ -67,7 +69,12 @@ class ModelLoadError(RuntimeError):
 
 #: The model store's errors whose message says what is wrong and what to do (a missing folder's
 #: FileNotFoundError names it and what is missing): logged as one line, without a traceback.
-EXPLAINED_LOAD_ERRORS = (ModelExportError, ModelLoadError, FileNotFoundError)
+EXPLAINED_LOAD_ERRORS = (
+    ModelExportError,
+    ModelLoadError,
+    FileNotFoundError,
+    EncoderUnavailableError,
+)
 
 #: What a damaged export's error advises.
 EXPORT_AGAIN = "export the model again (sde2-reward export, or delete the folder from the cache)"

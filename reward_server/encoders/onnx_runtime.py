@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from reward_server.encoders.base import Provider
+from reward_server.encoders.base import EncoderUnavailableError, Provider
 from reward_server.encoders.batched import MIN_ROW_FILL, BatchedEncoder
 from reward_server.encoders.model_store import EXPORT_AGAIN, MODEL_FILE, ModelLoadError
 
@@ -49,7 +49,7 @@ DEFAULT_MAX_BATCH_TOKENS_CUDA = 65536
 CPU_DISABLED_OPTIMIZERS = ("SkipLayerNormFusion",)
 
 
-class ProviderUnavailableError(RuntimeError):
+class ProviderUnavailableError(EncoderUnavailableError):
     """The execution provider that was asked for is not the one onnxruntime would run."""
 
 

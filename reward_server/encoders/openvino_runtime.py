@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from reward_server.encoders.base import EncoderUnavailableError
 from reward_server.encoders.batched import BatchedEncoder
 from reward_server.encoders.model_store import MODEL_FILE
 
@@ -36,7 +37,7 @@ from reward_server.encoders.model_store import MODEL_FILE
 DEFAULT_MAX_BATCH_TOKENS = 1024
 
 
-class OpenVinoUnavailableError(RuntimeError):
+class OpenVinoUnavailableError(EncoderUnavailableError):
     """The ``openvino`` backend was asked for where it cannot run (not installed, not a CPU,
     not the fp32 export)."""
 

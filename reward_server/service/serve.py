@@ -204,8 +204,10 @@ class _Stop:
         self.server = server
         server.should_exit = self.requested.is_set()
 
-    def request(self, sig: signal.Signals) -> None:
-        log.info("received %s: draining in-flight requests", sig.name)
+    def request(self, sig: signal.Signals | None = None) -> None:
+        """Stop: on ``sig``, or (None) because the encoder did not load (said already)."""
+        if sig is not None:
+            log.info("received %s: draining in-flight requests", sig.name)
         if self.server is not None:
             self.server.should_exit = True
         if not self.requested.is_set():
@@ -224,7 +226,7 @@ async def _watch_loading(service: ScoringService, stop: _Stop) -> None:
     if service.load_error is not None:
         log.error("cannot serve: %s", service.load_error)
         stop.failed = True
-        stop.request(signal.SIGTERM)
+        stop.request()
     else:
         log.info("ready: %s", service.encoder_name)
 
