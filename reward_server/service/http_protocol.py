@@ -107,13 +107,8 @@ class _BoundedHttpToolsProtocol(HttpToolsProtocol):
             self._send_timer = self.loop.call_later(self.send_timeout, self._send_timed_out)
 
     def resume_writing(self) -> None:
-        self._disarm_send_timer()
+        self._send_timer = _cancelled(self._send_timer)
         super().resume_writing()
-
-    def _disarm_send_timer(self) -> None:
-        if self._send_timer is not None:
-            self._send_timer.cancel()
-            self._send_timer = None
 
     def _send_timed_out(self) -> None:
         self._send_timer = None
@@ -122,7 +117,7 @@ class _BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_timer()
-        self._disarm_send_timer()
+        self._send_timer = _cancelled(self._send_timer)
         super().connection_lost(exc)
 
     def send_400_response(self, msg: str) -> None:
@@ -148,9 +143,7 @@ class _BoundedHttpToolsProtocol(HttpToolsProtocol):
             self._head_timer = self.loop.call_later(self.header_timeout, self._head_timed_out)
 
     def _disarm_head_timer(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
+        self._head_timer = _cancelled(self._head_timer)
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
@@ -162,6 +155,13 @@ class _BoundedHttpToolsProtocol(HttpToolsProtocol):
         if self.on_timeout is not None:
             self.on_timeout()
         self.transport.close()
+
+
+def _cancelled(timer: asyncio.TimerHandle | None) -> asyncio.TimerHandle | None:
+    """Cancel ``timer`` if set; what a timer attribute holds then (None: none set)."""
+    if timer is not None:
+        timer.cancel()
+    return None
 
 
 def bounded_http_protocol(
