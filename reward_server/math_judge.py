@@ -69,6 +69,15 @@ class _ChildDied(Exception):
     """The child's pipe closed: it exited or was killed."""
 
 
+class _DiedStarting(_ChildDied):
+    """The child exited before its hello: killed while it started, or unable to start."""
+
+
+class MathCheckerUnavailable(RuntimeError):
+    """No child can start (twice in a row): math answers cannot be checked here. Never a
+    verdict: counting every answer *not equivalent* would train on silently wrong rewards."""
+
+
 class _Child:
     """One ``python -m reward_server.math_judge`` process and its pipes."""
 
@@ -89,13 +98,16 @@ class _Child:
         """Wait (once) for the child's hello; raise if it cannot check math answers."""
         if self._started:
             return self
-        # A child that exits before its hello (killed while it starts: the OOM killer) is a
-        # death like one mid-check: _ChildDied, retried in a fresh child.
-        hello = self.read(timeout)
+        # A child that exits before its hello (killed while it starts: the OOM killer) is
+        # retried in a fresh child, as a death mid-check is; a second is no such accident.
+        try:
+            hello = self.read(timeout)
+        except _ChildDied:
+            raise _DiedStarting(f"the math checker exited with {self.process.wait()}") from None
         if hello is None or "error" in hello:
             self.kill()
             why = "did not start in time" if hello is None else hello["error"]
-            raise RuntimeError(f"cannot check math answers: {why}")
+            raise MathCheckerUnavailable(f"cannot check math answers: {why}")
         self._started = True
         return self
 
@@ -309,11 +321,14 @@ class IsolatedMathJudge:
         for retry in (False, True):
             try:
                 verdict = self._ask(check, retry)
-            except _ChildDied:
+            except _ChildDied as exc:
                 # Killed mid-check: by the check itself (memory), or because the thread that
                 # started it ended (PR_SET_PDEATHSIG follows the thread). A fresh child tells the
-                # two apart; a second death is the check's doing.
+                # two apart; a second death is the check's doing. Two children that die before
+                # their hello: no child can start here.
                 self._drop_child(check)
+                if retry and isinstance(exc, _DiedStarting):
+                    raise MathCheckerUnavailable(f"cannot check math answers: {exc}") from None
                 check.why = "crashed its process twice"
                 continue
             if verdict is not None:

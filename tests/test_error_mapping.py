@@ -33,6 +33,7 @@ from reward_server.service.errors import (
     ClientGone,
     DeadlineExceeded,
     EncoderFailed,
+    MathUnavailable,
     NotReady,
     Overloaded,
     ReplicaLost,
@@ -149,6 +150,13 @@ ROWS: dict[str, Row] = {
         "encoder failed: RuntimeError: boom",
         grpc.StatusCode.INTERNAL,
         "RuntimeError: boom",
+    ),
+    "math_unavailable": Row(
+        lambda: MathUnavailable("cannot check math answers: the math checker exited with 1"),
+        500,
+        "cannot check math answers: the math checker exited with 1",
+        grpc.StatusCode.INTERNAL,
+        "cannot check math answers: the math checker exited with 1",
     ),
     "replica_lost": Row(
         lambda: ReplicaLost("scorer replica lost (3 tries)"),
@@ -311,9 +319,10 @@ PROVOKED: dict[str, Provoked] = {
 #: What the transports alone meet: the body limits exist on HTTP only (gRPC refuses an
 #: oversized message itself, see test_body_too_large_on_both_wires); a lost replica only under
 #: Ray (tests/test_ray_serve.py); a stalled upload and a vanished client on HTTP only
-#: (tests/test_hostile_clients.py).
+#: (tests/test_hostile_clients.py); a math checker that cannot start in test_math_service.
 #: Provoked where their transport is (test_http, test_hostile_clients, test_ray_serve).
 NOT_PROVOKED_HERE = {
+    "math_unavailable",
     "body_too_large",
     "body_timeout",
     "client_disconnect",

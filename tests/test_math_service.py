@@ -171,3 +171,54 @@ async def test_a_client_gone_during_its_math_checks_frees_its_place_at_once() ->
     await asyncio.sleep(2.0)  # four check limits: at most the running check ends
     assert judge.timeouts <= at_leaving + 1 and at_leaving < 10
     service.close()
+
+
+def test_a_math_checker_that_cannot_start_is_a_500_not_wrong_answers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Children that exit before their hello every time (the checker's packages missing in
+    its environment, a memory limit): one such death is retried, but a second was counted as
+    *not equivalent*, so "1" against "1" scored wrong with a 200. It is a 500 naming why."""
+    import subprocess
+    import sys
+
+    from reward_server import math_judge
+
+    real_popen = subprocess.Popen
+
+    def popen(args: list[str], **kwargs: object) -> subprocess.Popen[bytes]:
+        dying = [sys.executable, "-c", "import sys; sys.exit(1)"]
+        return real_popen(dying, **kwargs)  # type: ignore[call-overload,no-any-return]
+
+    monkeypatch.setattr(math_judge.subprocess, "Popen", popen)
+    service = make_service()
+    item = {"completion": _completion(["$1$"], "$1$"), "answer": "$1$"}
+    with http_client(service) as c:
+        r = c.post("/v1/score", json={"items": [item], "answer_type": "math"})
+        metrics = c.get("/metrics").text
+    assert r.status_code == 500, r.text
+    assert r.json()["detail"] == "cannot check math answers: the math checker exited with 1"
+    assert 'sde2_failures_total{reason="math_unavailable"} 1.0' in metrics
+
+
+@pytest.mark.slow
+async def test_a_cancelled_math_request_stops_its_checks() -> None:
+    """A gRPC call the client ends, or a request the drain's end cuts, is cancelled: its
+    checks went on in the math pool until its deadline (and their errors were logged as never
+    retrieved). They stop after the running one."""
+    import asyncio
+    import contextlib
+
+    service = make_service(math_workers=1, math_timeout=0.5)
+    scoring = asyncio.ensure_future(_score(service, {"items": _slow_items(8, 20),
+                                                     "answer_type": "math"}))  # fmt: skip
+    await asyncio.sleep(2.5)
+    scoring.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await scoring
+    judge = service._math_judge
+    assert judge is not None
+    at_cancel = judge.timeouts
+    await asyncio.sleep(2.0)
+    assert judge.timeouts <= at_cancel + 1 and at_cancel < 10
+    service.close()

@@ -222,6 +222,14 @@ class EncoderFailed(ServiceError):
         return f"encoder failed: {self.message}"
 
 
+class MathUnavailable(ServiceError):
+    """The math checker's processes cannot start: the server's fault, never the input's."""
+
+    reason = "math_unavailable"
+    http_status = 500
+    grpc_code = "INTERNAL"
+
+
 class ReplicaLost(ServiceError):
     """Under Ray Serve: every try ended with the scorer replica gone; worth retrying later."""
 

@@ -50,6 +50,7 @@ from reward_server.encoders.base import EMBEDDING_DIM, MAX_SEQ_LENGTH, Encoder, 
 from reward_server.encoders.model_store import EXPLAINED_LOAD_ERRORS
 from reward_server.math_judge import (
     IsolatedMathJudge,
+    MathCheckerUnavailable,
     MathDeadlineExceeded,
     RequestJudge,
 )
@@ -65,6 +66,7 @@ from reward_server.service.errors import (
     ClientGone,
     DeadlineExceeded,
     Loc,
+    MathUnavailable,
     NotReady,
     RequestInvalid,
     ShuttingDown,
@@ -679,6 +681,8 @@ class ScoringService:
             raise RequestInvalid.one(loc, exc.message, "invalid_batch") from None
         except MathDeadlineExceeded as exc:
             raise DeadlineExceeded(str(exc)) from None
+        except MathCheckerUnavailable as exc:
+            raise MathUnavailable(str(exc)) from None
         except NonFiniteRewardError as exc:
             raise _refused(exc) from None
         return request, prepared, cached
@@ -779,6 +783,8 @@ class ScoringService:
             return await _unless_gone(explaining, gone if pool is not None else None, judge.cancel)
         except MathDeadlineExceeded as exc:
             raise DeadlineExceeded(str(exc)) from None
+        except MathCheckerUnavailable as exc:
+            raise MathUnavailable(str(exc)) from None
 
     # -- info ---------------------------------------------------------------------------------
 
@@ -816,23 +822,33 @@ class ScoringService:
 async def _unless_gone(
     work: Awaitable[T], gone: Callable[[], Awaitable[object]] | None, stop: Callable[[], None]
 ) -> T:
-    """``work``'s result, or :class:`ClientGone` when ``gone`` returns first, after calling
-    ``stop`` (a request's math checks: its thread ends within one check, its admission slot
-    is freed now). A client that hung up during its checks held its slot and a thread for
-    every check left, and was counted as answered."""
+    """``work``'s result, or :class:`ClientGone` when ``gone`` returns first; either way, or
+    when this is cancelled (a gRPC call the client ended, the drain's end), ``stop`` is
+    called first (a request's math checks: its thread ends within one check, its admission
+    slot is freed now). A client that hung up during its checks held its slot and a thread
+    for every check left, and was counted as answered."""
     task = asyncio.ensure_future(work)
-    if gone is None:
-        return await task
-    watch = asyncio.ensure_future(gone())
+    watch = asyncio.ensure_future(gone()) if gone is not None else None
     try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(
+            {task} if watch is None else {task, watch}, return_when=asyncio.FIRST_COMPLETED
+        )
+    except asyncio.CancelledError:
+        _abandon(task, stop)
+        raise
     finally:
-        watch.cancel()
+        if watch is not None:
+            watch.cancel()
     if task.done():
         return task.result()
-    stop()
-    task.add_done_callback(_ignore_outcome)  # it ends with MathChecksCancelled, unread
+    _abandon(task, stop)
     raise ClientGone("client disconnected while its math answers were checked")
+
+
+def _abandon(task: asyncio.Future[Any], stop: Callable[[], None]) -> None:
+    """Stop ``task``'s work; its outcome (MathChecksCancelled, or whatever ends it) unread."""
+    stop()
+    task.add_done_callback(_ignore_outcome)
 
 
 def _ignore_outcome(task: asyncio.Future[Any]) -> None:
