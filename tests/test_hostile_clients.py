@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import orjson
@@ -673,3 +674,86 @@ def test_an_answer_left_unread_is_dropped_after_the_body_timeout(onnx_model_dir:
         assert len(received.partition(b"\r\n\r\n")[2]) < declared  # cut: dropped, not sent
         ok = httpx.post(server.url + "/v1/score", json=VALID)
         assert ok.status_code == 200
+
+
+async def _echo_app(scope: dict, receive: Any, send: Any) -> None:
+    """``/echo``: the body's length once read; ``/big``: 8 MiB."""
+    if scope["type"] != "http":
+        return
+    if scope["path"] == "/echo":
+        size, more = 0, True
+        while more:
+            message = await receive()
+            size, more = size + len(message.get("body", b"")), message.get("more_body", False)
+        body = str(size).encode()
+    else:
+        body = b"x" * (8 << 20)
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-length", str(len(body)).encode())]})  # fmt: skip
+    await send({"type": "http.response.body", "body": body})
+
+
+@contextlib.contextmanager
+def _bounded_server(send_timeout: float) -> Iterator[int]:
+    """The bounded protocol under uvicorn, in a thread, over :func:`_echo_app`: its port."""
+    import threading
+
+    import uvicorn
+
+    from reward_server.service.http_protocol import bounded_http_protocol
+    from tests.server_process import free_port
+
+    port = free_port()
+    protocol = bounded_http_protocol(10, 32768, send_timeout=send_timeout)
+    config = uvicorn.Config(_echo_app, host="127.0.0.1", port=port, log_level="warning",
+                            http=protocol)  # fmt: skip
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def test_pipelined_requests_are_all_answered() -> None:
+    """Closing a connection whose reply went out before its body was read looked at the
+    cycle of the next, pipelined request (its body still on its way): that one was dropped
+    unanswered."""
+    with _bounded_server(send_timeout=15) as port:
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.sendall(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 3\r\n\r\nabc"
+                     b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 6\r\n\r\nde")  # fmt: skip
+        time.sleep(0.3)
+        sock.sendall(b"fghi")
+        answers = b""
+        sock.settimeout(5)
+        while answers.count(b"HTTP/1.1 200") < 2 or not answers.endswith(b"6"):
+            chunk = sock.recv(65536)
+            assert chunk, answers
+            answers += chunk
+        sock.close()
+    assert answers.endswith(b"\r\n\r\n6") and answers.count(b"HTTP/1.1 200") == 2
+
+
+def test_a_slow_reader_gets_its_whole_answer() -> None:
+    """The send timeout measured whether the client read (nearly) the whole answer within it:
+    a client taking 8 MiB at ~2 MB/s was cut at the timeout. It is time without progress."""
+    with _bounded_server(send_timeout=1.0) as port:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+        sock.connect(("127.0.0.1", port))
+        sock.sendall(b"GET /big HTTP/1.1\r\nhost: x\r\n\r\n")
+        received = b""
+        sock.settimeout(5)
+        while len(received.partition(b"\r\n\r\n")[2]) < (8 << 20):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            received += chunk
+            time.sleep(0.03)  # ~2 MB/s
+        sock.close()
+    assert len(received.partition(b"\r\n\r\n")[2]) == 8 << 20
