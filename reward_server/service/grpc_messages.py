@@ -251,20 +251,24 @@ def parse_request(data: bytes) -> pb.ScoreRequest:
     return request
 
 
-#: The most bytes of fields ``sde2.v1`` does not declare that a request may hold (a newer
-#: client's few fields fit): each is read into a Python object, ~1 us and 100 bytes each, so
-#: a message of millions would hold the event loop for seconds.
+#: The most bytes of fields ``sde2.v1`` does not declare that a request may hold, and more
+#: for each item (a newer client's few fields a request and an item fit): each is read into
+#: a Python object, ~1 us and 100 bytes each, so a message of millions would hold the event
+#: loop for seconds; these bound it to ~45k fields for 1024 items.
 MAX_UNKNOWN_BYTES = 16384
+MAX_UNKNOWN_BYTES_PER_ITEM = 64
 
 
 def _check_unknown_fields(request: pb.ScoreRequest, unknown_bytes: int) -> None:
     """Refuse ``request`` (parsed with its unknown fields) when they are over
     :data:`MAX_UNKNOWN_BYTES` or when one is a declared field sent with another wire type.
     ``unknown_bytes``: their size."""
-    if unknown_bytes > MAX_UNKNOWN_BYTES:
+    limit = MAX_UNKNOWN_BYTES + MAX_UNKNOWN_BYTES_PER_ITEM * len(request.items)
+    if unknown_bytes > limit:
         msg = (
             f"{unknown_bytes} bytes of fields that sde2.v1 does not declare, over the limit of "
-            f"{MAX_UNKNOWN_BYTES}: send the fields it declares"
+            f"{limit} ({MAX_UNKNOWN_BYTES} + {MAX_UNKNOWN_BYTES_PER_ITEM} an item): send the "
+            "fields it declares"
         )
         raise RequestInvalid.one((), msg, "unknown_fields")
     misread = [
