@@ -37,7 +37,7 @@ def dimension_problem(size: int | None, model: object) -> str | None:
     The graph optimization, the batcher's checks and the embedding cache are built for
     :data:`EMBEDDING_DIM`: another size failed after export or at the first request.
 
-    >>> dimension_problem(384, "m") is None, dimension_problem(256, "m")[:30]
+    >>> dimension_problem(384, "m") is None, dimension_problem(256, "m")[:31]
     (True, 'm embeds texts in 256 dimension')
     """
     if size == EMBEDDING_DIM:
