@@ -394,15 +394,16 @@ def ensure_ctranslate2_model(
         return target
     try:
         with file_lock(root / "locks" / f"{CTRANSLATE2_DIR}-{entry}.lock", timeout_s):
-            damage = _conversion_damage(target)  # another process may have made it
+            damage = _conversion_damage(target)
+            if damage == []:  # another process made it
+                return target
             if damage:
                 log.warning(
                     "%s: %s damaged or unverifiable: converting the model for ctranslate2 again",
                     target,
                     ", ".join(damage),
                 )
-            if damage != []:
-                _convert_for_ctranslate2(export_dir, target, timeout_s)
+            _convert_for_ctranslate2(export_dir, target, timeout_s)
     except TimeoutError:  # the lock's own message says who and how long
         raise
     except subprocess.TimeoutExpired as exc:

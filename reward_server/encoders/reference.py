@@ -85,7 +85,6 @@ class SentenceTransformerEncoder:
         problem = dimension_problem(size, model)
         if problem is not None:
             raise ModelLoadError(problem)
-        self._dimension = EMBEDDING_DIM
         self._name = f"{Path(str(model)).name if Path(str(model)).is_dir() else model} torch"
         if self._model_dir is not None and self._model_dir.resolve() == packaged:
             self._name = "all-MiniLM-L6-v2 torch"  # the offline package's folder is "model"
@@ -98,7 +97,7 @@ class SentenceTransformerEncoder:
     @property
     def dimension(self) -> int:
         """The model's embedding length (384 for all-MiniLM-L6-v2)."""
-        return self._dimension
+        return EMBEDDING_DIM  # any other is refused at load
 
     @property
     def max_seq_length(self) -> int:

@@ -75,10 +75,11 @@ def request_from_dict(body: dict[str, Any]) -> pb.ScoreRequest:
                 _fill(msg.items.add(), fields, ("items", k))
         elif key == "params":
             params = dict(_mapping(value, ("params",)))
-            weights = params.pop("weights", {})
+            has_weights = "weights" in params
+            weights = params.pop("weights", None)
             msg.params.SetInParent()
             _fill(msg.params, params, ("params",))
-            if "weights" in _mapping(value, ("params",)):
+            if has_weights:
                 msg.params.weights.SetInParent()
                 _fill(
                     msg.params.weights,

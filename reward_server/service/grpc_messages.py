@@ -31,15 +31,6 @@ PARAM_FIELDS = tuple(name for name in RewardParams.model_fields if name != "weig
 WEIGHT_FIELDS = tuple(Weights.model_fields)
 
 
-#: The names of the field types these messages declare, as the .proto spells them.
-FIELD_TYPE_NAMES = {
-    FieldDescriptor.TYPE_DOUBLE: "double",
-    FieldDescriptor.TYPE_INT64: "int64",
-    FieldDescriptor.TYPE_BOOL: "bool",
-    FieldDescriptor.TYPE_STRING: "string",
-    FieldDescriptor.TYPE_MESSAGE: "message",
-}
-
 #: Each method's request and response message names.
 METHODS: dict[str, tuple[str, str]] = {
     "Score": ("ScoreRequest", "ScoreResponse"),
@@ -283,15 +274,15 @@ def _check_unknown_fields(request: pb.ScoreRequest, unknown_bytes: int) -> None:
         raise RequestInvalid(misread)
 
 
-#: The wire type protobuf writes for each field type of these messages, and its name.
-_WIRE_OF_TYPE = {
-    FieldDescriptor.TYPE_DOUBLE: 1,
-    FieldDescriptor.TYPE_INT64: 0,
-    FieldDescriptor.TYPE_BOOL: 0,
-    FieldDescriptor.TYPE_STRING: 2,
-    FieldDescriptor.TYPE_MESSAGE: 2,
-}
 _WIRE_NAMES = {0: "varint", 1: "64-bit", 2: "length-delimited", 3: "group", 5: "32-bit"}
+#: Each field type these messages declare: its name in the .proto, the wire type it is sent as.
+_DECLARED = {
+    FieldDescriptor.TYPE_DOUBLE: ("double", 1),
+    FieldDescriptor.TYPE_INT64: ("int64", 0),
+    FieldDescriptor.TYPE_BOOL: ("bool", 0),
+    FieldDescriptor.TYPE_STRING: ("string", 2),
+    FieldDescriptor.TYPE_MESSAGE: ("message", 2),
+}
 
 
 def _misread(message: Message, loc: tuple[str | int, ...]) -> list[dict[str, Any]]:
@@ -313,9 +304,8 @@ def _misread(message: Message, loc: tuple[str | int, ...]) -> list[dict[str, Any
         if field is None:
             continue
         wire = _WIRE_NAMES.get(unknown.wire_type, str(unknown.wire_type))
-        kind = FIELD_TYPE_NAMES.get(field.type, str(field.type))
-        expected = _WIRE_NAMES[_WIRE_OF_TYPE[field.type]]
-        msg = f"sent as a {wire} field, declared {kind} ({expected})"
+        kind, expected = _DECLARED[field.type]
+        msg = f"sent as a {wire} field, declared {kind} ({_WIRE_NAMES[expected]})"
         msg += ": send it as sde2.v1 declares it"
         issues.append(issue((*loc, field.name), msg, "wire_type"))
     return issues
