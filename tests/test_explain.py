@@ -25,7 +25,6 @@ from reward_server.core import InvalidBatch, RewardParams, ScoreItem, score_batc
 from reward_server.core.answers import unmatchable_gold
 from reward_server.core.explain import ExplainLimits, score_and_explain
 from reward_server.core.text import (
-    NotStreamSafe,
     field_text,
     preprocess,
     preprocess_with_offsets,
@@ -349,17 +348,18 @@ def test_explanation_is_linear_on_adversarial_unicode(unit: str) -> None:
 
 
 @pytest.mark.parametrize("flood", ["\u0301" * 500_000 + "\u0316" * 500_000, "\u0f73" * 100_000])
-def test_a_flood_of_combining_marks_is_refused_at_once(flood: str) -> None:
-    """Past 30 marks in a row NFKC's time is quadratic (and the offset map's cubic): the batch
-    is refused before any normalization, naming the item and where the run starts."""
+def test_a_flood_of_combining_marks_is_explained_at_once(flood: str) -> None:
+    """Past 30 marks in a row Python's NFKC takes quadratic time (and the offset map took cubic):
+    the explanation orders the run itself, and its offsets still point into the text as sent."""
+    completion = "<final_answer>1</final_answer>e" + flood
     start = time.perf_counter()
-    with pytest.raises(InvalidBatch) as err:
-        score_and_explain([ScoreItem(completion="e" + flood, answer="1")], HashEncoder())
-    assert time.perf_counter() - start < 2.0
-    assert err.value.loc == ("items", 0, "completion")
-    assert "more than 30 combining marks in a row (from character 1)" in err.value.message
-    with pytest.raises(NotStreamSafe):
-        preprocess_with_offsets("e" + flood)
+    score, _ = score_and_explain([ScoreItem(completion=completion, answer="1")], HashEncoder())
+    assert time.perf_counter() - start < 5.0
+    assert score.components["oc"] == [1.0]
+    pre, offsets = preprocess_with_offsets(completion)
+    assert pre == preprocess(completion)
+    assert offsets.span(0, pre.index("</final_answer>")) == (0, completion.index("</final_answer>"))
+    assert offsets.span(len(pre) - 1, len(pre))[1] == len(completion)
 
 
 @settings(max_examples=300, deadline=None)

@@ -14,7 +14,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from reward_server.core.text import nfkc, preprocess_with_offsets
 from reward_server.encoders import tokenization
 from reward_server.encoders.base import EncoderDescription
 from reward_server.encoders.tokenization import encode_ids, load_tokenizer
@@ -28,6 +31,13 @@ from tests.service_fixtures import (  # noqa: F401  (fixtures)
 )
 
 FDFA = unicodedata.normalize("NFKC", "\ufdfa")  # one character, 18 after NFKC
+#: Marks of several combining classes (some past the BMP, some decomposing into marks: U+0344,
+#: U+0F73, U+FF9E), then starters that decompose or compose with them.
+_FLOOD_ALPHABET = [
+    *"\u0301\u0316\u0323\u0334\u0344\u05b0\u0f71\u0f72\u0f73\u0f80\u3099\uff9e",
+    *"\U0001d165\U0001d16e\u0308\u20d2",
+    *"ae\u00e9\u1100\u1161\u11a8\uac00\ufb01\u1e69\u0f77x<",
+]
 
 
 def long_texts() -> list[str]:
@@ -101,30 +111,62 @@ def test_nfkc_expands_no_character_more_than_the_limit_check_assumes() -> None:
 @pytest.mark.parametrize(
     ("field", "text"),
     [
-        # NFKC orders a run of marks by insertion: 60,000 took 11 s, holding the GIL.
-        ("completion", "a" + "\u0301" * 30_000 + "\u0316" * 30_000),
+        # Python's NFKC orders a run of marks by insertion: 60,000 took 11 s, holding the GIL.
+        ("completion", "<final_answer>1" + "\u0301\u0316" * 30_000 + "</final_answer>"),
         # U+0F73 is a starter that decomposes into two marks: the explanation's offset map
         # normalized a growing piece per character (cubic: 3,000 of them took 56 s).
         ("completion", "<final_answer>" + "\u0f73" * 3000 + "</final_answer>"),
         ("answer", "1" + "\U0001d165\u0301" * 20),  # marks past the BMP count alike
     ],
 )
-def test_a_flood_of_combining_marks_is_refused_before_normalization(field: str, text: str) -> None:
-    """More than 30 non-starters in a row (UAX #15's stream-safe limit) is a 422 at once on
-    every scoring route; a text of short runs is scored as before."""
+def test_a_flood_of_combining_marks_is_scored_in_linear_time(field: str, text: str) -> None:
+    """More than 30 non-starters in a row (past UAX #15's stream-safe limit) is scored at once
+    on every scoring route (SPEC §1: the parser never fails, in linear time), exactly as the
+    same text sent already normalized."""
     item = {"completion": "<final_answer>1</final_answer>", "answer": "1", field: text}
+    normalized = {**item, field: nfkc(text)}
     with http_client(make_service()) as c:
         for route in ("/v1/score", "/v1/explain"):
             start = time.perf_counter()
             r = c.post(route, json={"items": [{"completion": "x", "answer": "1"}, item]})
             assert time.perf_counter() - start < 5, route
-            assert r.status_code == 422, route
-            [detail] = r.json()["detail"]
-            assert detail["field"] == f"items.1.{field}"
-            assert "more than 30 combining marks in a row" in detail["msg"]
-        marked = "<final_answer>1</final_answer>" + ("e" + "\u0301\u0316" * 15) * 100
-        ok = c.post("/v1/explain", json={"items": [{"completion": marked, "answer": "1"}]})
-        assert ok.status_code == 200 and ok.json()["items"][0]["correct"]
+            assert r.status_code == 200, (route, r.text[:300])
+            same = c.post(route, json={"items": [{"completion": "x", "answer": "1"}, normalized]})
+            for key in ("rewards", "components"):  # (explanations point into each as sent)
+                assert r.json()[key] == same.json()[key], (route, key)
+        assert c.get("/healthz").status_code == 200
+
+
+@given(
+    st.text(alphabet=st.sampled_from(_FLOOD_ALPHABET), max_size=60),
+    st.lists(st.sampled_from(_FLOOD_ALPHABET[:-12]), min_size=31, max_size=90).map("".join),
+    st.text(alphabet=st.sampled_from(_FLOOD_ALPHABET), max_size=20),
+)
+@settings(max_examples=400, deadline=None)
+def test_nfkc_of_a_flood_is_pythons_nfkc(head: str, run: str, tail: str) -> None:
+    """:func:`nfkc` orders a long run of marks itself (linear time): the result is Python's
+    own NFKC of the text, character for character, whatever precedes and follows the run
+    (precomposed letters, Hangul, ligatures, starters that decompose into marks)."""
+    text = head + run + tail
+    assert nfkc(text) == unicodedata.normalize("NFKC", text)
+    assert preprocess_with_offsets(text)[0] == nfkc(text)
+
+
+def test_nfkc_of_a_flood_takes_linear_time() -> None:
+    """Ten times the run costs about ten times the time (Python's NFKC: a hundred times)."""
+
+    def seconds(n: int) -> float:
+        text = "e" + "\u0316\u0301" * n + "x"
+        return min(_timed(nfkc, text) for _ in range(3))
+
+    small, big = seconds(50_000), seconds(500_000)
+    assert big < 40 * small + 0.05, (small, big)
+
+
+def _timed(function: Any, *args: Any) -> float:
+    start = time.perf_counter()
+    function(*args)
+    return time.perf_counter() - start
 
 
 def test_every_non_starter_is_counted_in_a_flood() -> None:

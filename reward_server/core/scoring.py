@@ -40,7 +40,7 @@ from reward_server.core.normalization import Aggregate, aggregate
 from reward_server.core.params import AnswerType, RewardParams
 from reward_server.core.parsing import ParsedCompletion, Strategy, parse_completions
 from reward_server.core.recipes import RECIPES, Recipe, RecipeSpec
-from reward_server.core.text import NotStreamSafe, check_stream_safe, preprocess
+from reward_server.core.text import preprocess
 from reward_server.encoders.base import EMBEDDING_DIM, Encoder
 
 
@@ -202,7 +202,7 @@ def analyze_items(
     needs the encoder (``needs_encoder``: its recipe's)."""
     strategies, finals = list(zip(*parsed, strict=True))
     distinct = dict.fromkeys(it.answer for it in items)
-    golds = {gold: _preprocessed(items, "answer", gold) for gold in distinct}
+    golds = {gold: preprocess(gold) for gold in distinct}
     verdicts = None
     if answer_type == "numeric":  # every gold a whole number, the answers plain: compared as text
         verdicts = _verdicts_as_strings(items, golds, strategies, finals)
@@ -225,25 +225,6 @@ def analyze_items(
     columns = zip(parsed, correct, chi, needs, tokens, completions, strict=True)
     # In C: a named tuple's own __new__ is a Python function.
     return list(map(tuple.__new__, repeat(ItemAnalysis), columns))
-
-
-def _preprocessed(items: Sequence[ScoreItem], field: str, text: str) -> str:
-    """:func:`preprocess` of ``text``, an item's ``field``; a flood of combining marks is an
-    :class:`InvalidBatch` at the first item holding it."""
-    try:
-        return preprocess(text)
-    except NotStreamSafe:
-        raise _flood(items, field) from None
-
-
-def _flood(items: Sequence[ScoreItem], field: str) -> InvalidBatch:
-    """The :class:`InvalidBatch` at the first item whose ``field`` is not stream-safe."""
-    for i, item in enumerate(items):
-        try:
-            check_stream_safe(getattr(item, field))
-        except NotStreamSafe as exc:
-            return InvalidBatch(("items", i, field), str(exc))
-    raise AssertionError(f"no item's {field} holds the flood")
 
 
 def _check_golds(
@@ -313,10 +294,7 @@ def prepare_batch(
     if not items:
         raise InvalidBatch(("items",), "the batch is empty: send at least one item")
     groups = _groups(items)
-    try:
-        completions = [preprocess(it.completion) for it in items]
-    except NotStreamSafe:
-        raise _flood(items, "completion") from None
+    completions = [preprocess(it.completion) for it in items]
     parsed = parse_completions(completions, params.max_strategies)
     analyses = analyze_items(items, parsed, answer_type, math_judge, needs_encoder, diagnostics)
     needing = [a.parsed.strategies for a in analyses if a.needs_geometry]

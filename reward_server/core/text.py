@@ -10,7 +10,7 @@ import re
 import unicodedata
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
-from functools import cache, partial
+from functools import cache
 from itertools import pairwise
 
 import numpy as np
@@ -54,29 +54,61 @@ def preprocess(text: str) -> str:
 
     Most completions are pure ASCII, which neither step changes (the map's keys are all
     non-ASCII and NFKC leaves ASCII alone); ``str.isascii`` is O(1), and skipping both steps
-    took a quarter off parsing a GRPO step. A text NFKC would change is first checked for
-    floods of combining marks (:class:`NotStreamSafe`).
-
-    >>> preprocess("a" + "\u0301\u0316" * 16)
-    Traceback (most recent call last):
-    ...
-    reward_server.core.text.NotStreamSafe: more than 30 combining marks in a row (from ...
+    took a quarter off parsing a GRPO step. NFKC is :func:`nfkc`, linear in any text.
     """
     if text.isascii():
         return text
     for char, ascii_char in _PUNCTUATION:
         if char in text:
             text = text.replace(char, ascii_char)
+    return nfkc(text)
+
+
+def nfkc(text: str) -> str:
+    """Unicode NFKC of ``text``, in time linear in it whatever it holds (SPEC §1).
+
+    Python's own NFKC puts each run of combining marks in canonical order by insertion, which
+    is quadratic in a run's length (60,000 marks took 11 s, holding the GIL). A text holding a
+    run longer than :data:`MAX_NON_STARTERS` (UAX #15's stream-safe bound, which no writing
+    system needs) is first decomposed and ordered here, each run by a stable sort; Python's
+    NFKC of that finds nothing to reorder and composes in one pass. Every other text, the
+    usual ones, goes to Python's NFKC directly.
+
+    >>> text = "a" + "\u0316\u0301" * 20_000  # marks of classes 220 and 230, interleaved
+    >>> nfkc(text) == "\u00e1" + "\u0316" * 20_000 + "\u0301" * 19_999
+    True
+    """
     if unicodedata.is_normalized("NFKC", text):  # the usual non-ASCII text: nothing to do
         return text
-    check_stream_safe(text)
+    runs = _flood_runs(text)
+    if runs is not None and runs.search(text):
+        text = runs.sub(_canonical_decomposition, text)
     return unicodedata.normalize("NFKC", text)
 
 
+def _canonical_decomposition(run: re.Match[str]) -> str:
+    """NFKD of a run of non-starters in linear time: each character's own decomposition,
+    then each run of combining marks in it stably sorted by combining class (the Canonical
+    Ordering Algorithm). Python's NFKD of the text holding it is then the same as of the
+    original text: the run's marks are ordered, and the few that the character before the run
+    decomposes into (at most a handful) are moved past them one by one.
+    """
+    decomposed = "".join(map(_decomposition, run.group(0)))
+    return _mark_runs().sub(_ordered_run, decomposed)
+
+
+@cache
+def _decomposition(char: str) -> str:
+    return unicodedata.normalize("NFKD", char)
+
+
+def _ordered_run(run: re.Match[str]) -> str:
+    return "".join(sorted(run.group(0), key=unicodedata.combining))
+
+
 #: UAX #15's Stream-Safe Text Format: at most this many non-starters (combining marks, and
-#: characters whose decomposition starts with one) in a row. Longer runs are refused by the
-#: server: Python's NFKC orders a run's marks by insertion (quadratic time, holding the GIL:
-#: 60,000 marks took 11 s), and no writing system needs more than a handful.
+#: characters whose decomposition starts with one) in a row. A longer run makes :func:`nfkc`
+#: order the marks itself, since Python's NFKC would take quadratic time on it.
 MAX_NON_STARTERS = 30
 #: Past the last combining mark of Unicode 15 (U+1E94A); the scan below reads up to here.
 _LAST_MARK = 0x1F000
@@ -96,59 +128,61 @@ def _non_starters() -> frozenset[str]:
     return frozenset(found)
 
 
-@cache
-def _non_starter_runs() -> tuple[re.Pattern[str], re.Pattern[str]]:
-    """Runs of more than :data:`MAX_NON_STARTERS` non-starters: among characters of the Basic
-    Multilingual Plane only, and among all (built once, ~40 ms). The first class is a list of
-    characters, which ``re`` turns into one table lookup a character (6 ns); ranges past the
-    BMP are tested one by one (100 ns a character), so only texts holding such a character
-    (an emoji, say) are searched with the second."""
-    marks = sorted(map(ord, _non_starters()))
-    bmp = "".join(re.escape(chr(code)) for code in marks if code < 0x10000)
+def _class_of(codes: list[int]) -> str:
+    """A regular-expression character class of ``codes`` (sorted): listed characters in the
+    Basic Multilingual Plane, which ``re`` turns into one table lookup a character (6 ns), and
+    ranges past it, which it tests one by one (100 ns a character)."""
+    bmp = "".join(re.escape(chr(code)) for code in codes if code < 0x10000)
     astral: list[list[int]] = []
-    for code in (code for code in marks if code >= 0x10000):
+    for code in (code for code in codes if code >= 0x10000):
         if astral and astral[-1][1] == code - 1:
             astral[-1][1] = code
         else:
             astral.append([code, code])
-    ranges = "".join(f"{chr(a)}-{chr(b)}" for a, b in astral)
-    run = f"]{{{MAX_NON_STARTERS + 1}}}"
-    return re.compile(f"[{bmp}{run}"), re.compile(f"[{bmp}{ranges}{run}")
+    return "[" + bmp + "".join(f"{chr(a)}-{chr(b)}" for a, b in astral) + "]"
+
+
+@cache
+def _non_starter_runs() -> tuple[re.Pattern[str], re.Pattern[str]]:
+    """Runs of more than :data:`MAX_NON_STARTERS` non-starters: among characters of the Basic
+    Multilingual Plane only, and among all (built once, ~40 ms). Only texts holding a
+    character past the BMP (an emoji, say) are searched with the second, slower one."""
+    marks = sorted(map(ord, _non_starters()))
+    run = f"{{{MAX_NON_STARTERS + 1},}}"
+    bmp = _class_of([code for code in marks if code < 0x10000])
+    return re.compile(bmp + run), re.compile(_class_of(marks) + run)
 
 
 def non_starter_flood(text: str) -> int | None:
     """Where ``text`` first holds more than :data:`MAX_NON_STARTERS` non-starters in a row
-    (the offset of the run), or None: a text the server refuses before normalizing it.
+    (the offset of the run), or None: a text whose runs :func:`nfkc` orders itself.
 
     >>> non_starter_flood("e\u0301" + "a\u0301" * 40), non_starter_flood("x" + "\u0f73" * 31)
     (None, 1)
     >>> non_starter_flood("\U0001f600 a" + "\u0301\U0001d165" * 16)  # marks past the BMP too
     3
     """
-    if text.isascii() or len(text) - len(text.encode("ascii", "ignore")) <= MAX_NON_STARTERS:
-        return None  # too few characters beyond ASCII for a run (a C pass, under 1 ns each)
-    bmp, every = _non_starter_runs()
-    run = (every if _ASTRAL.search(text) else bmp).search(text)
+    runs = _flood_runs(text)
+    run = None if runs is None else runs.search(text)
     return None if run is None else run.start()
 
 
-class NotStreamSafe(ValueError):
-    """A text with more than :data:`MAX_NON_STARTERS` non-starters in a row: refused before
-    NFKC, whose time on it is quadratic (60,000 marks: 11 s holding the GIL)."""
-
-    def __init__(self, offset: int) -> None:
-        super().__init__(
-            f"more than {MAX_NON_STARTERS} combining marks in a row (from character {offset}): "
-            "not stream-safe Unicode (UAX #15), whose NFKC takes quadratic time"
-        )
-        self.offset = offset
+def _flood_runs(text: str) -> re.Pattern[str] | None:
+    """The pattern of runs of more than :data:`MAX_NON_STARTERS` non-starters that suits
+    ``text``, or None when ``text`` is too short in characters beyond ASCII to hold one (a C
+    pass, under 1 ns a character)."""
+    if text.isascii() or len(text) - len(text.encode("ascii", "ignore")) <= MAX_NON_STARTERS:
+        return None
+    bmp, every = _non_starter_runs()
+    return every if _ASTRAL.search(text) else bmp
 
 
-def check_stream_safe(text: str) -> None:
-    """:class:`NotStreamSafe` when :func:`non_starter_flood` finds a run in ``text``."""
-    at = non_starter_flood(text)
-    if at is not None:
-        raise NotStreamSafe(at)
+@cache
+def _mark_runs() -> re.Pattern[str]:
+    """Runs of two or more characters with a combining class (in decomposed text, the
+    non-starters are exactly these)."""
+    codes = [code for code in range(0x80, _LAST_MARK) if unicodedata.combining(chr(code))]
+    return re.compile(_class_of(codes) + "{2,}")
 
 
 def field_text(raw: str) -> str:
@@ -404,7 +438,6 @@ def _pieces(text: str) -> list[str]:
 
 def _composes(piece: str, char: str) -> bool:
     """Whether NFKC of ``piece + char`` differs from NFKC of each, joined."""
-    nfkc = partial(unicodedata.normalize, "NFKC")
     return nfkc(piece + char) != nfkc(piece) + nfkc(char)
 
 
@@ -417,7 +450,6 @@ def preprocess_with_offsets(text: str) -> tuple[str, OffsetMap]:
     """
     if text.isascii():
         return text, OffsetMap()
-    check_stream_safe(text)  # before any NFKC (its offset map normalizes piece by piece)
     parts: list[str] = []
     segments: list[tuple[int, int, int, int]] = []
     pos = 0  # next unread offset of text
@@ -425,11 +457,11 @@ def preprocess_with_offsets(text: str) -> tuple[str, OffsetMap]:
     for run in _NON_ASCII_RUN.finditer(text):
         parts.append(text[pos : run.start()])
         piece = run.group(0).translate(_PUNCTUATION_TABLE)
-        out = unicodedata.normalize("NFKC", piece)
+        out = nfkc(piece)
         pre_at = run.start() + shift
         if out != piece:
             clusters = _pieces(piece)
-            outs = [unicodedata.normalize("NFKC", c) for c in clusters]
+            outs = [nfkc(c) for c in clusters]
             if "".join(outs) == out:
                 orig_at = run.start()
                 for cluster, cluster_out in zip(clusters, outs, strict=True):

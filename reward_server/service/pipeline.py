@@ -45,7 +45,7 @@ from reward_server.core import (
 from reward_server.core.answers import MathJudge, math_available, math_equivalent
 from reward_server.core.explain import explain_batch
 from reward_server.core.normalization import Aggregate
-from reward_server.core.text import NotStreamSafe, preprocess
+from reward_server.core.text import preprocess
 from reward_server.encoders.base import EMBEDDING_DIM, MAX_SEQ_LENGTH, Encoder, check_encoder
 from reward_server.encoders.model_store import EXPLAINED_LOAD_ERRORS
 from reward_server.math_judge import (
@@ -146,10 +146,7 @@ def text_over_limit(value: str | None, limit: int, nfkc: bool) -> str | None:
     if len(value) > limit:
         return f"at most {limit} characters, got {len(value)}"
     if nfkc and value and len(value) * NFKC_MAX_EXPANSION > limit and not value.isascii():
-        try:
-            n = len(preprocess(value))
-        except NotStreamSafe as exc:  # refused before its quadratic NFKC
-            return str(exc)
+        n = len(preprocess(value))
         if n > limit:
             return f"at most {limit} characters after Unicode NFKC normalization, got {n}"
     return None
