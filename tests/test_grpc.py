@@ -58,6 +58,16 @@ async def test_timing_trailers(hashed: Running) -> None:
         assert float(trailers[f"x-{phase}-time"]) >= 0
 
 
+async def test_a_batch_warning_is_trailing_metadata(hashed: Running) -> None:
+    """A gold no sensible answer matches is scored, with its warning where the timings are."""
+    body = {"items": [{"completion": "a", "answer": "1"}, {"completion": "b", "answer": "$"}]}
+    call = hashed.stub.Score(request_from_dict(body))
+    assert list((await call).rewards) == reference_response(body, HashEncoder())["rewards"]
+    warnings = [v for k, v in await call.trailing_metadata() if k == "x-sde2-warning"]
+    assert [w.split(": ")[0] for w in warnings] == ["items.1.answer"]
+    assert "'$' is empty once canonicalized" in warnings[0]
+
+
 @pytest.mark.parametrize(
     ("body", "field"),
     [

@@ -127,17 +127,6 @@ def test_timing_headers(client: Any) -> None:
             "params.weights.xx",
         ),
         ({"items": [{"completion": "a", "answer": "1"}], "surprise": 1}, "surprise"),
-        # Golds no completion can match: scored, every reward would be format-only, silently.
-        (
-            {"items": [{"completion": "a", "answer": "1"}, {"completion": "a", "answer": " "}]},
-            "items.1.answer",
-        ),
-        ({"items": [{"completion": "a", "answer": "**"}]}, "items.0.answer"),
-        ({"items": [{"completion": "a", "answer": "$"}]}, "items.0.answer"),
-        (
-            {"items": [{"completion": "a", "answer": "1"}], "answer_type": "choice"},
-            "items.0.answer",
-        ),
         ({"items": []}, "items"),
         ({"items": {"completion": "a"}}, "items"),
         ({}, "items"),
@@ -156,6 +145,33 @@ def test_bad_input_is_422_naming_the_field(client: Any, body: dict, field: str) 
     r = client.post("/v1/score", json=body)
     assert r.status_code == 422, r.text
     assert field in [d["field"] for d in r.json()["detail"]]
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        (
+            {"items": [{"completion": "a", "answer": "1"}, {"completion": "a", "answer": " "}]},
+            "items.1.answer",
+        ),
+        ({"items": [{"completion": "a", "answer": "**"}]}, "items.0.answer"),
+        ({"items": [{"completion": "a", "answer": "$"}]}, "items.0.answer"),
+        (
+            {"items": [{"completion": "a", "answer": "1"}], "answer_type": "choice"},
+            "items.0.answer",
+        ),
+    ],
+)
+def test_a_gold_no_answer_can_match_is_scored_with_a_warning(
+    client: Any, body: dict, field: str
+) -> None:
+    """SPEC §2 defines such a gold's rewards (they are format rewards): they are the answer,
+    and an ``x-sde2-warning`` header names the field, as the server's log does."""
+    r = client.post("/v1/score", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json() == reference_response(body, HashEncoder())
+    [warning] = r.headers.get_list("x-sde2-warning")
+    assert warning.startswith(f"{field}: ") and "format rewards only" in warning
 
 
 @pytest.mark.parametrize(
@@ -259,12 +275,14 @@ def test_get_reward_query_parameters_and_errors(client: Any) -> None:
     bad_q = client.post("/get_reward?recipe=x", json={"query": [], "prompts": [], "labels": []})
     assert bad_q.status_code == 422
     # MedMCQA's cop (an index) as the label of a choice task: no answer could ever be correct.
+    # Scored as SPEC defines it (no letter, no match), with a warning naming the label.
     for label in (1, "1"):
         body = {"query": ["p" + c], "prompts": ["p"], "labels": [label]}
-        bad = client.post("/get_reward?answer_type=choice", json=body)
-        assert bad.status_code == 422, label
-        [detail] = bad.json()["detail"]
-        assert detail["field"] == "labels.0" and "option letter" in detail["msg"]
+        warned = client.post("/get_reward?answer_type=choice", json=body)
+        assert warned.status_code == 200, label
+        assert warned.json()["scores"] == [0.0]
+        [warning] = warned.headers.get_list("x-sde2-warning")
+        assert warning.startswith("labels.0: ") and "option letter" in warning
 
 
 def test_a_compressed_body_is_refused_naming_its_encoding(client: Any) -> None:

@@ -175,11 +175,11 @@ def test_a_numeric_gold_is_judged_by_its_number_not_its_field_text(final: str) -
     gold unless every answer of the batch was plain digits: the batch decided."""
     items = [ScoreItem(f"<final_answer>{final}</final_answer>", "```js2")]
     out = score_batch(items, HashEncoder(), normalize=False)
-    assert out.items[0].correct
-    for gold in ("```js", " ** ", "$"):
-        with pytest.raises(InvalidBatch) as err:
-            prepare_batch([ScoreItem(f"<final_answer>{final}</final_answer>", gold)])
-        assert err.value.loc == ("items", 0, "answer"), gold
+    assert out.items[0].correct and out.warnings == ()
+    for gold in ("```js", " ** ", "$"):  # N = "": a number never matches it, warned about
+        prepared = prepare_batch([ScoreItem(f"<final_answer>{final}</final_answer>", gold)])
+        assert not prepared.analyses[0].correct
+        assert [w.loc for w in prepared.warnings] == [("items", 0, "answer")], gold
 
 
 def test_choice_answer_type() -> None:
@@ -230,3 +230,37 @@ def test_huge_num_tokens_and_parameters_stay_finite() -> None:
     assert out.components["len"] == [-1.0, -0.0]
     assert out.normalized["oc"] == pytest.approx([1.0, -1.0])
     assert out.aggregate.std["oc"] == 5e307
+
+
+@pytest.mark.parametrize(
+    ("answer_type", "gold", "final", "correct"),
+    [
+        # SPEC §2 numeric: "####" keeps what follows (nothing), no number, field text "": N = "".
+        # A final answer "." has field text ".", lower-cased without the trailing ".": "" too.
+        ("numeric", "####", ".", True),
+        ("numeric", "####", "18", False),
+        ("numeric", "$", "$", True),  # both "" once "$" is deleted
+        ("numeric", " ** ", ".", True),  # an empty gold's N is "" as well
+        ("choice", "1", "(B)", False),  # no letter -> no match (MedMCQA's raw cop index)
+        ("exact", "**", "x", False),  # N = "": no non-empty final answer equals it
+    ],
+)
+def test_a_gold_no_sensible_answer_matches_is_scored_as_spec_defines_it(
+    answer_type: str, gold: str, final: str, correct: bool
+) -> None:
+    """Such a gold (empty, or empty once canonicalized, or a choice gold with no letter) is not
+    refused: SPEC §2 defines its ``N``, so its items are scored by it, with a warning at its
+    first item saying their rewards are format rewards (the caller's dataset is likely wrong)."""
+    completion = strat("r", final) + f"<final_answer>{final}</final_answer>"
+    usual = {"numeric": "7", "choice": "B", "exact": "x y"}[answer_type]
+    items = [ScoreItem(f"<final_answer>{usual}</final_answer>", usual)]
+    items = [items[0], ScoreItem(completion, gold)] * 2
+    score = score_batch(items, HashEncoder(), answer_type=answer_type)  # type: ignore[arg-type]
+    assert [it.correct for it in score.items] == [True, correct] * 2
+    assert [it.strategy_correct for it in score.items] == [False, correct] * 2
+    assert score.components["oc"] == [1.0, float(correct)] * 2
+    [warning] = score.warnings
+    assert warning.loc == ("items", 1, "answer")
+    assert "format rewards only" in warning.message
+    plain = score_batch(items[:1], HashEncoder(), answer_type=answer_type)  # type: ignore[arg-type]
+    assert plain.warnings == () and plain.items[0].correct

@@ -22,6 +22,7 @@ from reward_server.core.params import (
 from reward_server.core.recipes import RECIPES, Recipe, RecipeSpec
 from reward_server.core.scoring import (
     BatchScore,
+    BatchWarning,
     InvalidBatch,
     ItemResult,
     PreparedBatch,
@@ -37,6 +38,7 @@ __all__ = [
     "Aggregate",
     "AnswerType",
     "BatchScore",
+    "BatchWarning",
     "ComponentKey",
     "InvalidBatch",
     "ItemResult",

@@ -209,9 +209,10 @@ def unmatchable_gold(answer_type: AnswerType, gold: str) -> str | None:
 
     An empty gold (no field text, SPEC §1), or a numeric one with nothing left once
     canonicalized (``"$"``, ``"\\boxed{}"``, a bare ``"####"``), has no answer to match (it would
-    equal only a final answer of ``"."``), and a ``choice`` gold must be an option letter (SPEC
-    §2): without one no completion is ever correct. Scored anyway, each would turn a whole run's
-    rewards into format-only rewards without a word; the request is refused instead.
+    equal only a final answer of ``"."``), and a ``choice`` gold without an option letter is
+    never matched (SPEC §2). SPEC defines their rewards, so such golds are scored, but they turn
+    their items' rewards into format rewards: the batch carries a warning that says why
+    (:func:`~reward_server.core.scoring.gold_warnings`).
 
     >>> unmatchable_gold("numeric", " ** "), unmatchable_gold("choice", "(B)")
     ('the gold answer is empty', None)

@@ -53,6 +53,18 @@ class InvalidBatch(ValueError):
         self.message = message
 
 
+class BatchWarning(NamedTuple):
+    """What a caller should hear about a batch whose reward is nonetheless defined (SPEC): a
+    gold answer no sensible answer can match is scored as SPEC §2 says, and said so, since it
+    turns its items' rewards into format rewards. ``loc`` is the field's path."""
+
+    loc: tuple[str | int, ...]
+    message: str
+
+    def __str__(self) -> str:
+        return f"{'.'.join(map(str, self.loc))}: {self.message}"
+
+
 @pydantic_dataclass(frozen=True, config=ConfigDict(strict=True, extra="forbid"))
 class ScoreItem:
     """One completion to score, with its gold answer (SPEC §6 ``items[]``).
@@ -126,6 +138,7 @@ class PreparedBatch:
     #: For each item that needs ``g(H)``, in item order, the rows of ``texts`` that are its
     #: ``H`` (strategy order).
     selections: list[list[int]] = field(default_factory=list)
+    warnings: tuple[BatchWarning, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -137,6 +150,8 @@ class BatchScore:
     components: dict[str, list[float]]
     aggregate: Aggregate
     items: list[ItemResult]
+    #: Told to the caller beside the response (HTTP headers, gRPC metadata), not in it.
+    warnings: tuple[BatchWarning, ...] = ()
 
     @property
     def rewards(self) -> list[float]:
@@ -207,7 +222,6 @@ def analyze_items(
     if answer_type == "numeric":  # every gold a whole number, the answers plain: compared as text
         verdicts = _verdicts_as_strings(items, golds, strategies, finals)
     if verdicts is None:
-        _check_golds(items, golds, answer_type)  # (a whole number is always a gold)
         matchers = {gold: make_matcher(answer_type, g, math_judge) for gold, g in golds.items()}
         each = [matchers[it.answer] for it in items]
         correct = [f is not None and matches(f) for f, matches in zip(finals, each, strict=True)]
@@ -227,17 +241,28 @@ def analyze_items(
     return list(map(tuple.__new__, repeat(ItemAnalysis), columns))
 
 
-def _check_golds(
-    items: Sequence[ScoreItem], golds: dict[str, str], answer_type: AnswerType
-) -> None:
-    """:class:`InvalidBatch` at the first item whose gold no answer could match
-    (:func:`~reward_server.core.answers.unmatchable_gold`); ``golds``: each distinct gold,
-    preprocessed."""
-    for gold, preprocessed in golds.items():
-        problem = unmatchable_gold(answer_type, preprocessed)
+def gold_warnings(items: Sequence[ScoreItem], answer_type: AnswerType) -> tuple[BatchWarning, ...]:
+    """A :class:`BatchWarning` at the first item of each distinct gold answer no sensible
+    answer can match (:func:`~reward_server.core.answers.unmatchable_gold`).
+
+    >>> items = [ScoreItem("x", "####"), ScoreItem("y", "4"), ScoreItem("z", "####")]
+    >>> [str(w) for w in gold_warnings(items, "numeric")]  # doctest: +ELLIPSIS
+    ["items.0.answer: the gold answer '####' is empty once canonicalized (SPEC §2)..."]
+    """
+    found = []
+    for gold, i in {it.answer: i for i, it in reversed(list(enumerate(items)))}.items():
+        if answer_type == "numeric" and gold.isascii() and gold.isdigit():
+            continue  # a whole number: the usual gold
+        problem = unmatchable_gold(answer_type, preprocess(gold))
         if problem is not None:
-            first = next(i for i, it in enumerate(items) if it.answer == gold)
-            raise InvalidBatch(("items", first, "answer"), problem)
+            found.append(BatchWarning(("items", i, "answer"), problem + _SCORED_ANYWAY))
+    return tuple(sorted(found))
+
+
+_SCORED_ANYWAY = (
+    "; scored as SPEC defines it: its items get format rewards only"
+    " (is the dataset's answer column right?)"
+)
 
 
 def _verdicts_as_strings(
@@ -305,7 +330,10 @@ def prepare_batch(
     # rows (gains_of_selections then reads their H as a view, with no gather).
     for k in sorted(range(len(needing)), key=counts.__getitem__):
         selections[k] = [rows.setdefault(s.reasoning, len(rows)) for s in needing[k]]
-    return PreparedBatch(recipe, answer_type, params, analyses, groups, list(rows), selections)
+    warnings = gold_warnings(items, answer_type)
+    return PreparedBatch(
+        recipe, answer_type, params, analyses, groups, list(rows), selections, warnings
+    )
 
 
 @dataclass(frozen=True)
@@ -373,7 +401,7 @@ def finish_batch(
     fields = zip(n_strat, final, correct, chi, uniq, div, strict=True)
     results = list(map(tuple.__new__, repeat(ItemResult), fields))  # in C, as analyze_items
     components: dict[str, list[float]] = {k: v.tolist() for k, v in values.items()}
-    return BatchScore(prepared.recipe, p, components, agg, results)
+    return BatchScore(prepared.recipe, p, components, agg, results, prepared.warnings)
 
 
 #: A strategy's outcome (``Strategy.outcome``, read in C).

@@ -97,8 +97,8 @@ class RewardServicer:
             timeout=context.time_remaining(),
             explain=method == "Explain",
         )
-        timings = tuple((f"x-{k}-time", f"{v * 1000:.3f}") for k, v in scored.timings.items())
-        context.set_trailing_metadata(timings)
+        timings = [(f"x-{k}-time", f"{v * 1000:.3f}") for k, v in scored.timings.items()]
+        context.set_trailing_metadata((*timings, *scored.warning_headers()))
         return scored
 
     def _sent(self, method: str, reply: Reply) -> Reply:

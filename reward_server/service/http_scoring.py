@@ -261,10 +261,14 @@ def scored_response(
     content: Any,
     response_class: type[JSONResponse] = JSONResponse,
 ) -> Response:
-    """A 200 answer with the phase timings as ``x-<phase>-time`` headers (ms), counted."""
+    """A 200 answer with the phase timings as ``x-<phase>-time`` headers (ms) and the batch's
+    warnings as ``x-sde2-warning`` headers, counted."""
     service_of(request).metrics.requests.labels(route_label(request), "200").inc()
     headers = {f"x-{k}-time": f"{scored.timings[k] * 1000:.3f}" for k in TIMING_HEADERS}
-    return response_class(content, headers=headers)
+    response = response_class(content, headers=headers)
+    for name, value in scored.warning_headers():
+        response.headers.append(name, value)
+    return response
 
 
 def parse_score(body: bytes) -> ScoreRequest:

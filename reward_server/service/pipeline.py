@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from operator import attrgetter
 from typing import Any, TypeVar
@@ -178,10 +178,33 @@ class Scored:
     encoder: str
     #: The reward's explanation (:mod:`reward_server.core.explain`), when one was asked for.
     explanation: dict[str, Any] | None = None
+    #: The score's warnings (:class:`~reward_server.core.scoring.BatchWarning`), each naming
+    #: its field as the route's request does.
+    warnings: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         """The SPEC §6 response."""
         return {**self.score.as_dict(), "encoder": self.encoder}
+
+    def warning_headers(self) -> list[tuple[str, str]]:
+        """:attr:`warnings` as ``x-sde2-warning`` headers (HTTP) or metadata (gRPC): one each,
+        ASCII (other characters escaped), the first :data:`MAX_WARNINGS` of them.
+
+        >>> scored = Scored(_nothing_scored(), {}, "e", warnings=("a: \u00e9",) * 9)
+        >>> scored.warning_headers()[0], scored.warning_headers()[-1], len(scored.warning_headers())
+        (('x-sde2-warning', 'a: \\\\xe9'), ('x-sde2-warning', 'and 2 more warnings'), 8)
+        """
+        warnings = list(self.warnings)
+        if len(warnings) > MAX_WARNINGS:
+            more = len(warnings) - MAX_WARNINGS + 1
+            warnings[MAX_WARNINGS - 1 :] = [f"and {more} more warnings"]
+        return [(WARNING_HEADER, w.encode("ascii", "backslashreplace").decode()) for w in warnings]
+
+
+#: The header (and gRPC metadata key) that carries a scored batch's warnings, one each.
+WARNING_HEADER = "x-sde2-warning"
+#: Most warning headers an answer carries (the last one counts the rest).
+MAX_WARNINGS = 8
 
 
 #: Runs each stream makes in a chunk at least, when there are several streams, for the same
@@ -554,9 +577,17 @@ class ScoringService:
                 self.check_explanation_size(prepared, loc_map)
             if request.answer_type == "math":  # the others' was checked in their preparing trip
                 self.check_encoder_budget(prepared.texts, loc_map)
-            return await self._score_prepared(
+            scored = await self._score_prepared(
                 batcher, request, prepared, cached, t0, deadline, explain, gone
             )
+        if not scored.score.warnings:
+            return scored
+        warnings = tuple(
+            f"{'.'.join(map(str, _mapped(loc_map, w.loc)))}: {w.message}"
+            for w in scored.score.warnings
+        )
+        log.warning("scored with %d warning(s), the first: %s", len(warnings), warnings[0])
+        return replace(scored, warnings=warnings)
 
     async def _score_prepared(
         self,
@@ -599,6 +630,10 @@ class ScoringService:
         }
         self.metrics.observe_phases(timings)
         self.metrics.items.observe(len(request.items))  # scored: a refused request's are not
+        if score.warnings:
+            log.warning(
+                "scored with %d warning(s), first: %s", len(score.warnings), score.warnings[0]
+            )
         return Scored(score, timings, self.encoder_name, explanation)
 
     def _ready_batcher(self) -> Batcher:
