@@ -42,6 +42,7 @@ from reward_server.service.errors import (
     ShuttingDown,
     Unauthorized,
     UnsupportedEncoding,
+    UnsupportedMediaType,
     error_classes,
     issue,
 )
@@ -98,6 +99,13 @@ ROWS: dict[str, Row] = {
         "Content-Encoding 'gzip' is not accepted: send the JSON body uncompressed",
         grpc.StatusCode.UNIMPLEMENTED,
         "Content-Encoding 'gzip' is not accepted: send the JSON body uncompressed",
+    ),
+    "unsupported_media_type": Row(
+        lambda: UnsupportedMediaType("text/plain"),
+        415,
+        "Content-Type 'text/plain' is not accepted: send the body as application/json",
+        grpc.StatusCode.UNIMPLEMENTED,
+        "Content-Type 'text/plain' is not accepted: send the body as application/json",
     ),
     "body_timeout": Row(
         lambda: BodyTimeout(1.5),
@@ -320,7 +328,8 @@ PROVOKED: dict[str, Provoked] = {
 #: oversized message itself, see test_body_too_large_on_both_wires); a lost replica only under
 #: Ray (tests/test_ray_serve.py); a stalled upload and a vanished client on HTTP only
 #: (tests/test_hostile_clients.py); a math checker that cannot start in test_math_service.
-#: Provoked where their transport is (test_http, test_hostile_clients, test_ray_serve).
+#: Provoked where their transport is (test_http, test_hostile_inputs, test_hostile_clients,
+#: test_ray_serve).
 NOT_PROVOKED_HERE = {
     "math_unavailable",
     "body_too_large",
@@ -328,6 +337,7 @@ NOT_PROVOKED_HERE = {
     "client_disconnect",
     "replica_lost",
     "unsupported_encoding",
+    "unsupported_media_type",
 }
 
 

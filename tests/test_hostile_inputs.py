@@ -216,8 +216,21 @@ def test_many_strategies_per_item(client: Any) -> None:
 
 
 def test_non_json_content_types_and_methods(client: Any) -> None:
-    r = client.post("/v1/score", content=b"items=1", headers={"content-type": "text/plain"})
-    assert r.status_code == 422
+    """A body declared as anything but JSON is a 415, also when it holds JSON: text/plain and
+    forms are what any web page may post to a server without asking it (a key-less server's
+    compute spent by a page). No Content-Type is read as JSON; ``+json`` types are JSON."""
+    good = json.dumps({"items": [{"completion": "<final_answer>4</final_answer>", "answer": "4"}]})
+    for media in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; b=x"):
+        for content in (b"items=1", good.encode()):
+            r = client.post("/v1/score", content=content, headers={"content-type": media})
+            assert r.status_code == 415, (media, r.text)
+            assert r.json()["detail"].startswith(f"Content-Type {media!r} is not accepted")
+    for media in ("application/json", "APPLICATION/JSON; charset=utf-8", "application/x+json"):
+        r = client.post("/v1/score", content=good, headers={"content-type": media})
+        assert r.status_code == 200, media
+    assert client.post("/v1/score", content=good).status_code == 200  # no Content-Type
+    two = [(b"content-type", b"application/json"), (b"content-type", b"text/plain")]
+    assert _raw_post(client, two, good.encode()) == 415
     assert client.get("/v1/score").status_code == 405
     assert client.put("/v1/score", json={}).status_code == 405
     assert client.post("/healthz").status_code == 405
@@ -225,3 +238,9 @@ def test_non_json_content_types_and_methods(client: Any) -> None:
     body = json.dumps({"items": [{"completion": "a", "answer": "1"}]})
     assert client.post("/v1/score", content=body.encode("utf-16")).status_code == 422
     assert_still_serving(client)
+
+
+def _raw_post(client: Any, headers: list[tuple[bytes, bytes]], body: bytes) -> int:
+    """The status of a POST to /v1/score with exactly ``headers`` (repeated names kept)."""
+    request = client.build_request("POST", "/v1/score", headers=headers, content=body)
+    return int(client.send(request).status_code)

@@ -299,6 +299,11 @@ def test_a_compressed_body_is_refused_naming_its_encoding(client: Any) -> None:
         )
     headers = {"content-type": "application/json", "content-encoding": "identity"}
     assert client.post("/v1/score", content=body, headers=headers).status_code == 200
+    # Two header lines are one list (RFC 9110 §5.3): "identity" then "gzip" is compressed.
+    for second in (b"gzip", b"br"):
+        lines = [(b"content-encoding", b"identity"), (b"content-encoding", second)]
+        r = client.send(client.build_request("POST", "/v1/score", headers=lines, content=body))
+        assert r.status_code == 415 and second.decode() in r.json()["detail"]
 
 
 def test_a_query_parameter_a_route_does_not_read_is_refused(client: Any) -> None:

@@ -139,6 +139,23 @@ class UnsupportedEncoding(ServiceError):
         )
 
 
+class UnsupportedMediaType(ServiceError):
+    """A body declared as something other than JSON (``text/plain``, a form...). Such a body was
+    scored when it held JSON; these are the types a web page may send to any server without
+    asking it first, so a page could spend a key-less server's compute. A request without a
+    ``Content-Type`` is read as JSON, as FastAPI does. HTTP only; gRPC's code is declared for
+    completeness."""
+
+    reason = "unsupported_media_type"
+    http_status = 415
+    grpc_code = "UNIMPLEMENTED"
+
+    def __init__(self, media_type: str) -> None:
+        super().__init__(
+            f"Content-Type {media_type!r} is not accepted: send the body as application/json"
+        )
+
+
 class BodyTimeout(ServiceError):
     """The body did not arrive within ``body_timeout`` seconds after admission (a stalled or too
     slow upload). HTTP closes the connection; gRPC receives whole messages, so only HTTP raises
@@ -273,6 +290,7 @@ __all__ = [
     "ShuttingDown",
     "Unauthorized",
     "UnsupportedEncoding",
+    "UnsupportedMediaType",
     "error_classes",
     "issue",
 ]

@@ -20,6 +20,7 @@ from typing import Any
 import orjson
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect
 from starlette.routing import get_route_path
 
@@ -31,6 +32,7 @@ from reward_server.service.errors import (
     RequestInvalid,
     ServiceError,
     UnsupportedEncoding,
+    UnsupportedMediaType,
     issue,
 )
 from reward_server.service.json_values import values_of, values_over
@@ -105,9 +107,7 @@ async def read_body(request: Request, limit: int, timeout: float) -> bytes:
     :class:`ClientGone` when the client disconnects first."""
 
     async def read() -> bytes:
-        encoding = request.headers.get("content-encoding", "identity").strip().lower()
-        if encoding not in ("identity", ""):
-            raise UnsupportedEncoding(encoding)
+        body_format_refusal(request.headers)
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise BodyTooLarge(limit)
@@ -127,6 +127,41 @@ async def read_body(request: Request, limit: int, timeout: float) -> bytes:
         return await asyncio.wait_for(read(), timeout)
     except TimeoutError:
         raise BodyTimeout(timeout) from None
+
+
+def body_format_refusal(headers: Headers) -> None:
+    """:class:`UnsupportedEncoding` for a ``Content-Encoding`` other than ``identity`` (every
+    header line and comma-separated entry counts: HTTP reads two lines as one list), and
+    :class:`UnsupportedMediaType` for a ``Content-Type`` that is not JSON.
+
+    >>> two_lines = [(b"content-encoding", b"identity"), (b"content-encoding", b"gzip")]
+    >>> body_format_refusal(Headers(raw=two_lines[:1]))
+    >>> body_format_refusal(Headers(raw=two_lines))
+    Traceback (most recent call last):
+    ...
+    reward_server.service.errors.UnsupportedEncoding: Content-Encoding 'gzip' is not accepted: ...
+    >>> body_format_refusal(Headers({"content-type": "Application/JSON; charset=utf-8"}))
+    >>> body_format_refusal(Headers({"content-type": "text/plain"}))
+    Traceback (most recent call last):
+    ...
+    reward_server.service.errors.UnsupportedMediaType: Content-Type 'text/plain' is not ...
+    """
+    encodings = (
+        e.strip().lower() for v in headers.getlist("content-encoding") for e in v.split(",")
+    )
+    refused = [e for e in encodings if e not in ("identity", "")]
+    if refused:
+        raise UnsupportedEncoding(", ".join(refused))
+    types = headers.getlist("content-type")
+    media = [t.split(";")[0].strip().lower() for t in types]
+    if len(media) > 1 or (media and not _is_json(media[0])):
+        raise UnsupportedMediaType(", ".join(types))
+
+
+def _is_json(media_type: str) -> bool:
+    return media_type == "application/json" or (
+        media_type.startswith("application/") and media_type.endswith("+json")
+    )
 
 
 #: ASGI scope extension: when a relay in front of this app received the request (``time.time()``,
