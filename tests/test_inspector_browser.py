@@ -242,6 +242,15 @@ def test_bad_input_shows_the_422_next_to_its_input(
         lambda d: d.find_element(By.ID, "answer-error").text.startswith("items.0.answer:")
     )
     assert browser.find_element(By.ID, "delta-error").text == ""
+    # A gold no answer can match ("####": N = "") is scored, with the warning next to it.
+    fill(browser, GROUP[:2], "####", delta="0.8")
+    browser.find_element(By.ID, "run").click()
+    WebDriverWait(browser, WAIT_S).until(
+        lambda d: d.find_element(By.ID, "answer-error").text.startswith("warning: items.0.answer:")
+    )
+    assert "format rewards only" in browser.find_element(By.ID, "answer-error").text
+    assert browser.find_element(By.ID, "results").is_displayed()
+    assert "invalid-input" not in browser.find_element(By.ID, "answer").get_attribute("class")
     # A line that is no JSON is caught before sending, naming the line.
     completions = browser.find_element(By.ID, "completions")
     completions.send_keys("\n{not json")

@@ -91,6 +91,20 @@ function showError(name, message) {
   if (input) input.classList.add("invalid-input");
 }
 
+/** A scored batch's warnings (x-sde2-warning headers: fetch joins their lines with ", "; each
+ * starts with the field it names, or counts the rest). */
+function warningsOf(headers) {
+  const joined = headers.get("x-sde2-warning");
+  return joined ? joined.split(/, (?=items\.\d|and \d+ more)/) : [];
+}
+
+/** A warning next to its input: the answer stands, the input is not marked invalid. */
+function showWarning(name, message) {
+  const box = $(`#${name}-error`);
+  const line = `warning: ${message}`;
+  box.textContent = box.textContent ? `${box.textContent}\n${line}` : line;
+}
+
 /** Which input a 422 issue belongs next to. */
 function inputFor(field, request) {
   const parts = field.split(".");
@@ -178,6 +192,9 @@ async function run(event) {
   if (response.ok) {
     last = { request, response: payload };
     render(payload, request);
+    for (const warning of warningsOf(response.headers)) {
+      showWarning(inputFor(warning.split(":")[0], request), warning);
+    }
     return;
   }
   $("#results").hidden = true;
