@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import chain, compress, repeat
-from operator import eq, itemgetter
+from operator import attrgetter, eq, itemgetter
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -249,14 +249,19 @@ def gold_warnings(items: Sequence[ScoreItem], answer_type: AnswerType) -> tuple[
     >>> [str(w) for w in gold_warnings(items, "numeric")]  # doctest: +ELLIPSIS
     ["items.0.answer: the gold answer '####' is empty once canonicalized (SPEC §2)..."]
     """
+    answers = list(map(_ANSWER, items))
     found = []
-    for gold, i in {it.answer: i for i, it in reversed(list(enumerate(items)))}.items():
+    for gold in dict.fromkeys(answers):
         if answer_type == "numeric" and gold.isascii() and gold.isdigit():
-            continue  # a whole number: the usual gold
+            continue  # a whole number: the usual gold (a step's golds cost 3 us)
         problem = unmatchable_gold(answer_type, preprocess(gold))
         if problem is not None:
-            found.append(BatchWarning(("items", i, "answer"), problem + _SCORED_ANYWAY))
+            at = ("items", answers.index(gold), "answer")
+            found.append(BatchWarning(at, problem + _SCORED_ANYWAY))
     return tuple(sorted(found))
+
+
+_ANSWER = attrgetter("answer")
 
 
 _SCORED_ANYWAY = (
