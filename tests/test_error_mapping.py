@@ -70,6 +70,10 @@ class Row:
     grpc_metadata: dict[str, str] = field(default_factory=dict)
 
 
+MEDIA_TYPE_MESSAGE = (
+    "Content-Type 'text/plain' is not JSON: send the body as JSON, Content-Type: application/json"
+)
+
 ROWS: dict[str, Row] = {
     "invalid": Row(
         lambda: RequestInvalid([ISSUE]),
@@ -101,11 +105,11 @@ ROWS: dict[str, Row] = {
         "Content-Encoding 'gzip' is not accepted: send the JSON body uncompressed",
     ),
     "unsupported_media_type": Row(
-        lambda: UnsupportedMediaType("text/plain"),
+        lambda: UnsupportedMediaType("Content-Type 'text/plain' is not JSON"),
         415,
-        "Content-Type 'text/plain' is not accepted: send the body as application/json",
+        MEDIA_TYPE_MESSAGE,
         grpc.StatusCode.UNIMPLEMENTED,
-        "Content-Type 'text/plain' is not accepted: send the body as application/json",
+        MEDIA_TYPE_MESSAGE,
     ),
     "body_timeout": Row(
         lambda: BodyTimeout(1.5),

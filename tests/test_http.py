@@ -171,7 +171,7 @@ def test_a_gold_no_answer_can_match_is_scored_with_a_warning(
     assert r.status_code == 200, r.text
     assert r.json() == reference_response(body, HashEncoder())
     [warning] = r.headers.get_list("x-sde2-warning")
-    assert warning.startswith(f"{field}: ") and "format rewards only" in warning
+    assert warning.startswith(f"{field}: ") and "rewards are format rewards" in warning
 
 
 @pytest.mark.parametrize(

@@ -248,7 +248,7 @@ def test_bad_input_shows_the_422_next_to_its_input(
     WebDriverWait(browser, WAIT_S).until(
         lambda d: d.find_element(By.ID, "answer-error").text.startswith("warning: items.0.answer:")
     )
-    assert "format rewards only" in browser.find_element(By.ID, "answer-error").text
+    assert "rewards are format rewards" in browser.find_element(By.ID, "answer-error").text
     assert browser.find_element(By.ID, "results").is_displayed()
     assert "invalid-input" not in browser.find_element(By.ID, "answer").get_attribute("class")
     # A line that is no JSON is caught before sending, naming the line.

@@ -323,11 +323,13 @@ def test_client_and_trl_adapter_against_the_ingress(cluster: Cluster) -> None:
 # --- what the ingress answers itself -------------------------------------------------------------
 
 
-def _raw(port: int, head: bytes, body: bytes = b"") -> socket.socket:
+def _raw(
+    port: int, head: bytes, body: bytes = b"", media_type: bytes = b"application/json"
+) -> socket.socket:
     """A connection to Ray's proxy that has sent ``head`` (request line and headers, without the
     blank line) and then ``body``: an upload the test can leave unfinished."""
     conn = socket.create_connection(("127.0.0.1", port), timeout=30)
-    conn.sendall(head + b"\r\nHost: x\r\nContent-Type: application/json\r\n\r\n" + body)
+    conn.sendall(head + b"\r\nHost: x\r\nContent-Type: " + media_type + b"\r\n\r\n" + body)
     return conn
 
 
@@ -349,11 +351,14 @@ def test_ingress_refuses_before_reading_the_body(cluster: Cluster) -> None:
     until the body timeout (408); beyond ``ingress_max_bodies`` held, 429 with Retry-After."""
     post = f"POST {PREFIX}/v1/score HTTP/1.1".encode()
     t0 = time.monotonic()
-    status, _ = _status_of(_raw(cluster.port, post + b"\r\nContent-Length: 1000", b'{"items": '))
-    assert status == 401
-    too_big = b"\r\nAuthorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: 99999999"
-    status, _ = _status_of(_raw(cluster.port, post + too_big, b'{"items": '))
-    assert status == 413
+    status, head = _status_of(_raw(cluster.port, post + b"\r\nContent-Length: 1000", b'{"items": '))
+    assert status == 401 and b"connection: close" in head.lower()  # the rest is never read
+    key = b"\r\nAuthorization: Bearer " + API_KEY.encode()
+    status, head = _status_of(_raw(cluster.port, post + key + b"\r\nContent-Length: 99999999"))
+    assert status == 413 and b"connection: close" in head.lower()
+    plain = _raw(cluster.port, post + key + b"\r\nContent-Length: 1000", b"{", b"text/plain")
+    status, head = _status_of(plain)
+    assert status == 415 and b"connection: close" in head.lower()
     # A route that reads no body (a wrong path, another method): answered unread, as the plain
     # server does, never holding a slot (they were read, keyless, until the body timeout).
     for head, want in (

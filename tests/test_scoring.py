@@ -261,6 +261,6 @@ def test_a_gold_no_sensible_answer_matches_is_scored_as_spec_defines_it(
     assert score.components["oc"] == [1.0, float(correct)] * 2
     [warning] = score.warnings
     assert warning.loc == ("items", 1, "answer")
-    assert "format rewards only" in warning.message
+    assert "rewards are format rewards" in warning.message
     plain = score_batch(items[:1], HashEncoder(), answer_type=answer_type)  # type: ignore[arg-type]
     assert plain.warnings == () and plain.items[0].correct

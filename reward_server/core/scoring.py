@@ -257,17 +257,24 @@ def gold_warnings(items: Sequence[ScoreItem], answer_type: AnswerType) -> tuple[
         problem = unmatchable_gold(answer_type, preprocess(gold))
         if problem is not None:
             at = ("items", answers.index(gold), "answer")
-            found.append(BatchWarning(at, problem + _SCORED_ANYWAY))
+            found.append(BatchWarning(at, f"{problem}; {_SCORED_ANYWAY[answer_type]}"))
     return tuple(sorted(found))
 
 
 _ANSWER = attrgetter("answer")
 
 
-_SCORED_ANYWAY = (
-    "; scored as SPEC defines it: its items get format rewards only"
+#: What scoring such a gold as SPEC §2 defines means, by matcher.
+_SCORED_ANYWAY = {
+    kind: f"scored as SPEC defines it: {matched}, so its items' rewards are format rewards"
     " (is the dataset's answer column right?)"
-)
+    for kind, matched in (
+        ("numeric", "no answer matches it but one as empty ('.', '$')"),
+        ("choice", "no answer matches it"),
+        ("exact", "no answer matches it"),
+        ("math", "math-verify judges answers against it"),
+    )
+}
 
 
 def _verdicts_as_strings(

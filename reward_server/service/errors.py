@@ -140,20 +140,18 @@ class UnsupportedEncoding(ServiceError):
 
 
 class UnsupportedMediaType(ServiceError):
-    """A body declared as something other than JSON (``text/plain``, a form...). Such a body was
-    scored when it held JSON; these are the types a web page may send to any server without
-    asking it first, so a page could spend a key-less server's compute. A request without a
-    ``Content-Type`` is read as JSON, as FastAPI does. HTTP only; gRPC's code is declared for
-    completeness."""
+    """A body not declared as UTF-8 JSON (``text/plain``, a form, ``charset=latin-1``...), or
+    declared as nothing by a web page of another site (which :func:`~reward_server.service.
+    http_scoring.body_format_refusal` tells). Such bodies were scored when they held JSON, and
+    they are what any web page may send to any server without asking it first: a page could
+    spend a key-less server's compute. HTTP only; gRPC's code is declared for completeness."""
 
     reason = "unsupported_media_type"
     http_status = 415
     grpc_code = "UNIMPLEMENTED"
 
-    def __init__(self, media_type: str) -> None:
-        super().__init__(
-            f"Content-Type {media_type!r} is not accepted: send the body as application/json"
-        )
+    def __init__(self, problem: str) -> None:
+        super().__init__(f"{problem}: send the body as JSON, Content-Type: application/json")
 
 
 class BodyTimeout(ServiceError):

@@ -132,7 +132,7 @@ async def read_body(request: Request, limit: int, timeout: float) -> bytes:
 def body_format_refusal(headers: Headers) -> None:
     """:class:`UnsupportedEncoding` for a ``Content-Encoding`` other than ``identity`` (every
     header line and comma-separated entry counts: HTTP reads two lines as one list), and
-    :class:`UnsupportedMediaType` for a ``Content-Type`` that is not JSON.
+    :class:`UnsupportedMediaType` for a body not declared as UTF-8 JSON.
 
     >>> two_lines = [(b"content-encoding", b"identity"), (b"content-encoding", b"gzip")]
     >>> body_format_refusal(Headers(raw=two_lines[:1]))
@@ -140,11 +140,22 @@ def body_format_refusal(headers: Headers) -> None:
     Traceback (most recent call last):
     ...
     reward_server.service.errors.UnsupportedEncoding: Content-Encoding 'gzip' is not accepted: ...
-    >>> body_format_refusal(Headers({"content-type": "Application/JSON; charset=utf-8"}))
+    >>> body_format_refusal(Headers({"content-type": "Application/JSON;charset=UTF-8"}))
     >>> body_format_refusal(Headers({"content-type": "text/plain"}))
     Traceback (most recent call last):
     ...
-    reward_server.service.errors.UnsupportedMediaType: Content-Type 'text/plain' is not ...
+    reward_server.service.errors.UnsupportedMediaType: Content-Type 'text/plain' is not JSON: ...
+
+    A body without a ``Content-Type`` is read as JSON (as FastAPI does: ``curl --data-binary``,
+    ``requests.post(data=...)``), unless a browser sent it for a page of another site (its
+    ``Sec-Fetch-Site``, or an ``Origin`` from a browser too old to send that): a typeless
+    ``Blob`` posted by such a page needs no permission from the server.
+
+    >>> body_format_refusal(Headers({"sec-fetch-site": "same-origin"}))
+    >>> body_format_refusal(Headers({"sec-fetch-site": "cross-site"}))
+    Traceback (most recent call last):
+    ...
+    reward_server.service.errors.UnsupportedMediaType: a body without Content-Type from a page ...
     """
     encodings = (
         e.strip().lower() for v in headers.getlist("content-encoding") for e in v.split(",")
@@ -152,16 +163,30 @@ def body_format_refusal(headers: Headers) -> None:
     refused = [e for e in encodings if e not in ("identity", "")]
     if refused:
         raise UnsupportedEncoding(", ".join(refused))
+    problem = _media_type_problem(headers)
+    if problem is not None:
+        raise UnsupportedMediaType(problem)
+
+
+def _media_type_problem(headers: Headers) -> str | None:
+    """Why the body's declared type is refused (:func:`body_format_refusal`), or None."""
     types = headers.getlist("content-type")
-    media = [t.split(";")[0].strip().lower() for t in types]
-    if len(media) > 1 or (media and not _is_json(media[0])):
-        raise UnsupportedMediaType(", ".join(types))
-
-
-def _is_json(media_type: str) -> bool:
-    return media_type == "application/json" or (
-        media_type.startswith("application/") and media_type.endswith("+json")
-    )
+    if len(types) > 1:
+        return f"Content-Type given {len(types)} times"
+    if not types:
+        site = headers.get("sec-fetch-site")
+        if site in ("cross-site", "same-site") or (site is None and "origin" in headers):
+            return "a body without Content-Type from a page of another site"
+        return None
+    media, *parameters = (part.strip().lower() for part in types[0].split(";"))
+    kind, _, subtype = media.partition("/")
+    structured = subtype.endswith("+json") and subtype != "+json"  # application/problem+json
+    if kind != "application" or not (subtype == "json" or structured):
+        return f"Content-Type {types[0]!r} is not JSON"
+    charsets = [p.partition("=")[2].strip('"') for p in parameters if p.startswith("charset=")]
+    if any(c not in ("utf-8", "utf8") for c in charsets):
+        return f"Content-Type {types[0]!r}: JSON is read as UTF-8 (RFC 8259)"
+    return None
 
 
 #: ASGI scope extension: when a relay in front of this app received the request (``time.time()``,

@@ -198,7 +198,10 @@ class Scored:
         if len(warnings) > MAX_WARNINGS:
             more = len(warnings) - MAX_WARNINGS + 1
             warnings[MAX_WARNINGS - 1 :] = [f"and {more} more warnings"]
-        return [(WARNING_HEADER, w.encode("ascii", "backslashreplace").decode()) for w in warnings]
+        ascii_only = (
+            w.replace("§", "section ").encode("ascii", "backslashreplace") for w in warnings
+        )
+        return [(WARNING_HEADER, w.decode()) for w in ascii_only]
 
 
 #: The header (and gRPC metadata key) that carries a scored batch's warnings, one each.
@@ -630,10 +633,6 @@ class ScoringService:
         }
         self.metrics.observe_phases(timings)
         self.metrics.items.observe(len(request.items))  # scored: a refused request's are not
-        if score.warnings:
-            log.warning(
-                "scored with %d warning(s), first: %s", len(score.warnings), score.warnings[0]
-            )
         return Scored(score, timings, self.encoder_name, explanation)
 
     def _ready_batcher(self) -> Batcher:

@@ -637,6 +637,14 @@ def forwarded_error(exc: ServiceError) -> Forwarded:
     return _forwarded(error_response(exc))
 
 
+def unread_error(exc: ServiceError) -> Forwarded:
+    """:func:`forwarded_error` for a request whose body was not read whole: the answer closes
+    the connection, as ``sde2-reward serve`` does (kept alive, the unread body would be taken
+    in and discarded by the proxy, past every limit)."""
+    exc.headers["Connection"] = "close"
+    return forwarded_error(exc)
+
+
 def call_error(exc: ServiceError) -> ScoreCallError:
     """``exc`` as a handle call's :class:`ScoreCallError` (what the route would have answered)."""
     retry = exc.http_headers.get("Retry-After")
@@ -741,13 +749,13 @@ class Ingress:
             return await self.relay(request, self.options.probe_timeout_s)
         limit = self.max_body_bytes
         if not self.is_authorized(request.header("authorization")):
-            return forwarded_error(Unauthorized())
+            return unread_error(Unauthorized())
         declared = request.header("content-length")
         if declared is not None and declared.strip().isdigit() and int(declared) > limit:
-            return forwarded_error(BodyTooLarge(limit))
+            return unread_error(BodyTooLarge(limit))
         if self.bodies >= self.options.ingress_max_bodies:
             held = self.options.ingress_max_bodies
-            return forwarded_error(
+            return unread_error(
                 Overloaded(1, f"ingress holds {held} request bodies, retry after 1 s")
             )
         received = time.time()
@@ -758,7 +766,7 @@ class Ingress:
             except ClientGone:
                 return None  # nobody reads an answer
             except ServiceError as exc:
-                return forwarded_error(exc)
+                return unread_error(exc)
             return await self.relay(dataclasses.replace(request, body=body, received=received))
         finally:
             self.bodies -= 1

@@ -95,7 +95,7 @@ function showError(name, message) {
  * starts with the field it names, or counts the rest). */
 function warningsOf(headers) {
   const joined = headers.get("x-sde2-warning");
-  return joined ? joined.split(/, (?=items\.\d|and \d+ more)/) : [];
+  return joined ? joined.split(/, (?=(?:items\.\d+\.answer|labels\.\d+): |and \d+ more warnings$)/) : [];
 }
 
 /** A warning next to its input: the answer stands, the input is not marked invalid. */
