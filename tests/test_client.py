@@ -961,3 +961,24 @@ def test_params_are_checked_naming_the_field_and_sent_as_json_numbers() -> None:
     given = {"length_target": np.int64(256), "weights": {"sd": np.float32(0.5)}}
     assert params_to_json(given) == {"length_target": 256, "weights": {"sd": 0.5}}
     assert json.dumps(params_to_json(given))  # plain JSON
+
+
+@pytest.mark.parametrize("header", ["0", "Mon, 01 Jan 2001 00:00:00 GMT"])
+def test_a_retry_after_of_no_time_keeps_the_backoff(header: str) -> None:
+    """``Retry-After: 0`` (or a date gone by) from an overloaded proxy replaced the backoff,
+    and the client retried at once, thousands of times a second: the wait is now the larger of
+    the header's and the backoff."""
+    busy = [httpx.Response(503, headers={"retry-after": header}, text="busy")] * 5
+    sleeps: list[float] = []
+    rc = RewardClient(
+        [A, B],
+        retry=policy(backoff_base=0.4, backoff_max=20.0),
+        transport=httpx.MockTransport(Scripted(busy)),
+        sleep=sleeps.append,
+    )
+    assert len(rc.score(ONE)) == 1
+    floors = [0.4 * 2**k / 2 for k in range(5)]  # d/2, the least a backoff waits
+    assert len(sleeps) == 5
+    assert all(wait >= floor for wait, floor in zip(sleeps, floors, strict=True)), sleeps
+    p = policy(backoff_base=1.0, retry_after_jitter=0.0)
+    assert p.delay(0, retry_after=0.0) >= 0.5 and p.delay(0, retry_after=9.0) == 9.0

@@ -323,14 +323,15 @@ class _Attempts:
             )
 
     def _wait_for(self, url: str, retry_index: int) -> float:
-        """The wait before trying ``url``: what it asked for with ``Retry-After`` (less the time
-        gone since, when other replicas were tried in between), else the backoff."""
+        """The wait before trying ``url``: the backoff, or what it asked for with
+        ``Retry-After`` when longer (less the time gone since, when other replicas were tried
+        in between: never less than the backoff, though)."""
         if url not in self._held:
             return self.policy.delay(retry_index)
         answered, asked = self._held[url]
         if url == self.failures[-1].url:
-            return asked
-        return max(0.0, answered + asked - time.monotonic())
+            return asked  # already the larger of the two (RetryPolicy.delay)
+        return max(self.policy.delay(retry_index), answered + asked - time.monotonic())
 
     def next_wait(self) -> float:
         """Seconds to wait before the next attempt; raises the give-up error when there is none
