@@ -14,6 +14,7 @@ import email.utils
 import json
 import math
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -982,3 +983,97 @@ def test_a_retry_after_of_no_time_keeps_the_backoff(header: str) -> None:
     assert all(wait >= floor for wait, floor in zip(sleeps, floors, strict=True)), sleeps
     p = policy(backoff_base=1.0, retry_after_jitter=0.0)
     assert p.delay(0, retry_after=0.0) >= 0.5 and p.delay(0, retry_after=9.0) == 9.0
+
+
+@contextlib.contextmanager
+def spoiling_proxy(upstream: str, spoil: Callable[[dict[str, Any]], None]) -> Iterator[str]:
+    """A real HTTP proxy in front of ``upstream`` that passes each request on and answers the
+    upstream's JSON after ``spoil`` changed it, written by Python's ``json`` (which writes a
+    NaN as ``NaN``, as some servers and proxies do)."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # the stdlib's name
+            body = self.rfile.read(int(self.headers["content-length"]))
+            headers = {k: v for k, v in self.headers.items() if k.lower() == "authorization"}
+            answer = httpx.post(upstream + self.path, content=body, headers=headers).json()
+            spoil(answer)
+            data = json.dumps(answer).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _set(path: str, value: float) -> Callable[[dict[str, Any]], None]:
+    """A ``spoil`` that writes ``value`` at the dotted ``path`` of the answer."""
+
+    def spoil(answer: dict[str, Any]) -> None:
+        *head, last = path.split(".")
+        node: Any = answer
+        for key in head:
+            node = node[int(key)] if isinstance(node, list) else node[key]
+        node[int(last) if isinstance(node, list) else last] = value
+
+    return spoil
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "path",
+    ["rewards.1", "components.sd.2", "normalized.oc.0", "advantages.3", "items.1.div"],
+)
+def test_a_non_finite_number_in_an_answer_is_refused_naming_it(
+    two_reward_servers: tuple[ServerProcess, ServerProcess],  # noqa: F811
+    path: str,
+) -> None:
+    """A server (or proxy) answering JSON NaN or Infinity passed it on as a reward to TRL and
+    verl; now it is a bad answer, retried, then a RewardServiceError naming the field and item."""
+    a, _ = two_reward_servers
+    items = gsm8k_like_batch()[:4]
+    quick = RetryPolicy(max_attempts=2, backoff_base=0.0)
+    for bad in (float("nan"), float("inf")):
+        with (
+            spoiling_proxy(a.url, _set(path, bad)) as proxy,
+            RewardClient(proxy, retry=quick) as rc,
+        ):
+            with pytest.raises(RewardServiceError, match=rf"{re.escape(path)}: {bad}") as err:
+                rc.score(items, diagnostics=True)
+            assert len(err.value.attempts) == 2  # a failed try, retried
+
+
+@pytest.mark.slow
+def test_the_adapters_raise_on_a_nan_reward_and_null_stays_fine(
+    two_reward_servers: tuple[ServerProcess, ServerProcess],  # noqa: F811
+) -> None:
+    """TRL's reward function and verl's compute_score raise, never hand a NaN to the trainer;
+    the nulls SPEC §6 allows pass the same proxy untouched."""
+    from trainer_client.trl import sde2_reward
+    from trainer_client.verl import compute_score
+
+    a, _ = two_reward_servers
+    items = gsm8k_like_batch()[:4]
+    quick = RetryPolicy(max_attempts=2, backoff_base=0.0)
+    with spoiling_proxy(a.url, lambda answer: None) as proxy, RewardClient(proxy) as rc:
+        plain = rc.score(items)
+        assert None in [it.div for it in plain.items] and plain.advantages is not None
+    with spoiling_proxy(a.url, _set("rewards.0", float("nan"))) as proxy:
+        reward = sde2_reward(proxy, retry=quick)
+        texts = [it["completion"] for it in items[:2]]
+        with pytest.raises(RewardServiceError, match=r"rewards\.0: nan"):
+            asyncio.run(reward(prompts=["q", "q"], completions=texts, answer=["72", "72"]))
+        with pytest.raises(RewardServiceError, match=r"rewards\.0: nan"):
+            compute_score("openai/gsm8k", texts[0], "72", url=proxy, max_attempts=2)
