@@ -365,6 +365,12 @@ def test_verl_hook_pickles_by_reference_and_refuses_bad_inputs_before_any_reques
             compute_score("gsm8k", COMPLETIONS[0], "72", **{typo_name: "cfl"}, **dead)
     with pytest.raises(ValueError, match=r"reward_kwargs\.param: "):
         compute_score("gsm8k", COMPLETIONS[0], "72", param={"eps": 0.1}, **dead)
+    # A weight of a component the recipe lacks changed nothing (sde2-train refused it).
+    unused = r"reward_kwargs params\.weights\.sd: not a component of recipe 'cfl'"
+    with pytest.raises(ValueError, match=unused):
+        compute_score(
+            "gsm8k", COMPLETIONS[0], "72", recipe="cfl", params={"weights": {"sd": 0}}, **dead
+        )
 
 
 #: verl's scorer modules that judge an answer by mathematical equivalence (MATH's

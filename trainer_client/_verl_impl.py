@@ -26,6 +26,7 @@ from reward_server.core.answers import gold_text
 from trainer_client.client import AsyncRewardClient, RewardClient
 from trainer_client.results import ScoreResult
 from trainer_client.retry import RetryPolicy
+from trainer_client.sharding import check_weights
 
 _Key = tuple[str, int]  # (URLs, max attempts)
 _sync_clients: dict[_Key, RewardClient] = {}
@@ -194,10 +195,13 @@ def _request(
     num_tokens = _num_tokens(extra_info, kwargs)
     if num_tokens is not None:
         item["num_tokens"] = num_tokens
+    recipe = _recipe(extra_info, kwargs)
+    params = _params(extra_info, kwargs)
+    check_weights(recipe, params, "reward_kwargs params.weights.{}")
     options: dict[str, Any] = {
-        "recipe": _recipe(extra_info, kwargs),
+        "recipe": recipe,
         "answer_type": answer_type,
-        "params": _params(extra_info, kwargs) or None,
+        "params": params or None,
         "normalize": False,
         "diagnostics": True,
     }

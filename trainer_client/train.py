@@ -35,6 +35,7 @@ from trainer_client.datasets import (
 )
 from trainer_client.modeling import ModelRef
 from trainer_client.retry import RetryPolicy, RewardServiceError
+from trainer_client.sharding import check_weights
 
 log = logging.getLogger("sde2.train")
 
@@ -68,13 +69,10 @@ def reward_params(args: argparse.Namespace) -> dict[str, Any]:
             raise FlagError(f"--param weights must be a JSON object, got {given!r}")
         params["weights"] = {**given, **weights}
     RewardParams(**params)
-    recipe = RECIPES[args.recipe]
-    unused = sorted(set(params.get("weights", {})) - set(recipe.components))
-    if unused:  # accepted by the server, and without effect: an ablation that never happens
-        raise FlagError(
-            f"--weight {', '.join(unused)}: not a component of recipe {recipe.name!r} "
-            f"({', '.join(recipe.components)})"
-        )
+    try:
+        check_weights(args.recipe, params, "--weight {}")
+    except ValueError as exc:
+        raise FlagError(str(exc)) from None
     return params
 
 
