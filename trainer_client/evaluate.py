@@ -2,7 +2,8 @@
 
 A run is either generated here (``--model``, on ``--dataset`` questions, with the
 multi-strategy prompt) or read from a JSONL of completions (``--completions NAME=FILE``; each line
-has ``completion`` and ``answer``, optionally ``answer_type`` and ``num_tokens`` — the latter on
+has ``completion`` and ``answer``, optionally ``answer_type`` (else ``--dataset``'s matcher:
+numeric for gsm8k, the default, and aime, choice for medmcqa) and ``num_tokens`` — the latter on
 every line or on none; a wrong type is refused naming the file, line and field). Every
 completion is scored by the server with ``diagnostics`` on — the same parser and matchers as the
 training reward, so ACC here is the reward's own notion of correct — and summarized as ACC with
@@ -41,6 +42,7 @@ from reward_server.jsonl_files import (
     write_output,
 )
 from trainer_client.client import RewardClient, probe_each
+from trainer_client.datasets import ANSWER_TYPES as ANSWER_TYPES_OF
 from trainer_client.datasets import (
     DATASETS,
     DEFAULT_SOURCES,
@@ -95,7 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a run read from JSONL (completion, answer[, answer_type, num_tokens]); repeatable",
     )
     p.add_argument("--tokenizer", help="tokenizer for #TOK of read runs (default: --model)")
-    p.add_argument("--dataset", choices=DATASETS, default="gsm8k")
+    p.add_argument(
+        "--dataset",
+        choices=DATASETS,
+        default="gsm8k",
+        help="questions to generate on; for read runs, the matcher of lines without answer_type "
+        "(gsm8k, aime: numeric; medmcqa: choice)",
+    )
     p.add_argument("--data", help=f"file, folder or hub id (default {DEFAULT_SOURCES})")
     p.add_argument("--split", help=f"default: the paper's evaluation split ({_splits_help()})")
     p.add_argument("--limit", type=int, help="evaluate at most this many questions")
@@ -138,9 +146,10 @@ class RunRow(NamedTuple):
     num_tokens: int | None
 
 
-def run_row(path: Path, number: int, record: Any) -> RunRow:
+def run_row(path: Path, number: int, record: Any, answer_type: str = "numeric") -> RunRow:
     """The checked fields of line ``number``: a wrong type is a :class:`RunFileError` naming
-    the file, the line and the field (``null`` is no completion, 9.9 no token count)."""
+    the file, the line and the field (``null`` is no completion, 9.9 no token count).
+    ``answer_type`` is the matcher of a line that names none (``--dataset``'s)."""
     where = f"{path}: line {number}"
     if not isinstance(record, dict):
         raise RunFileError(f"{where}: expected a JSON object, got {json_type(record)}")
@@ -152,7 +161,7 @@ def run_row(path: Path, number: int, record: Any) -> RunRow:
         gold = gold_text(record.get("answer"))
     except ValueError as exc:
         raise RunFileError(f"{where}: answer: {exc}") from None
-    answer_type = record.get("answer_type", "numeric")
+    answer_type = record.get("answer_type", answer_type)
     if answer_type not in ANSWER_TYPES:
         shown = json.dumps(answer_type)
         raise RunFileError(f"{where}: answer_type: one of {', '.join(ANSWER_TYPES)}, got {shown}")
@@ -190,8 +199,10 @@ def split_run_spec(spec: str) -> tuple[str, str]:
     return spec[:at], spec[at + 1 :]
 
 
-def read_run(spec: str, limit: int | None = None) -> Run:
-    """``NAME=FILE`` to a run of at most ``limit`` completions (the first ones).
+def read_run(spec: str, limit: int | None = None, answer_type: str = "numeric") -> Run:
+    """``NAME=FILE`` to a run of at most ``limit`` completions (the first ones); a line without
+    ``answer_type`` is scored with ``answer_type`` (the matcher of ``--dataset``: a MedMCQA
+    file was scored with the numeric matcher whatever ``--dataset`` said).
 
     A run must use one answer type (one scoring request family), and give ``num_tokens`` on
     every line or on none: a mean over some lines would not be the run's #TOK.
@@ -205,7 +216,8 @@ def read_run(spec: str, limit: int | None = None) -> Run:
         for number, text in jsonl_lines(path):
             if limit is not None and len(rows) >= limit:
                 break
-            rows.append(run_row(path, number, parse_json_line(path, number, text)))
+            record = parse_json_line(path, number, text)
+            rows.append(run_row(path, number, record, answer_type))
     except InputError as exc:
         raise RunFileError(str(exc)) from None
     except OSError as exc:
@@ -439,7 +451,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check_arguments(parser, args)
     try:  # read first: a bad file stops the command before minutes of generation
-        read = [read_run(spec, args.limit) for spec in args.completions]
+        default_type = ANSWER_TYPES_OF[args.dataset]
+        read = [read_run(spec, args.limit, default_type) for spec in args.completions]
     except RunFileError as exc:
         print(f"sde2-eval: {exc}", file=sys.stderr)
         return 2
