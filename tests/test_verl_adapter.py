@@ -27,6 +27,7 @@ from reward_server.core.params import AnswerType
 from reward_server.encoders.base import Encoder
 from reward_server.encoders.loading import load_encoder
 from tests.client_fixtures import running_server
+from tests.server_process import requests_served
 from tests.test_openrlhf import COMPLETIONS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -447,3 +448,32 @@ def test_a_geometry3k_sample_is_judged_by_equivalence_on_a_real_server() -> None
         right = compute_score("hiyouga/geometry3k", response, r"5\sqrt{3}", url=server.url)
     assert wrong["acc"] == 0.0
     assert right["acc"] == 1.0
+
+
+@pytest.mark.slow
+def test_compute_score_spreads_samples_over_the_replicas() -> None:
+    """``url="A,B"``: each compute_score call is one sample, and every one went to A (B only
+    on failover). Now they take turns, from verl's threads too, with the same scores."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from trainer_client.verl import compute_score, compute_score_async
+
+    with running_server() as a, running_server() as b:
+        both = f"{a.url},{b.url}"
+
+        def one(text: str) -> float:
+            return float(compute_score("openai/gsm8k", text, "72", url=both)["score"])
+
+        with ThreadPoolExecutor(4) as pool:
+            scores = list(pool.map(one, COMPLETIONS * 2))
+
+        async def concurrently() -> list[dict[str, Any]]:
+            calls = (compute_score_async("openai/gsm8k", t, "72", url=both) for t in COMPLETIONS)
+            return list(await asyncio.gather(*calls))
+
+        async_scores = [r["score"] for r in asyncio.run(concurrently())]
+        served = [requests_served(s.url, "/v1/score") for s in (a, b)]
+    assert scores == pytest.approx([expected(gsm8k(t)) for t in COMPLETIONS * 2], abs=1e-6)
+    assert async_scores == pytest.approx(scores[: len(COMPLETIONS)], abs=1e-6)
+    assert served == [6, 6], served

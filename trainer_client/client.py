@@ -152,7 +152,11 @@ class _Plan:
         params: RewardParams | Mapping[str, Any] | None,
         normalize: bool,
         diagnostics: bool,
+        first: int = 0,
     ) -> _Plan:
+        """The plan; shard ``i`` goes first to replica ``first + i`` (modulo the replicas): a
+        caller turning ``first`` spreads one-shard batches (one sample each, as verl's and
+        OpenRLHF's hooks send) over every replica."""
         wire = [item_to_json(it, i) for i, it in enumerate(items)]
         if not wire:
             raise ValueError("nothing to score: items is empty")
@@ -169,9 +173,12 @@ class _Plan:
         ranges = split(len(wire), n_shards)
         if len(ranges) == 1:
             body = {"items": wire, **common, "normalize": normalize}
-            return cls([(0, body)], False, normalize, groups)
+            return cls([(first % n_replicas, body)], False, normalize, groups)
         shards = [
-            (i % n_replicas, {"items": wire[r.start : r.stop], **common, "normalize": False})
+            (
+                (first + i) % n_replicas,
+                {"items": wire[r.start : r.stop], **common, "normalize": False},
+            )
             for i, r in enumerate(ranges)
         ]
         return cls(shards, True, normalize, groups)
@@ -422,6 +429,16 @@ class _Base:
             api_key = os.environ.get("SDE2_API_KEY") or None
         if api_key:
             self._headers["authorization"] = f"Bearer {api_key}"
+        self._turns = 0
+        self._turns_lock = threading.Lock()
+
+    def next_replica(self) -> int:
+        """The replica the next batch goes to first, in turn (thread-safe): every request of a
+        hook sending one sample at a time went to the first URL, the others idle but for
+        failover."""
+        with self._turns_lock:
+            turn, self._turns = self._turns, self._turns + 1
+        return turn % len(self.urls)
 
     def _url(self, replica: int, attempt: int) -> str:
         # Each retry moves to the next replica: a dead replica costs one attempt, not all.
@@ -544,6 +561,7 @@ class RewardClient(_Base):
             params=params,
             normalize=normalize,
             diagnostics=diagnostics,
+            first=self.next_replica(),
         )
         stop = threading.Event()
 
@@ -710,6 +728,7 @@ class AsyncRewardClient(_Base):
             params=params,
             normalize=normalize,
             diagnostics=diagnostics,
+            first=self.next_replica(),
         )
 
         async def one(replica: int, body: dict[str, Any]) -> list[ScoreResult]:
