@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -1077,3 +1078,37 @@ def test_the_adapters_raise_on_a_nan_reward_and_null_stays_fine(
             asyncio.run(reward(prompts=["q", "q"], completions=texts, answer=["72", "72"]))
         with pytest.raises(RewardServiceError, match=r"rewards\.0: nan"):
             compute_score("openai/gsm8k", texts[0], "72", url=proxy, max_attempts=2)
+
+
+@pytest.mark.slow
+def test_the_start_up_probe_checks_the_api_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A server with SDE2_API_KEY and a client without it (or with another) passed the probe,
+    then failed with 401 after minutes of loading and generation. Now the probe says so,
+    naming the setting, for sde2-eval and sde2-train before anything loads."""
+    from trainer_client import evaluate, train
+    from trainer_client.client import probe_each
+
+    monkeypatch.delenv("SDE2_API_KEY", raising=False)
+    keyed = ServerProcess(None, env={"SDE2_API_KEY": "probe-key"}).start()
+    try:
+        with pytest.raises(RewardRequestError, match="has none: set SDE2_API_KEY") as err:
+            probe_each(keyed.url)
+        assert err.value.status == 401
+        with pytest.raises(RewardRequestError, match=r"refused the API key .*SDE2_API_KEY"):
+            probe_each(keyed.url, api_key="wrong-key")
+        assert len(probe_each(keyed.url, api_key="probe-key")) == 1
+
+        runfile = tmp_path / "r.jsonl"
+        runfile.write_text('{"completion": "<final_answer>4</final_answer>", "answer": "4"}\n')
+        assert evaluate.main(["--reward-url", keyed.url, "--completions", f"r={runfile}"]) == 2
+        assert "has none: set SDE2_API_KEY" in capsys.readouterr().err
+        argv = ["--model", "no-such-org/no-model", "--reward-url", keyed.url]
+        argv += ["--output-dir", str(tmp_path / "out")]
+        assert train.main(argv) == 2  # before the model (which does not exist) loads
+        assert "has none: set SDE2_API_KEY" in capsys.readouterr().err
+        monkeypatch.setenv("SDE2_API_KEY", "probe-key")
+        assert evaluate.main(["--reward-url", keyed.url, "--completions", f"r={runfile}"]) == 0
+    finally:
+        keyed.stop()

@@ -432,6 +432,11 @@ class _Base:
         self._turns = 0
         self._turns_lock = threading.Lock()
 
+    @property
+    def has_key(self) -> bool:
+        """Whether requests carry a bearer key (given, or from ``SDE2_API_KEY``)."""
+        return "authorization" in self._headers
+
     def next_replica(self) -> int:
         """The replica the next batch goes to first, in turn (thread-safe): every request of a
         hook sending one sample at a time went to the first URL, the others idle but for
@@ -775,10 +780,39 @@ class AsyncRewardClient(_Base):
 def probe_each(urls: str | Sequence[str], api_key: str | None = None) -> list[dict[str, Any]]:
     """``GET /v1/info`` of every replica on its own, as a command's start-up check: a wrong
     URL is an error in seconds. A client's request fails over to the next replica, so a dead
-    second URL passed a probe of the first and surfaced only as a retry at every request."""
+    second URL passed a probe of the first and surfaced only as a retry at every request.
+    A replica that wants a key (``limits.api_key_required``) is sent one cheap scoring request
+    with the client's key (:func:`check_key`): a missing or wrong key is an error now, not a 401
+    after minutes of loading and generation."""
     infos = []
     for url in normalize_urls(urls):
         # A replica that accepts and never answers is an error in seconds too.
         with RewardClient(url, api_key=api_key, retry=PROBE_RETRY, timeout=READY_TIMEOUT) as one:
-            infos.append(one.info())
+            info = one.info()
+            if (info.get("limits") or {}).get("api_key_required"):
+                check_key(one)
+            infos.append(info)
     return infos
+
+
+#: The cheapest request a key guards: one empty completion, nothing to encode.
+_KEY_CHECK = {"items": [{"completion": "", "answer": "0"}], "normalize": False}
+
+
+def check_key(client: RewardClient) -> None:
+    """One scoring request to ``client``'s first replica with its key; a refusal (401) is a
+    :class:`RewardRequestError` saying what to set: ``SDE2_API_KEY``, missing or wrong."""
+    try:
+        client.request("POST", SCORE_PATH, _KEY_CHECK, what="check the API key")
+    except RewardRequestError as exc:
+        if exc.status != 401:
+            raise
+        url = client.urls[0]
+        problem = (
+            "refused the API key this client sends"
+            if client.has_key
+            else "requires an API key (its /v1/info says api_key_required) and this client has none"
+        )
+        raise RewardRequestError(
+            f"{url} {problem}: set SDE2_API_KEY to the server's key", exc.attempts
+        ) from None
