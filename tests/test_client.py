@@ -1112,3 +1112,40 @@ def test_the_start_up_probe_checks_the_api_key(
         assert evaluate.main(["--reward-url", keyed.url, "--completions", f"r={runfile}"]) == 0
     finally:
         keyed.stop()
+
+
+@pytest.mark.slow
+async def test_errors_name_the_item_s_index_in_the_caller_s_batch(
+    two_reward_servers: tuple[ServerProcess, ServerProcess],  # noqa: F811
+) -> None:
+    """A batch split over replicas, or halved after a refusal for its size, is sent in pieces
+    that each count their items from 0: a 422's ``items.1.answer`` (and a lone surrogate's
+    ``items.1.completion``) named the wrong item of the caller's batch."""
+    from tests.client_fixtures import running_server
+
+    a, b = two_reward_servers
+    items = [{"completion": "<final_answer>1</final_answer>", "answer": "1"} for _ in range(6)]
+    blank = [*items[:4], {**items[4], "answer": "   "}, items[5]]
+    broken = [*items[:4], {**items[4], "completion": "bad \ud800 text"}, items[5]]
+    for urls in ([a.url, b.url], [a.url]):
+        with RewardClient(urls) as rc:
+            with pytest.raises(RewardRequestError, match=r"items\.4\.answer") as err:
+                rc.score(blank)
+            assert "items.1." not in str(err.value)
+            assert [i["field"] for i in err.value.attempts[-1].issues] == ["items.4.answer"]
+            with pytest.raises(ValueError, match=r"items\.4\.completion: not valid UTF-8"):
+                rc.score(broken)
+        async with AsyncRewardClient(urls) as ac:
+            with pytest.raises(RewardRequestError, match=r"items\.4\.answer"):
+                await ac.score(blank)
+            with pytest.raises(ValueError, match=r"items\.4\.completion: not valid UTF-8"):
+                await ac.score(broken)
+    many = [{**items[0]} for _ in range(20)]
+    many[15]["answer"] = "   "
+    with (
+        running_server("--max-items", "3") as small,
+        RewardClient(small.url) as rc,
+        pytest.raises(RewardRequestError, match=r"items\.15\.answer") as err,
+    ):
+        rc.score(many)  # 20 refused for its size, halved down to pieces of 3 or fewer
+    assert "items.0.answer" not in str(err.value)

@@ -358,3 +358,22 @@ def test_dataset_sets_the_matcher_of_read_lines_without_one(
     runs = ["--completions", f"mc={plain}", "--completions", f"n={typed}"]
     assert acc("--dataset", "medmcqa", *runs) == [100.0, 100.0]
     assert acc(*runs) == [0.0, 100.0]  # numeric by default: "(B) Aspirin" holds no number
+
+
+@pytest.mark.slow
+def test_a_refused_completion_is_named_by_its_file_and_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """sde2-eval scores a run in chunks of 256 (and the client may split them further): an
+    error named the completion by its index in the piece sent (``items.33.completion`` for
+    line 290). Now it names the file and the line (a lone surrogate, which could not be sent,
+    is refused when the file is read, naming them too)."""
+    from tests.client_fixtures import running_server
+
+    rows: list[object] = [dict(GOOD) for _ in range(300)]
+    rows[289] = {**GOOD, "completion": "x" * 200}  # line 290: over the server's limit
+    long_run = write_run(tmp_path / "long.jsonl", rows)
+    with running_server("--max-completion-chars", "100") as server:
+        assert main(["--reward-url", server.url, "--completions", f"a={long_run}"]) == 2
+        err = capsys.readouterr().err
+        assert f"{long_run}: line 290: completion: at most 100 characters" in err, err

@@ -41,7 +41,7 @@ from reward_server.jsonl_files import (
     parse_json_line,
     write_output,
 )
-from trainer_client.client import RewardClient, probe_each
+from trainer_client.client import ItemError, RewardClient, item_of_issue, probe_each
 from trainer_client.datasets import ANSWER_TYPES as ANSWER_TYPES_OF
 from trainer_client.datasets import (
     DATASETS,
@@ -52,7 +52,7 @@ from trainer_client.datasets import (
 )
 from trainer_client.metrics import INTERVALS, RunMetrics, markdown_table, summarize
 from trainer_client.modeling import ModelRef
-from trainer_client.retry import RetryPolicy, RewardServiceError
+from trainer_client.retry import RetryPolicy, RewardRequestError, RewardServiceError
 
 log = logging.getLogger("sde2.eval")
 SCORE_CHUNK = 256  # items per scoring request: well under the server's default max_items
@@ -67,6 +67,16 @@ class Run:
     answers: list[str]
     answer_type: str
     num_tokens: list[int] | None
+    #: The JSONL file the completions are in (read, or saved once generated), and the line of
+    #: each: an error about one completion names them.
+    source: Path | None = None
+    lines: list[int] | None = None
+
+    def where(self, index: int) -> str:
+        """Where completion ``index`` is, for a message: its file and line when known."""
+        if self.source is not None and self.lines is not None:
+            return f"{self.source}: line {self.lines[index]}"
+        return f"run {self.method}: completion {index + 1}"
 
 
 def _splits_help() -> str:
@@ -242,6 +252,8 @@ def read_run(spec: str, limit: int | None = None, answer_type: str = "numeric") 
         num_tokens=None
         if lacking
         else [row.num_tokens for row in rows if row.num_tokens is not None],
+        source=path,
+        lines=[row.line for row in rows],
     )
 
 
@@ -315,7 +327,10 @@ def generated_label(args: argparse.Namespace) -> str:
 
 
 def score_run(client: RewardClient, run: Run, recipe: str, interval: str = "normal") -> RunMetrics:
-    """Score every completion (raw, with diagnostics) and summarize."""
+    """Score every completion (raw, with diagnostics, in chunks of :data:`SCORE_CHUNK`) and
+    summarize. A completion that cannot be sent (:class:`RunFileError`) or that the server
+    refused (:class:`RewardRequestError`) is named by its file and line, not by its index in
+    the chunk sent."""
     items_out = []
     for start in range(0, len(run.completions), SCORE_CHUNK):
         stop = start + SCORE_CHUNK
@@ -323,11 +338,33 @@ def score_run(client: RewardClient, run: Run, recipe: str, interval: str = "norm
             {"completion": c, "answer": a}
             for c, a in zip(run.completions[start:stop], run.answers[start:stop], strict=True)
         ]
-        result = client.score(
-            items, recipe=recipe, answer_type=run.answer_type, normalize=False, diagnostics=True
-        )
+        try:
+            result = client.score(
+                items, recipe=recipe, answer_type=run.answer_type, normalize=False, diagnostics=True
+            )
+        except ItemError as exc:
+            raise RunFileError(
+                f"{run.where(start + exc.item)}: {exc.field}: {exc.reason}"
+            ) from None
+        except RewardRequestError as exc:
+            raise located(exc, run, start) from None
         items_out.extend(result.items)
     return summarize(run.method, items_out, run.completions, run.num_tokens, interval)
+
+
+def located(exc: RewardRequestError, run: Run, start: int) -> RewardRequestError:
+    """``exc`` (the server refused a chunk of ``run`` beginning at completion ``start``) with
+    each refused completion named by its file and line, and the field and the reason."""
+    issues = exc.attempts[-1].issues if exc.attempts else ()
+    named = []
+    for issue in issues:
+        item = item_of_issue(issue.get("loc"))
+        if item is not None:
+            field = ".".join(map(str, issue["loc"][2:])) or "item"
+            named.append(f"{run.where(start + item)}: {field}: {issue.get('msg', '')}")
+    if not named:
+        return exc
+    return RewardRequestError(f"the reward service refused {'; '.join(named)}", exc.attempts)
 
 
 def plot_runs(rows: Sequence[RunMetrics], path: Path) -> bool:
@@ -475,6 +512,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         runs.append(run)
         saved = args.save_completions or unscored_path(run)
         save_run(run, saved)
+        run.source, run.lines = saved, list(range(1, len(run.completions) + 1))
         log.info("generated completions saved to %s (until scored)", saved)
     if any(r.num_tokens is None for r in read) and (args.tokenizer or args.model):
         if args.tokenizer or tokenizer is None:  # --tokenizer wins over the policy's
@@ -490,7 +528,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with RewardClient(args.reward_url, retry=retry) as client:
             rows = [score_run(client, r, args.recipe, args.ci) for r in runs]
-    except (RewardServiceError, KeyboardInterrupt) as exc:  # a 422 carries the server's reason
+    except (RewardServiceError, RunFileError, KeyboardInterrupt) as exc:  # with the reason
         stopped = isinstance(exc, KeyboardInterrupt)  # Ctrl-C while the retries wait
         print(f"sde2-eval: {'stopped while scoring' if stopped else exc}", file=sys.stderr)
         if args.model and not args.save_completions:

@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-def finite(values: Iterable[Any], name: str) -> list[float]:
+def finite(values: Iterable[Any], name: str, first: int = 0) -> list[float]:
     """``values`` as floats, each one finite: a NaN or an infinity (a server or proxy writing
     JSON ``NaN``/``Infinity``, which Python's ``json`` reads) would reach the trainer as a
-    reward and poison its update. The ``ValueError`` names the field and the item.
+    reward and poison its update. The ``ValueError`` names the field and the item (counted
+    from ``first``: the index of the answer's first item in the caller's batch).
 
     >>> finite([1, 0.5], "rewards")
     [1.0, 0.5]
@@ -29,7 +30,7 @@ def finite(values: Iterable[Any], name: str) -> list[float]:
     out = [float(x) for x in values]
     bad = next((i for i, x in enumerate(out) if not math.isfinite(x)), None)
     if bad is not None:
-        raise ValueError(f"{name}.{bad}: {out[bad]} is not a finite number")
+        raise ValueError(f"{name}.{first + bad}: {out[bad]} is not a finite number")
     return out
 
 
@@ -92,20 +93,26 @@ class ScoreResult:
         return len(self.rewards)
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any], served_by: str | None = None) -> ScoreResult:
+    def from_json(
+        cls, data: Mapping[str, Any], served_by: str | None = None, first: int = 0
+    ) -> ScoreResult:
         """Parse a ``/v1/score`` response body; raises ``KeyError``/``TypeError`` if malformed,
         ``ValueError`` naming the field and item of a number that is not finite (null is
-        accepted where SPEC §6 allows it: ``advantages``, ``uniq``, ``div``)."""
+        accepted where SPEC §6 allows it: ``advantages``, ``uniq``, ``div``). Items are named
+        counting from ``first``, the answer's first item's index in the caller's batch."""
         batch = data.get("batch") or {}
         advantages = data.get("advantages")
         result = cls(
-            rewards=finite(data["rewards"], "rewards"),
-            components={k: finite(v, f"components.{k}") for k, v in data["components"].items()},
-            normalized={
-                k: finite(v, f"normalized.{k}") for k, v in (data.get("normalized") or {}).items()
+            rewards=finite(data["rewards"], "rewards", first),
+            components={
+                k: finite(v, f"components.{k}", first) for k, v in data["components"].items()
             },
-            advantages=None if advantages is None else finite(advantages, "advantages"),
-            items=[ItemDiagnostics.from_json(it, i) for i, it in enumerate(data["items"])],
+            normalized={
+                k: finite(v, f"normalized.{k}", first)
+                for k, v in (data.get("normalized") or {}).items()
+            },
+            advantages=None if advantages is None else finite(advantages, "advantages", first),
+            items=[ItemDiagnostics.from_json(it, first + i) for i, it in enumerate(data["items"])],
             batch_mean={k: float(v) for k, v in (batch.get("mean") or {}).items()},
             batch_std={k: float(v) for k, v in (batch.get("std") or {}).items()},
             recipe=str(data["recipe"]),

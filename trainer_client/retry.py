@@ -18,6 +18,7 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 #: HTTP statuses worth another try (see the module docstring).
 RETRYABLE_STATUSES: frozenset[int] = frozenset({408, 429, 500, 502, 503, 504})
@@ -33,6 +34,9 @@ class Attempt:
     #: The server refused the batch for its size alone (items, estimated encoder tokens or
     #: body bytes over its limits): smaller requests with the same items may pass.
     too_large: bool = False
+    #: A 422's issues (``loc``, ``field``, ``msg``, ``type``), item indexes counted in the
+    #: caller's batch (a split batch's pieces count from 0 each on the wire).
+    issues: tuple[dict[str, Any], ...] = ()
 
     def __str__(self) -> str:
         what = f"HTTP {self.status}" if self.status is not None else "no response"
