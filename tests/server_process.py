@@ -128,3 +128,11 @@ class ServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def requests_served(url: str, route: str) -> int:
+    """How many requests to ``route`` the server at ``url`` answered with 200 (its
+    ``/metrics``): which replica a client's requests went to."""
+    metrics = httpx.get(url + "/metrics", timeout=10).text
+    line = f'sde2_requests_total{{route="{route}",status="200"}} '
+    return sum(int(float(x[len(line) :])) for x in metrics.splitlines() if x.startswith(line))

@@ -14,6 +14,7 @@ import email.utils
 import json
 import math
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -21,6 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -961,3 +963,189 @@ def test_params_are_checked_naming_the_field_and_sent_as_json_numbers() -> None:
     given = {"length_target": np.int64(256), "weights": {"sd": np.float32(0.5)}}
     assert params_to_json(given) == {"length_target": 256, "weights": {"sd": 0.5}}
     assert json.dumps(params_to_json(given))  # plain JSON
+
+
+@pytest.mark.parametrize("header", ["0", "Mon, 01 Jan 2001 00:00:00 GMT"])
+def test_a_retry_after_of_no_time_keeps_the_backoff(header: str) -> None:
+    """``Retry-After: 0`` (or a date gone by) from an overloaded proxy replaced the backoff,
+    and the client retried at once, thousands of times a second: the wait is now the larger of
+    the header's and the backoff."""
+    busy = [httpx.Response(503, headers={"retry-after": header}, text="busy")] * 5
+    sleeps: list[float] = []
+    rc = RewardClient(
+        [A, B],
+        retry=policy(backoff_base=0.4, backoff_max=20.0),
+        transport=httpx.MockTransport(Scripted(busy)),
+        sleep=sleeps.append,
+    )
+    assert len(rc.score(ONE)) == 1
+    floors = [0.4 * 2**k / 2 for k in range(5)]  # d/2, the least a backoff waits
+    assert len(sleeps) == 5
+    assert all(wait >= floor for wait, floor in zip(sleeps, floors, strict=True)), sleeps
+    p = policy(backoff_base=1.0, retry_after_jitter=0.0)
+    assert p.delay(0, retry_after=0.0) >= 0.5 and p.delay(0, retry_after=9.0) == 9.0
+
+
+@contextlib.contextmanager
+def spoiling_proxy(upstream: str, spoil: Callable[[dict[str, Any]], None]) -> Iterator[str]:
+    """A real HTTP proxy in front of ``upstream`` that passes each request on and answers the
+    upstream's JSON after ``spoil`` changed it, written by Python's ``json`` (which writes a
+    NaN as ``NaN``, as some servers and proxies do)."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # the stdlib's name
+            body = self.rfile.read(int(self.headers["content-length"]))
+            headers = {k: v for k, v in self.headers.items() if k.lower() == "authorization"}
+            answer = httpx.post(upstream + self.path, content=body, headers=headers).json()
+            spoil(answer)
+            data = json.dumps(answer).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _set(path: str, value: float) -> Callable[[dict[str, Any]], None]:
+    """A ``spoil`` that writes ``value`` at the dotted ``path`` of the answer."""
+
+    def spoil(answer: dict[str, Any]) -> None:
+        *head, last = path.split(".")
+        node: Any = answer
+        for key in head:
+            node = node[int(key)] if isinstance(node, list) else node[key]
+        node[int(last) if isinstance(node, list) else last] = value
+
+    return spoil
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "path",
+    ["rewards.1", "components.sd.2", "normalized.oc.0", "advantages.3", "items.1.div"],
+)
+def test_a_non_finite_number_in_an_answer_is_refused_naming_it(
+    two_reward_servers: tuple[ServerProcess, ServerProcess],  # noqa: F811
+    path: str,
+) -> None:
+    """A server (or proxy) answering JSON NaN or Infinity passed it on as a reward to TRL and
+    verl; now it is a bad answer, retried, then a RewardServiceError naming the field and item."""
+    a, _ = two_reward_servers
+    items = gsm8k_like_batch()[:4]
+    quick = RetryPolicy(max_attempts=2, backoff_base=0.0)
+    for bad in (float("nan"), float("inf")):
+        with (
+            spoiling_proxy(a.url, _set(path, bad)) as proxy,
+            RewardClient(proxy, retry=quick) as rc,
+        ):
+            with pytest.raises(RewardServiceError, match=rf"{re.escape(path)}: {bad}") as err:
+                rc.score(items, diagnostics=True)
+            assert len(err.value.attempts) == 2  # a failed try, retried
+
+
+@pytest.mark.slow
+def test_the_adapters_raise_on_a_nan_reward_and_null_stays_fine(
+    two_reward_servers: tuple[ServerProcess, ServerProcess],  # noqa: F811
+) -> None:
+    """TRL's reward function and verl's compute_score raise, never hand a NaN to the trainer;
+    the nulls SPEC §6 allows pass the same proxy untouched."""
+    from trainer_client.trl import sde2_reward
+    from trainer_client.verl import compute_score
+
+    a, _ = two_reward_servers
+    items = gsm8k_like_batch()[:4]
+    quick = RetryPolicy(max_attempts=2, backoff_base=0.0)
+    with spoiling_proxy(a.url, lambda answer: None) as proxy, RewardClient(proxy) as rc:
+        plain = rc.score(items)
+        assert None in [it.div for it in plain.items] and plain.advantages is not None
+    with spoiling_proxy(a.url, _set("rewards.0", float("nan"))) as proxy:
+        reward = sde2_reward(proxy, retry=quick)
+        texts = [it["completion"] for it in items[:2]]
+        with pytest.raises(RewardServiceError, match=r"rewards\.0: nan"):
+            asyncio.run(reward(prompts=["q", "q"], completions=texts, answer=["72", "72"]))
+        with pytest.raises(RewardServiceError, match=r"rewards\.0: nan"):
+            compute_score("openai/gsm8k", texts[0], "72", url=proxy, max_attempts=2)
+
+
+@pytest.mark.slow
+def test_the_start_up_probe_checks_the_api_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A server with SDE2_API_KEY and a client without it (or with another) passed the probe,
+    then failed with 401 after minutes of loading and generation. Now the probe says so,
+    naming the setting, for sde2-eval and sde2-train before anything loads."""
+    from trainer_client import evaluate, train
+    from trainer_client.client import probe_each
+
+    monkeypatch.delenv("SDE2_API_KEY", raising=False)
+    keyed = ServerProcess(None, env={"SDE2_API_KEY": "probe-key"}).start()
+    try:
+        with pytest.raises(RewardRequestError, match="has none: set SDE2_API_KEY") as err:
+            probe_each(keyed.url)
+        assert err.value.status == 401
+        with pytest.raises(RewardRequestError, match=r"refused the API key .*SDE2_API_KEY"):
+            probe_each(keyed.url, api_key="wrong-key")
+        assert len(probe_each(keyed.url, api_key="probe-key")) == 1
+
+        runfile = tmp_path / "r.jsonl"
+        runfile.write_text('{"completion": "<final_answer>4</final_answer>", "answer": "4"}\n')
+        assert evaluate.main(["--reward-url", keyed.url, "--completions", f"r={runfile}"]) == 2
+        assert "has none: set SDE2_API_KEY" in capsys.readouterr().err
+        argv = ["--model", "no-such-org/no-model", "--reward-url", keyed.url]
+        argv += ["--output-dir", str(tmp_path / "out")]
+        assert train.main(argv) == 2  # before the model (which does not exist) loads
+        assert "has none: set SDE2_API_KEY" in capsys.readouterr().err
+        monkeypatch.setenv("SDE2_API_KEY", "probe-key")
+        assert evaluate.main(["--reward-url", keyed.url, "--completions", f"r={runfile}"]) == 0
+    finally:
+        keyed.stop()
+
+
+@pytest.mark.slow
+async def test_errors_name_the_item_s_index_in_the_caller_s_batch(
+    two_reward_servers: tuple[ServerProcess, ServerProcess],  # noqa: F811
+) -> None:
+    """A batch split over replicas, or halved after a refusal for its size, is sent in pieces
+    that each count their items from 0: a 422's ``items.1.answer`` (and a lone surrogate's
+    ``items.1.completion``) named the wrong item of the caller's batch."""
+    from tests.client_fixtures import running_server
+
+    a, b = two_reward_servers
+    items = [{"completion": "<final_answer>1</final_answer>", "answer": "1"} for _ in range(6)]
+    blank = [*items[:4], {**items[4], "answer": "   "}, items[5]]
+    broken = [*items[:4], {**items[4], "completion": "bad \ud800 text"}, items[5]]
+    for urls in ([a.url, b.url], [a.url]):
+        with RewardClient(urls) as rc:
+            with pytest.raises(RewardRequestError, match=r"items\.4\.answer") as err:
+                rc.score(blank)
+            assert "items.1." not in str(err.value)
+            assert [i["field"] for i in err.value.attempts[-1].issues] == ["items.4.answer"]
+            with pytest.raises(ValueError, match=r"items\.4\.completion: not valid UTF-8"):
+                rc.score(broken)
+        async with AsyncRewardClient(urls) as ac:
+            with pytest.raises(RewardRequestError, match=r"items\.4\.answer"):
+                await ac.score(blank)
+            with pytest.raises(ValueError, match=r"items\.4\.completion: not valid UTF-8"):
+                await ac.score(broken)
+    many = [{**items[0]} for _ in range(20)]
+    many[15]["answer"] = "   "
+    with (
+        running_server("--max-items", "3") as small,
+        RewardClient(small.url) as rc,
+        pytest.raises(RewardRequestError, match=r"items\.15\.answer") as err,
+    ):
+        rc.score(many)  # 20 refused for its size, halved down to pieces of 3 or fewer
+    assert "items.0.answer" not in str(err.value)

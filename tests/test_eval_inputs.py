@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 
 import pytest
 
+from tests.client_fixtures import ServerProcess, reward_server  # noqa: F401 - fixture
 from trainer_client import client as client_module
 from trainer_client import evaluate
 from trainer_client.evaluate import Run, generated_label, main, read_run
@@ -334,3 +335,45 @@ def test_an_output_that_is_a_run_file_or_another_output_is_refused(
         main([*argv, "--json", str(both), "--plot", str(both)])
     assert f"--plot {both}: is also --json's file" in capsys.readouterr().err
     assert read_run(f"a={runfile}").completions == [GOOD["completion"]]  # as it was
+
+
+@pytest.mark.slow
+def test_dataset_sets_the_matcher_of_read_lines_without_one(
+    tmp_path: Path,
+    reward_server: ServerProcess,  # noqa: F811
+) -> None:
+    """``--dataset medmcqa`` was ignored for ``--completions``: a file without ``answer_type``
+    was scored by the numeric matcher (ACC 0 for "(B) Aspirin" against B). Now the dataset's
+    matcher is the default; a line's own ``answer_type`` wins; without ``--dataset``, numeric."""
+    said = ["<final_answer>(B) Aspirin</final_answer>", "<final_answer>Option B</final_answer>"]
+    plain = write_run(tmp_path / "mc.jsonl", [{"completion": c, "answer": "B"} for c in said])
+    numeric = [{"completion": "<final_answer>B 12</final_answer>", "answer": "12"}] * 2
+    typed = write_run(tmp_path / "n.jsonl", [{**r, "answer_type": "numeric"} for r in numeric])
+
+    def acc(*argv: str) -> list[float]:
+        out = tmp_path / "table.json"
+        assert main(["--reward-url", reward_server.url, "--json", str(out), *argv]) == 0
+        return [run["acc"] for run in json.loads(out.read_text())["runs"]]
+
+    runs = ["--completions", f"mc={plain}", "--completions", f"n={typed}"]
+    assert acc("--dataset", "medmcqa", *runs) == [100.0, 100.0]
+    assert acc(*runs) == [0.0, 100.0]  # numeric by default: "(B) Aspirin" holds no number
+
+
+@pytest.mark.slow
+def test_a_refused_completion_is_named_by_its_file_and_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """sde2-eval scores a run in chunks of 256 (and the client may split them further): an
+    error named the completion by its index in the piece sent (``items.33.completion`` for
+    line 290). Now it names the file and the line (a lone surrogate, which could not be sent,
+    is refused when the file is read, naming them too)."""
+    from tests.client_fixtures import running_server
+
+    rows: list[object] = [dict(GOOD) for _ in range(300)]
+    rows[289] = {**GOOD, "completion": "x" * 200}  # line 290: over the server's limit
+    long_run = write_run(tmp_path / "long.jsonl", rows)
+    with running_server("--max-completion-chars", "100") as server:
+        assert main(["--reward-url", server.url, "--completions", f"a={long_run}"]) == 2
+        err = capsys.readouterr().err
+        assert f"{long_run}: line 290: completion: at most 100 characters" in err, err

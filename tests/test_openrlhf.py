@@ -25,7 +25,7 @@ from openrlhf.utils import agent
 from reward_server.core import ScoreItem, score_batch
 from reward_server.encoders.loading import load_encoder
 from tests.client_fixtures import running_server
-from tests.server_process import ServerProcess
+from tests.server_process import ServerProcess, requests_served
 from tests.test_client import completion
 from tests.trainer_doubles import SamplingParams, ScriptedEngine, byte_level_tokenizer
 
@@ -186,3 +186,16 @@ def test_openrlhf_server_killed_mid_run(tokenizer: Any, monkeypatch: pytest.Monk
     assert lost_first.rewards is None  # the good sample's reward is gone too
     with pytest.raises(TypeError):
         make_experience_batch([experience(before), experience(after_http)])
+
+
+def test_openrlhf_py_hook_spreads_samples_over_the_replicas(
+    tokenizer: Any, reference: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``SDE2_URL=A,B``: the hook sends one sample a call, and every call went to A (B only
+    on failover). Now they take turns, with the same rewards."""
+    with running_server() as a, running_server() as b:
+        monkeypatch.setenv("SDE2_URL", f"{a.url},{b.url}")
+        executor = agent.SingleTurnAgentExecutor(remote_rm_url=str(HOOK))
+        check_rewards(rollout(executor, tokenizer, "72", COMPLETIONS), reference)
+        served = [requests_served(s.url, "/get_reward") for s in (a, b)]
+    assert served == [2, 2], served

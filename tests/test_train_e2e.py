@@ -168,3 +168,36 @@ def test_grpo_trains_on_server_rewards_then_evaluates(
         assert not (tmp_path / "acc_vs_tok.png").exists()
     else:
         assert (tmp_path / "acc_vs_tok.png").stat().st_size > 1000
+
+
+def test_a_failure_at_step_0_does_not_advise_resuming(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The reward server goes away after sde2-train's start-up probe: training stops at step 0
+    with no checkpoint, and the exit message told the user to rerun with --resume, when there
+    was nothing to resume."""
+    import threading
+
+    from tests.client_fixtures import running_server, smollm2_gguf
+    from tests.server_process import requests_served
+    from trainer_client.train import main
+
+    with running_server() as server:
+
+        def kill_after_the_probe() -> None:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                if requests_served(server.url, "/v1/info") >= 1:
+                    server.kill()
+                    return
+                time.sleep(0.05)
+
+        watcher = threading.Thread(target=kill_after_the_probe, daemon=True)
+        watcher.start()
+        argv = tiny_train_argv(server.url, tmp_path / "run", smollm2_gguf())
+        with caplog.at_level("ERROR", logger="sde2.train"):
+            status = main([*argv, "--reward-retries", "2", "--reward-deadline", "5"])
+        watcher.join(timeout=5)
+    assert status == 2
+    assert "training stopped at step 0" in caplog.text
+    assert "no checkpoint was saved" in caplog.text and "--resume" not in caplog.text

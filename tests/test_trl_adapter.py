@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
+from reward_server.core import RewardParams
 from tests.client_fixtures import ServerProcess, reward_server  # noqa: F401 - fixture
 from tests.server_process import free_port
 from tests.test_client import completion
@@ -311,6 +312,11 @@ def test_bad_params_fail_at_construction() -> None:
         sde2_reward("127.0.0.1:8000")
     with pytest.raises(ValueError, match=r"answer_type must be one of .*'numerc'"):
         sde2_reward("http://127.0.0.1:1", answer_type="numerc")
+    # A weight of a component the recipe lacks changed nothing (sde2-train refused it).
+    with pytest.raises(ValueError, match=r"params\.weights\.sd: not a component of recipe 'cfl'"):
+        sde2_reward("http://127.0.0.1:1", recipe="cfl", weights={"sd": 0})
+    with pytest.raises(ValueError, match=r"params\.weights\.rd: not a component of recipe 'sde2'"):
+        SDE2Reward("http://127.0.0.1:1", params=RewardParams(weights={"rd": 0.5}))
 
 
 def test_verl_compute_score(reward_server: ServerProcess, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811

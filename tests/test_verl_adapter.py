@@ -27,6 +27,7 @@ from reward_server.core.params import AnswerType
 from reward_server.encoders.base import Encoder
 from reward_server.encoders.loading import load_encoder
 from tests.client_fixtures import running_server
+from tests.server_process import requests_served
 from tests.test_openrlhf import COMPLETIONS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -365,3 +366,114 @@ def test_verl_hook_pickles_by_reference_and_refuses_bad_inputs_before_any_reques
             compute_score("gsm8k", COMPLETIONS[0], "72", **{typo_name: "cfl"}, **dead)
     with pytest.raises(ValueError, match=r"reward_kwargs\.param: "):
         compute_score("gsm8k", COMPLETIONS[0], "72", param={"eps": 0.1}, **dead)
+    # A weight of a component the recipe lacks changed nothing (sde2-train refused it).
+    unused = r"reward_kwargs params\.weights\.sd: not a component of recipe 'cfl'"
+    with pytest.raises(ValueError, match=unused):
+        compute_score(
+            "gsm8k", COMPLETIONS[0], "72", recipe="cfl", params={"weights": {"sd": 0}}, **dead
+        )
+
+
+#: verl's scorer modules that judge an answer by mathematical equivalence (MATH's
+#: ``math_reward``, DAPO's ``math_dapo``, Numina's ``prime_math``, Geometry3K's ``geo3k`` through
+#: mathruler): the sources verl routes to them get the server's ``math`` matcher here.
+VERL_MATH_SCORERS = frozenset({"math_reward", "math_dapo", "prime_math", "geo3k"})
+
+
+def verl_routes() -> dict[str, set[str]]:
+    """Scorer module -> the ``data_source`` names verl's installed ``default_compute_score``
+    routes to it, read from its source (``data_source == "x"`` and ``data_source in [...]``
+    branches; a prefix test such as ``startswith("aime")`` names no source and is left out)."""
+    import ast
+
+    venv = VERL_PYTHON.parent.parent
+    found = sorted(venv.glob("lib/python*/site-packages/verl/utils/reward_score/__init__.py"))
+    assert found, f"no verl/utils/reward_score in {venv}"
+    tree = ast.parse(found[0].read_text(encoding="utf-8"))
+    function = next(
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef) and node.name == "default_compute_score"
+    )
+    routes: dict[str, set[str]] = {}
+    for branch in (node for node in ast.walk(function) if isinstance(node, ast.If)):
+        modules = [
+            alias.name
+            for node in branch.body
+            if isinstance(node, ast.ImportFrom) and node.level == 1
+            for alias in node.names
+        ]
+        sources = {
+            const.value
+            for compare in ast.walk(branch.test)
+            if isinstance(compare, ast.Compare)
+            for const in ast.walk(compare)
+            if isinstance(const, ast.Constant) and isinstance(const.value, str)
+        }
+        for module in modules[:1]:
+            routes.setdefault(module, set()).update(sources)
+    return routes
+
+
+@needs_verl
+def test_the_sources_verl_judges_by_equivalence_get_the_math_matcher() -> None:
+    """``hiyouga/geometry3k`` (verl: ``geo3k``, mathruler's equivalence) got the numeric
+    matcher; every source verl's installed code routes to a math scorer gets ``math``."""
+    from trainer_client._verl_impl import default_answer_type
+
+    routes = verl_routes()
+    assert "hiyouga/geometry3k" in routes.get("geo3k", set()), routes
+    math_sources = set().union(*(routes.get(m, set()) for m in VERL_MATH_SCORERS))
+    assert len(math_sources) >= 10, routes
+    wrong = {s: default_answer_type(s) for s in math_sources if default_answer_type(s) != "math"}
+    assert wrong == {}, wrong
+    others = set().union(*(v for k, v in routes.items() if k not in VERL_MATH_SCORERS))
+    assert {default_answer_type(s) for s in others} == {"numeric"}, others
+
+
+@pytest.mark.slow
+def test_a_geometry3k_sample_is_judged_by_equivalence_on_a_real_server() -> None:
+    """The numeric matcher read ``5\\sqrt{3}`` and ``2\\sqrt{3}`` as the same digits: a wrong
+    Geometry3K answer was rewarded as correct."""
+    from trainer_client.verl import compute_score
+
+    outcome = r"5\sqrt{3}"
+    response = (
+        '<strategy id="1"><reasoning>law of cosines on the triangle</reasoning>'
+        f"<strategy_outcome>{outcome}</strategy_outcome></strategy>"
+        f"<final_answer>{outcome}</final_answer>"
+    )
+    with running_server() as server:
+        wrong = compute_score("hiyouga/geometry3k", response, r"2\sqrt{3}", url=server.url)
+        right = compute_score("hiyouga/geometry3k", response, r"5\sqrt{3}", url=server.url)
+    assert wrong["acc"] == 0.0
+    assert right["acc"] == 1.0
+
+
+@pytest.mark.slow
+def test_compute_score_spreads_samples_over_the_replicas() -> None:
+    """``url="A,B"``: each compute_score call is one sample, and every one went to A (B only
+    on failover). Now they take turns, from verl's threads too, with the same scores."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from trainer_client.verl import compute_score, compute_score_async
+
+    with running_server() as a, running_server() as b:
+        both = f"{a.url},{b.url}"
+
+        def one(text: str) -> float:
+            return float(compute_score("openai/gsm8k", text, "72", url=both)["score"])
+
+        with ThreadPoolExecutor(4) as pool:
+            scores = list(pool.map(one, COMPLETIONS * 2))
+
+        async def concurrently() -> list[dict[str, Any]]:
+            calls = (compute_score_async("openai/gsm8k", t, "72", url=both) for t in COMPLETIONS)
+            return list(await asyncio.gather(*calls))
+
+        async_scores = [r["score"] for r in asyncio.run(concurrently())]
+        served = [requests_served(s.url, "/v1/score") for s in (a, b)]
+    assert scores == pytest.approx([expected(gsm8k(t)) for t in COMPLETIONS * 2], abs=1e-6)
+    assert async_scores == pytest.approx(scores[: len(COMPLETIONS)], abs=1e-6)
+    assert served == [6, 6], served

@@ -26,6 +26,7 @@ from reward_server.core.answers import gold_text
 from trainer_client.client import AsyncRewardClient, RewardClient
 from trainer_client.results import ScoreResult
 from trainer_client.retry import RetryPolicy
+from trainer_client.sharding import check_weights
 
 _Key = tuple[str, int]  # (URLs, max attempts)
 _sync_clients: dict[_Key, RewardClient] = {}
@@ -38,13 +39,15 @@ Client = TypeVar("Client", RewardClient, AsyncRewardClient)
 #: ``data_source`` substrings that imply a matcher other than the numeric default.
 _CHOICE_SOURCES = ("medmcqa", "mmlu", "medqa")
 #: The sources verl's own ``default_compute_score`` judges by mathematical equivalence (its
-#: MATH and DAPO and Numina scorers): their golds are expressions (``\frac{\sqrt{3}}{2}``),
-#: which the numeric matcher would read as digits (a "32" was scored correct). AIME's golds
-#: are integers: numeric, as by default.
+#: MATH, DAPO, Numina and Geometry3K scorers: ``math_reward``, ``math_dapo``, ``prime_math``,
+#: ``geo3k``): their golds are expressions (``\frac{\sqrt{3}}{2}``, ``2\sqrt{3}``), which the
+#: numeric matcher would read as digits (a "32" was scored correct, ``5\sqrt{3}`` matched
+#: ``2\sqrt{3}``). AIME's golds are integers: numeric, as by default.
 _MATH_SOURCES = frozenset(
     {"lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500",
      "math_dapo", "math", "math_dapo_reasoning", "numina_aops_forum", "numina_synthetic_math",
-     "numina_amc_aime", "numina_synthetic_amc", "numina_cn_k12", "numina_olympiads"}
+     "numina_amc_aime", "numina_synthetic_amc", "numina_cn_k12", "numina_olympiads",
+     "hiyouga/geometry3k"}
 )  # fmt: skip
 
 
@@ -192,10 +195,13 @@ def _request(
     num_tokens = _num_tokens(extra_info, kwargs)
     if num_tokens is not None:
         item["num_tokens"] = num_tokens
+    recipe = _recipe(extra_info, kwargs)
+    params = _params(extra_info, kwargs)
+    check_weights(recipe, params, "reward_kwargs params.weights.{}")
     options: dict[str, Any] = {
-        "recipe": _recipe(extra_info, kwargs),
+        "recipe": recipe,
         "answer_type": answer_type,
-        "params": _params(extra_info, kwargs) or None,
+        "params": params or None,
         "normalize": False,
         "diagnostics": True,
     }

@@ -72,19 +72,30 @@ def check_timeout(seconds: float, name: str = "timeout") -> None:
         raise ValueError(f"{name} must be a number of seconds > 0, got {seconds}")
 
 
-def encode_body(body: Any) -> bytes | None:
+class ItemError(ValueError):
+    """A value of one item that cannot be sent: :attr:`item` is its index in the caller's
+    batch, :attr:`field` the item's field (``sde2-eval`` names the file and line from them)."""
+
+    def __init__(self, item: int, field: str, reason: str) -> None:
+        super().__init__(f"items.{item}.{field}: {reason}")
+        self.item, self.field, self.reason = item, field, reason
+
+
+def encode_body(body: Any, first: int = 0) -> bytes | None:
     """``body`` as the JSON httpx would send (``None``: no body), encoded once for every try.
 
     A string that is not valid UTF-8 (a lone surrogate, as a broken tokenizer's decoding can
     leave) made httpx raise a bare ``UnicodeEncodeError`` naming nothing; it is a
-    ``ValueError`` naming the field that holds it instead, and nothing is sent.
+    ``ValueError`` naming the field that holds it instead (an :class:`ItemError` within an
+    item, counted from ``first``: the index of the body's first item in the caller's batch, a
+    split batch's pieces each counting from 0 on the wire), and nothing is sent.
 
     >>> encode_body({"items": [{"completion": "a", "answer": 1}]})
     b'{"items":[{"completion":"a","answer":1}]}'
-    >>> encode_body({"items": [{"completion": "ok"}, {"completion": "x\\ud800"}]})
+    >>> encode_body({"items": [{"completion": "ok"}, {"completion": "x\\ud800"}]}, first=256)
     Traceback (most recent call last):
     ...
-    ValueError: items.1.completion: not valid UTF-8 (a lone surrogate at character 1); not sent
+    trainer_client.client.ItemError: items.257.completion: not valid UTF-8 (a lone surrogate ...
     """
     if body is None:
         return None
@@ -93,11 +104,11 @@ def encode_body(body: Any) -> bytes | None:
         return text.encode("utf-8")
     except UnicodeEncodeError:
         path, at = _unencodable(body, ()) or ((), 0)
-        shown = (str(p).encode("utf-8", "backslashreplace").decode() for p in path)
-        where = ".".join(shown) or "body"
-        raise ValueError(
-            f"{where}: not valid UTF-8 (a lone surrogate at character {at}); not sent"
-        ) from None
+        shown = [str(p).encode("utf-8", "backslashreplace").decode() for p in path]
+        reason = f"not valid UTF-8 (a lone surrogate at character {at}); not sent"
+        if len(path) > 2 and path[0] == "items" and isinstance(path[1], int):
+            raise ItemError(first + path[1], ".".join(shown[2:]), reason) from None
+        raise ValueError(f"{'.'.join(shown) or 'body'}: {reason}") from None
 
 
 def _unencodable(value: Any, path: tuple[Any, ...]) -> tuple[tuple[Any, ...], int] | None:
@@ -135,7 +146,8 @@ def normalize_urls(urls: str | Sequence[str]) -> list[str]:
 class _Plan:
     """One ``score`` call: the request bodies per shard and how to put the answers together."""
 
-    shards: list[tuple[int, dict[str, Any]]]  # (preferred replica, request body)
+    #: (preferred replica, index of the body's first item in the batch, request body)
+    shards: list[tuple[int, int, dict[str, Any]]]
     sharded: bool
     normalize: bool
     groups: list[str] | None
@@ -152,7 +164,11 @@ class _Plan:
         params: RewardParams | Mapping[str, Any] | None,
         normalize: bool,
         diagnostics: bool,
+        first: int = 0,
     ) -> _Plan:
+        """The plan; shard ``i`` goes first to replica ``first + i`` (modulo the replicas): a
+        caller turning ``first`` spreads one-shard batches (one sample each, as verl's and
+        OpenRLHF's hooks send) over every replica."""
         wire = [item_to_json(it, i) for i, it in enumerate(items)]
         if not wire:
             raise ValueError("nothing to score: items is empty")
@@ -169,9 +185,13 @@ class _Plan:
         ranges = split(len(wire), n_shards)
         if len(ranges) == 1:
             body = {"items": wire, **common, "normalize": normalize}
-            return cls([(0, body)], False, normalize, groups)
+            return cls([(first % n_replicas, 0, body)], False, normalize, groups)
         shards = [
-            (i % n_replicas, {"items": wire[r.start : r.stop], **common, "normalize": False})
+            (
+                (first + i) % n_replicas,
+                r.start,
+                {"items": wire[r.start : r.stop], **common, "normalize": False},
+            )
             for i, r in enumerate(ranges)
         ]
         return cls(shards, True, normalize, groups)
@@ -213,8 +233,11 @@ def refused_for_size(status: int, body: Any) -> bool:
     )
 
 
-def _check_response(url: str, response: httpx.Response) -> tuple[Any, Attempt | None, bool]:
-    """(JSON body, failure, retryable) for one HTTP response."""
+def _check_response(
+    url: str, response: httpx.Response, first: int = 0
+) -> tuple[Any, Attempt | None, bool]:
+    """(JSON body, failure, retryable) for one HTTP response; a 422's issues name items by
+    their index in the caller's batch (``first``: the request's first item's)."""
     if response.status_code == 200:
         try:
             return response.json(), None, False
@@ -226,8 +249,42 @@ def _check_response(url: str, response: httpx.Response) -> tuple[Any, Attempt | 
     except ValueError:
         body = None
     too_large = refused_for_size(response.status_code, body)
-    failure = Attempt(url, response.status_code, text or response.reason_phrase, too_large)
+    issues = shifted_issues(body, first) if response.status_code == 422 else ()
+    if issues and first:
+        text = json.dumps({"detail": list(issues)}, ensure_ascii=False)[:500]
+    failure = Attempt(url, response.status_code, text or response.reason_phrase, too_large, issues)
     return None, failure, response.status_code in RETRYABLE_STATUSES
+
+
+def shifted_issues(body: Any, first: int) -> tuple[dict[str, Any], ...]:
+    """A 422 body's issues with item indexes counted in the caller's batch: the server counts
+    from the request's first item, which is item ``first`` of a batch sent in pieces.
+
+    >>> issue = {"loc": ["items", 3, "answer"], "field": "items.3.answer", "msg": "empty"}
+    >>> shifted_issues({"detail": [issue, {"loc": ["recipe"], "msg": "?"}]}, 256)[0]["field"]
+    'items.259.answer'
+    """
+    issues = body.get("detail") if isinstance(body, dict) else None
+    if not isinstance(issues, list):
+        return ()
+    out = []
+    for issue in issues:
+        if not isinstance(issue, dict):
+            continue
+        item = item_of_issue(issue.get("loc"))
+        if item is not None:
+            loc = ["items", first + item, *issue["loc"][2:]]
+            issue = {**issue, "loc": loc, "field": ".".join(map(str, loc))}
+        out.append(issue)
+    return tuple(out)
+
+
+def item_of_issue(loc: Any) -> int | None:
+    """The item index an issue's ``loc`` points into (``["items", 3, "answer"]``: 3), if any."""
+    if not (isinstance(loc, list) and len(loc) > 1 and loc[0] == "items"):
+        return None
+    index = loc[1]
+    return index if isinstance(index, int) and not isinstance(index, bool) else None
 
 
 class _Attempts:
@@ -243,8 +300,11 @@ class _Attempts:
         replica: int,
         what: str,
         policy: RetryPolicy | None = None,
+        first: int = 0,
     ) -> None:
         self.client, self.path, self.replica = client, path, replica
+        #: The index of the request's first item in the caller's batch (errors name items so).
+        self.first = first
         self.policy = policy or client.retry
         self.what = what or f"{method} {path}"
         self.failures: list[Attempt] = []
@@ -286,7 +346,7 @@ class _Attempts:
             failure = Attempt(url, None, f"{type(outcome).__name__}: {outcome}")
             retryable = True
         else:
-            self.data, maybe_failure, retryable = _check_response(url, outcome)
+            self.data, maybe_failure, retryable = _check_response(url, outcome, self.first)
             if maybe_failure is None:
                 self.answered_by = url.removesuffix(self.path)
                 return True
@@ -323,14 +383,15 @@ class _Attempts:
             )
 
     def _wait_for(self, url: str, retry_index: int) -> float:
-        """The wait before trying ``url``: what it asked for with ``Retry-After`` (less the time
-        gone since, when other replicas were tried in between), else the backoff."""
+        """The wait before trying ``url``: the backoff, or what it asked for with
+        ``Retry-After`` when longer (less the time gone since, when other replicas were tried
+        in between: never less than the backoff, though)."""
         if url not in self._held:
             return self.policy.delay(retry_index)
         answered, asked = self._held[url]
         if url == self.failures[-1].url:
-            return asked
-        return max(0.0, answered + asked - time.monotonic())
+            return asked  # already the larger of the two (RetryPolicy.delay)
+        return max(self.policy.delay(retry_index), answered + asked - time.monotonic())
 
     def next_wait(self) -> float:
         """Seconds to wait before the next attempt; raises the give-up error when there is none
@@ -357,16 +418,19 @@ class _Attempts:
         raise RewardServiceError(f"reward service failed to {self.what}", self.failures)
 
 
-def _halves_or_raise(exc: RewardRequestError, body: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The two requests to send instead of ``body`` when the server refused it for its size
+def _halves_or_raise(
+    exc: RewardRequestError, body: Mapping[str, Any], first: int
+) -> list[tuple[int, dict[str, Any]]]:
+    """The two requests to send instead of ``body`` (whose first item is the batch's item
+    ``first``), each with its own first item's index, when the server refused it for its size
     alone (and it holds more than one item); else ``exc`` itself is raised."""
     halves = halve(body) if exc.attempts[-1].too_large else None
     if halves is None:
         raise exc
-    return halves
+    return [(first, halves[0]), (first + len(halves[0]["items"]), halves[1])]
 
 
-def _answer(body: Mapping[str, Any]) -> Callable[[Any, str], ScoreResult]:
+def _answer(body: Mapping[str, Any], first: int = 0) -> Callable[[Any, str], ScoreResult]:
     """How the answer to the score request ``body`` is read: a result holding one entry per
     item sent. Anything else (a service of another kind on the port, an answer to another body
     from a misrouting proxy, which would shift every reward after it onto other items) is a
@@ -374,7 +438,7 @@ def _answer(body: Mapping[str, Any]) -> Callable[[Any, str], ScoreResult]:
 
     def read(data: Any, served_by: str) -> ScoreResult:
         try:
-            result = ScoreResult.from_json(data, served_by=served_by)
+            result = ScoreResult.from_json(data, served_by=served_by, first=first)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"not a scoring answer ({type(exc).__name__}: {exc})") from None
         if len(result) != len(body["items"]):
@@ -421,6 +485,21 @@ class _Base:
             api_key = os.environ.get("SDE2_API_KEY") or None
         if api_key:
             self._headers["authorization"] = f"Bearer {api_key}"
+        self._turns = 0
+        self._turns_lock = threading.Lock()
+
+    @property
+    def has_key(self) -> bool:
+        """Whether requests carry a bearer key (given, or from ``SDE2_API_KEY``)."""
+        return "authorization" in self._headers
+
+    def next_replica(self) -> int:
+        """The replica the next batch goes to first, in turn (thread-safe): every request of a
+        hook sending one sample at a time went to the first URL, the others idle but for
+        failover."""
+        with self._turns_lock:
+            turn, self._turns = self._turns, self._turns + 1
+        return turn % len(self.urls)
 
     def _url(self, replica: int, attempt: int) -> str:
         # Each retry moves to the next replica: a dead replica costs one attempt, not all.
@@ -498,12 +577,14 @@ class RewardClient(_Base):
         retry: RetryPolicy | None = None,
         stop: threading.Event | None = None,
         reader: Callable[[Any, str], Any] | None = None,
+        first: int = 0,
     ) -> _Attempts:
         """:meth:`request`'s loop, returning its record (the answer, read by ``reader`` when
         given, and who gave it); gives up before its next try once ``stop`` is set (another
-        shard of the batch failed)."""
-        attempts = _Attempts(self, method, path, replica, what, retry)
-        content = encode_body(body)
+        shard of the batch failed). ``first``: the index in the caller's batch of the body's
+        first item, which errors name items by."""
+        attempts = _Attempts(self, method, path, replica, what, retry, first)
+        content = encode_body(body, first)
         while True:
             attempts.check_stop(stop)
             url = attempts.url()
@@ -543,19 +624,20 @@ class RewardClient(_Base):
             params=params,
             normalize=normalize,
             diagnostics=diagnostics,
+            first=self.next_replica(),
         )
         stop = threading.Event()
 
-        def one(shard: tuple[int, dict[str, Any]]) -> list[ScoreResult]:
-            replica, body = shard
+        def one(shard: tuple[int, int, dict[str, Any]]) -> list[ScoreResult]:
+            replica, first, body = shard
             try:
                 done = self._exchange(
                     "POST", SCORE_PATH, body, replica=replica, what=_scoring(body), stop=stop,
-                    reader=_answer(body),
+                    reader=_answer(body, first), first=first,
                 )  # fmt: skip
             except RewardRequestError as exc:
-                halves = _halves_or_raise(exc, body)
-                return [piece for half in halves for piece in one((replica, half))]
+                halves = _halves_or_raise(exc, body, first)
+                return [piece for at, half in halves for piece in one((replica, at, half))]
             return [done.data]
 
         if len(plan.shards) == 1:
@@ -670,11 +752,12 @@ class AsyncRewardClient(_Base):
         what: str = "",
         retry: RetryPolicy | None = None,
         reader: Callable[[Any, str], Any] | None = None,
+        first: int = 0,
     ) -> _Attempts:
         """:meth:`request`'s loop, returning its record (the answer, read by ``reader`` when
-        given, and who gave it)."""
-        attempts = _Attempts(self, method, path, replica, what, retry)
-        content = encode_body(body)
+        given, and who gave it); ``first`` as for :meth:`RewardClient._exchange`."""
+        attempts = _Attempts(self, method, path, replica, what, retry, first)
+        content = encode_body(body, first)
         while True:
             url = attempts.url()
             outcome: httpx.Response | httpx.RequestError
@@ -709,20 +792,21 @@ class AsyncRewardClient(_Base):
             params=params,
             normalize=normalize,
             diagnostics=diagnostics,
+            first=self.next_replica(),
         )
 
-        async def one(replica: int, body: dict[str, Any]) -> list[ScoreResult]:
+        async def one(replica: int, first: int, body: dict[str, Any]) -> list[ScoreResult]:
             try:
                 done = await self._exchange(
                     "POST", SCORE_PATH, body, replica=replica, what=_scoring(body),
-                    reader=_answer(body),
+                    reader=_answer(body, first), first=first,
                 )  # fmt: skip
             except RewardRequestError as exc:
-                halves = _halves_or_raise(exc, body)
-                return [piece for half in halves for piece in await one(replica, half)]
+                halves = _halves_or_raise(exc, body, first)
+                return [piece for at, half in halves for piece in await one(replica, at, half)]
             return [done.data]
 
-        tasks = [asyncio.ensure_future(one(r, b)) for r, b in plan.shards]
+        tasks = [asyncio.ensure_future(one(*shard)) for shard in plan.shards]
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             failed = next((t for t in tasks if t.done() and t.exception()), None)
@@ -755,10 +839,39 @@ class AsyncRewardClient(_Base):
 def probe_each(urls: str | Sequence[str], api_key: str | None = None) -> list[dict[str, Any]]:
     """``GET /v1/info`` of every replica on its own, as a command's start-up check: a wrong
     URL is an error in seconds. A client's request fails over to the next replica, so a dead
-    second URL passed a probe of the first and surfaced only as a retry at every request."""
+    second URL passed a probe of the first and surfaced only as a retry at every request.
+    A replica that wants a key (``limits.api_key_required``) is sent one cheap scoring request
+    with the client's key (:func:`check_key`): a missing or wrong key is an error now, not a 401
+    after minutes of loading and generation."""
     infos = []
     for url in normalize_urls(urls):
         # A replica that accepts and never answers is an error in seconds too.
         with RewardClient(url, api_key=api_key, retry=PROBE_RETRY, timeout=READY_TIMEOUT) as one:
-            infos.append(one.info())
+            info = one.info()
+            if (info.get("limits") or {}).get("api_key_required"):
+                check_key(one)
+            infos.append(info)
     return infos
+
+
+#: The cheapest request a key guards: one empty completion, nothing to encode.
+_KEY_CHECK = {"items": [{"completion": "", "answer": "0"}], "normalize": False}
+
+
+def check_key(client: RewardClient) -> None:
+    """One scoring request to ``client``'s first replica with its key; a refusal (401) is a
+    :class:`RewardRequestError` saying what to set: ``SDE2_API_KEY``, missing or wrong."""
+    try:
+        client.request("POST", SCORE_PATH, _KEY_CHECK, what="check the API key")
+    except RewardRequestError as exc:
+        if exc.status != 401:
+            raise
+        url = client.urls[0]
+        problem = (
+            "refused the API key this client sends"
+            if client.has_key
+            else "requires an API key (its /v1/info says api_key_required) and this client has none"
+        )
+        raise RewardRequestError(
+            f"{url} {problem}: set SDE2_API_KEY to the server's key", exc.attempts
+        ) from None

@@ -38,6 +38,13 @@ DEFAULT_SOURCES: dict[str, str] = {
 #: The split each dataset is evaluated on in the paper (Sec. 4.1): GSM8K's test split,
 #: MedMCQA's validation split (its test split has no answers), AIME's held-out fifth.
 EVAL_SPLITS: dict[str, str] = {"gsm8k": "test", "medmcqa": "validation", "aime": "test"}
+#: The matcher each dataset's gold answers are compared with (``sde2-eval`` takes it as the
+#: default of a completions file's lines that name none).
+ANSWER_TYPES: dict[str, Literal["numeric", "choice"]] = {
+    "gsm8k": "numeric",
+    "medmcqa": "choice",
+    "aime": "numeric",
+}
 #: The default AIME source has one split: every ``AIME_HOLDOUT``-th problem of it is ``test``,
 #: the others ``train``. The paper's own 80:20 split of 963 problems (1983-2025) is not
 #: published; this one is fixed, so training and evaluation never share a problem.
@@ -196,7 +203,7 @@ def gsm8k_example(row: Mapping[str, Any], index: int) -> Example:
         gold = gsm8k_gold(answer)
     except ValueError as exc:
         raise ValueError(f"answer: {exc}") from None
-    return Example(question, gold, "numeric", str(index))
+    return Example(question, gold, ANSWER_TYPES["gsm8k"], str(index))
 
 
 def medmcqa_letter(cop: Any, cop_base: int = 0) -> str:
@@ -239,7 +246,7 @@ def medmcqa_question(row: Mapping[str, Any]) -> str:
 def medmcqa_example(row: Mapping[str, Any], index: int, cop_base: int = 0) -> Example:
     """One MedMCQA row (choice matcher, letter gold)."""
     gold = medmcqa_letter(row.get("cop"), cop_base)
-    return Example(medmcqa_question(row), gold, "choice", str(row.get("id", index)))
+    return Example(medmcqa_question(row), gold, ANSWER_TYPES["medmcqa"], str(row.get("id", index)))
 
 
 def aime_example(row: Mapping[str, Any], index: int) -> Example:
@@ -256,7 +263,7 @@ def aime_example(row: Mapping[str, Any], index: int) -> Example:
     if not isinstance(question, str) or not question.strip():
         raise ValueError(f"problem: must be a non-empty string, got {question!r}")
     ident = row.get("ID", row.get("id", index))
-    return Example(question, gold, "numeric", str(ident))
+    return Example(question, gold, ANSWER_TYPES["aime"], str(ident))
 
 
 Converter = Callable[[Mapping[str, Any], int], Example]

@@ -2,7 +2,8 @@
 
 A run is either generated here (``--model``, on ``--dataset`` questions, with the
 multi-strategy prompt) or read from a JSONL of completions (``--completions NAME=FILE``; each line
-has ``completion`` and ``answer``, optionally ``answer_type`` and ``num_tokens`` — the latter on
+has ``completion`` and ``answer``, optionally ``answer_type`` (else ``--dataset``'s matcher:
+numeric for gsm8k, the default, and aime, choice for medmcqa) and ``num_tokens`` — the latter on
 every line or on none; a wrong type is refused naming the file, line and field). Every
 completion is scored by the server with ``diagnostics`` on — the same parser and matchers as the
 training reward, so ACC here is the reward's own notion of correct — and summarized as ACC with
@@ -40,7 +41,8 @@ from reward_server.jsonl_files import (
     parse_json_line,
     write_output,
 )
-from trainer_client.client import RewardClient, probe_each
+from trainer_client.client import ItemError, RewardClient, item_of_issue, probe_each
+from trainer_client.datasets import ANSWER_TYPES as ANSWER_TYPES_OF
 from trainer_client.datasets import (
     DATASETS,
     DEFAULT_SOURCES,
@@ -50,7 +52,7 @@ from trainer_client.datasets import (
 )
 from trainer_client.metrics import INTERVALS, RunMetrics, markdown_table, summarize
 from trainer_client.modeling import ModelRef
-from trainer_client.retry import RetryPolicy, RewardServiceError
+from trainer_client.retry import RetryPolicy, RewardRequestError, RewardServiceError
 
 log = logging.getLogger("sde2.eval")
 SCORE_CHUNK = 256  # items per scoring request: well under the server's default max_items
@@ -65,6 +67,16 @@ class Run:
     answers: list[str]
     answer_type: str
     num_tokens: list[int] | None
+    #: The JSONL file the completions are in (read, or saved once generated), and the line of
+    #: each: an error about one completion names them.
+    source: Path | None = None
+    lines: list[int] | None = None
+
+    def where(self, index: int) -> str:
+        """Where completion ``index`` is, for a message: its file and line when known."""
+        if self.source is not None and self.lines is not None:
+            return f"{self.source}: line {self.lines[index]}"
+        return f"run {self.method}: completion {index + 1}"
 
 
 def _splits_help() -> str:
@@ -95,7 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a run read from JSONL (completion, answer[, answer_type, num_tokens]); repeatable",
     )
     p.add_argument("--tokenizer", help="tokenizer for #TOK of read runs (default: --model)")
-    p.add_argument("--dataset", choices=DATASETS, default="gsm8k")
+    p.add_argument(
+        "--dataset",
+        choices=DATASETS,
+        default="gsm8k",
+        help="questions to generate on; for read runs, the matcher of lines without answer_type "
+        "(gsm8k, aime: numeric; medmcqa: choice)",
+    )
     p.add_argument("--data", help=f"file, folder or hub id (default {DEFAULT_SOURCES})")
     p.add_argument("--split", help=f"default: the paper's evaluation split ({_splits_help()})")
     p.add_argument("--limit", type=int, help="evaluate at most this many questions")
@@ -138,9 +156,10 @@ class RunRow(NamedTuple):
     num_tokens: int | None
 
 
-def run_row(path: Path, number: int, record: Any) -> RunRow:
+def run_row(path: Path, number: int, record: Any, answer_type: str = "numeric") -> RunRow:
     """The checked fields of line ``number``: a wrong type is a :class:`RunFileError` naming
-    the file, the line and the field (``null`` is no completion, 9.9 no token count)."""
+    the file, the line and the field (``null`` is no completion, 9.9 no token count).
+    ``answer_type`` is the matcher of a line that names none (``--dataset``'s)."""
     where = f"{path}: line {number}"
     if not isinstance(record, dict):
         raise RunFileError(f"{where}: expected a JSON object, got {json_type(record)}")
@@ -152,7 +171,7 @@ def run_row(path: Path, number: int, record: Any) -> RunRow:
         gold = gold_text(record.get("answer"))
     except ValueError as exc:
         raise RunFileError(f"{where}: answer: {exc}") from None
-    answer_type = record.get("answer_type", "numeric")
+    answer_type = record.get("answer_type", answer_type)
     if answer_type not in ANSWER_TYPES:
         shown = json.dumps(answer_type)
         raise RunFileError(f"{where}: answer_type: one of {', '.join(ANSWER_TYPES)}, got {shown}")
@@ -190,8 +209,10 @@ def split_run_spec(spec: str) -> tuple[str, str]:
     return spec[:at], spec[at + 1 :]
 
 
-def read_run(spec: str, limit: int | None = None) -> Run:
-    """``NAME=FILE`` to a run of at most ``limit`` completions (the first ones).
+def read_run(spec: str, limit: int | None = None, answer_type: str = "numeric") -> Run:
+    """``NAME=FILE`` to a run of at most ``limit`` completions (the first ones); a line without
+    ``answer_type`` is scored with ``answer_type`` (the matcher of ``--dataset``: a MedMCQA
+    file was scored with the numeric matcher whatever ``--dataset`` said).
 
     A run must use one answer type (one scoring request family), and give ``num_tokens`` on
     every line or on none: a mean over some lines would not be the run's #TOK.
@@ -205,7 +226,8 @@ def read_run(spec: str, limit: int | None = None) -> Run:
         for number, text in jsonl_lines(path):
             if limit is not None and len(rows) >= limit:
                 break
-            rows.append(run_row(path, number, parse_json_line(path, number, text)))
+            record = parse_json_line(path, number, text)
+            rows.append(run_row(path, number, record, answer_type))
     except InputError as exc:
         raise RunFileError(str(exc)) from None
     except OSError as exc:
@@ -230,6 +252,8 @@ def read_run(spec: str, limit: int | None = None) -> Run:
         num_tokens=None
         if lacking
         else [row.num_tokens for row in rows if row.num_tokens is not None],
+        source=path,
+        lines=[row.line for row in rows],
     )
 
 
@@ -303,7 +327,10 @@ def generated_label(args: argparse.Namespace) -> str:
 
 
 def score_run(client: RewardClient, run: Run, recipe: str, interval: str = "normal") -> RunMetrics:
-    """Score every completion (raw, with diagnostics) and summarize."""
+    """Score every completion (raw, with diagnostics, in chunks of :data:`SCORE_CHUNK`) and
+    summarize. A completion that cannot be sent (:class:`RunFileError`) or that the server
+    refused (:class:`RewardRequestError`) is named by its file and line, not by its index in
+    the chunk sent."""
     items_out = []
     for start in range(0, len(run.completions), SCORE_CHUNK):
         stop = start + SCORE_CHUNK
@@ -311,11 +338,33 @@ def score_run(client: RewardClient, run: Run, recipe: str, interval: str = "norm
             {"completion": c, "answer": a}
             for c, a in zip(run.completions[start:stop], run.answers[start:stop], strict=True)
         ]
-        result = client.score(
-            items, recipe=recipe, answer_type=run.answer_type, normalize=False, diagnostics=True
-        )
+        try:
+            result = client.score(
+                items, recipe=recipe, answer_type=run.answer_type, normalize=False, diagnostics=True
+            )
+        except ItemError as exc:
+            raise RunFileError(
+                f"{run.where(start + exc.item)}: {exc.field}: {exc.reason}"
+            ) from None
+        except RewardRequestError as exc:
+            raise located(exc, run, start) from None
         items_out.extend(result.items)
     return summarize(run.method, items_out, run.completions, run.num_tokens, interval)
+
+
+def located(exc: RewardRequestError, run: Run, start: int) -> RewardRequestError:
+    """``exc`` (the server refused a chunk of ``run`` beginning at completion ``start``) with
+    each refused completion named by its file and line, and the field and the reason."""
+    issues = exc.attempts[-1].issues if exc.attempts else ()
+    named = []
+    for issue in issues:
+        item = item_of_issue(issue.get("loc"))
+        if item is not None:
+            field = ".".join(map(str, issue["loc"][2:])) or "item"
+            named.append(f"{run.where(start + item)}: {field}: {issue.get('msg', '')}")
+    if not named:
+        return exc
+    return RewardRequestError(f"the reward service refused {'; '.join(named)}", exc.attempts)
 
 
 def plot_runs(rows: Sequence[RunMetrics], path: Path) -> bool:
@@ -439,7 +488,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check_arguments(parser, args)
     try:  # read first: a bad file stops the command before minutes of generation
-        read = [read_run(spec, args.limit) for spec in args.completions]
+        default_type = ANSWER_TYPES_OF[args.dataset]
+        read = [read_run(spec, args.limit, default_type) for spec in args.completions]
     except RunFileError as exc:
         print(f"sde2-eval: {exc}", file=sys.stderr)
         return 2
@@ -462,6 +512,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         runs.append(run)
         saved = args.save_completions or unscored_path(run)
         save_run(run, saved)
+        run.source, run.lines = saved, list(range(1, len(run.completions) + 1))
         log.info("generated completions saved to %s (until scored)", saved)
     if any(r.num_tokens is None for r in read) and (args.tokenizer or args.model):
         if args.tokenizer or tokenizer is None:  # --tokenizer wins over the policy's
@@ -477,7 +528,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with RewardClient(args.reward_url, retry=retry) as client:
             rows = [score_run(client, r, args.recipe, args.ci) for r in runs]
-    except (RewardServiceError, KeyboardInterrupt) as exc:  # a 422 carries the server's reason
+    except (RewardServiceError, RunFileError, KeyboardInterrupt) as exc:  # with the reason
         stopped = isinstance(exc, KeyboardInterrupt)  # Ctrl-C while the retries wait
         print(f"sde2-eval: {'stopped while scoring' if stopped else exc}", file=sys.stderr)
         if args.model and not args.save_completions:

@@ -102,8 +102,13 @@ def reward_func(
                 f"{len(queries)}, {len(prompts)}, {len(labels)}"
             )
         body = {"query": list(queries), "prompts": list(prompts), "labels": list(labels)}
-        answer = _client().request(
-            "POST", _route(), body, what=f"score {len(queries)} OpenRLHF sample(s)"
+        client = _client()
+        answer = client.request(
+            "POST",
+            _route(),
+            body,
+            replica=client.next_replica(),  # one sample a call: spread over the replicas
+            what=f"score {len(queries)} OpenRLHF sample(s)",
         )
         return _check(answer, len(queries))
     except Exception:

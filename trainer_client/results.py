@@ -8,9 +8,38 @@ never paper over with defaults.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+
+def finite(values: Iterable[Any], name: str, first: int = 0) -> list[float]:
+    """``values`` as floats, each one finite: a NaN or an infinity (a server or proxy writing
+    JSON ``NaN``/``Infinity``, which Python's ``json`` reads) would reach the trainer as a
+    reward and poison its update. The ``ValueError`` names the field and the item (counted
+    from ``first``: the index of the answer's first item in the caller's batch).
+
+    >>> finite([1, 0.5], "rewards")
+    [1.0, 0.5]
+    >>> finite([0.0, float("nan")], "components.oc")
+    Traceback (most recent call last):
+    ...
+    ValueError: components.oc.1: nan is not a finite number
+    """
+    out = [float(x) for x in values]
+    bad = next((i for i, x in enumerate(out) if not math.isfinite(x)), None)
+    if bad is not None:
+        raise ValueError(f"{name}.{first + bad}: {out[bad]} is not a finite number")
+    return out
+
+
+def _finite_one(value: Any, name: str) -> float:
+    """One number of the answer, finite (see :func:`finite`)."""
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{name}: {number} is not a finite number")
+    return number
 
 
 @dataclass(frozen=True)
@@ -25,15 +54,17 @@ class ItemDiagnostics:
     div: float | None = None
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> ItemDiagnostics:
-        """Build from one ``items[]`` entry of the response."""
+    def from_json(cls, data: Mapping[str, Any], index: int = 0) -> ItemDiagnostics:
+        """Build from one ``items[]`` entry of the response (``items.{index}``); ``div`` may
+        be null (not computed), never a NaN."""
+        div = data.get("div")
         return cls(
             n_strat=int(data["n_strat"]),
             final_answer=data.get("final_answer"),
             correct=bool(data["correct"]),
             strategy_correct=bool(data["strategy_correct"]),
             uniq=None if data.get("uniq") is None else int(data["uniq"]),
-            div=None if data.get("div") is None else float(data["div"]),
+            div=None if div is None else _finite_one(div, f"items.{index}.div"),
         )
 
 
@@ -62,19 +93,26 @@ class ScoreResult:
         return len(self.rewards)
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any], served_by: str | None = None) -> ScoreResult:
-        """Parse a ``/v1/score`` response body; raises ``KeyError``/``TypeError`` if malformed."""
+    def from_json(
+        cls, data: Mapping[str, Any], served_by: str | None = None, first: int = 0
+    ) -> ScoreResult:
+        """Parse a ``/v1/score`` response body; raises ``KeyError``/``TypeError`` if malformed,
+        ``ValueError`` naming the field and item of a number that is not finite (null is
+        accepted where SPEC §6 allows it: ``advantages``, ``uniq``, ``div``). Items are named
+        counting from ``first``, the answer's first item's index in the caller's batch."""
         batch = data.get("batch") or {}
+        advantages = data.get("advantages")
         result = cls(
-            rewards=[float(x) for x in data["rewards"]],
-            components={k: [float(x) for x in v] for k, v in data["components"].items()},
-            normalized={
-                k: [float(x) for x in v] for k, v in (data.get("normalized") or {}).items()
+            rewards=finite(data["rewards"], "rewards", first),
+            components={
+                k: finite(v, f"components.{k}", first) for k, v in data["components"].items()
             },
-            advantages=(
-                None if data.get("advantages") is None else [float(x) for x in data["advantages"]]
-            ),
-            items=[ItemDiagnostics.from_json(it) for it in data["items"]],
+            normalized={
+                k: finite(v, f"normalized.{k}", first)
+                for k, v in (data.get("normalized") or {}).items()
+            },
+            advantages=None if advantages is None else finite(advantages, "advantages", first),
+            items=[ItemDiagnostics.from_json(it, first + i) for i, it in enumerate(data["items"])],
             batch_mean={k: float(v) for k, v in (batch.get("mean") or {}).items()},
             batch_std={k: float(v) for k, v in (batch.get("std") or {}).items()},
             recipe=str(data["recipe"]),

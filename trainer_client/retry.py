@@ -18,6 +18,7 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 #: HTTP statuses worth another try (see the module docstring).
 RETRYABLE_STATUSES: frozenset[int] = frozenset({408, 429, 500, 502, 503, 504})
@@ -33,6 +34,9 @@ class Attempt:
     #: The server refused the batch for its size alone (items, estimated encoder tokens or
     #: body bytes over its limits): smaller requests with the same items may pass.
     too_large: bool = False
+    #: A 422's issues (``loc``, ``field``, ``msg``, ``type``), item indexes counted in the
+    #: caller's batch (a split batch's pieces count from 0 each on the wire).
+    issues: tuple[dict[str, Any], ...] = ()
 
     def __str__(self) -> str:
         what = f"HTTP {self.status}" if self.status is not None else "no response"
@@ -88,9 +92,10 @@ class RetryPolicy:
 
     The ``k``-th retry waits ``d/2 + U(0, d/2)`` with ``d = min(backoff_max, backoff_base·2^k)``
     ("equal jitter": replicas restarted together are not hit by every trainer rank at the same
-    instant, yet the wait never collapses to zero). A ``Retry-After`` from the server wins over the
-    backoff (it knows its queue), capped at ``retry_after_max`` and stretched by up to
-    ``retry_after_jitter`` of itself for the same herd reason.
+    instant, yet the wait never collapses to zero). A ``Retry-After`` from the server lengthens the
+    wait when it asks for more than the backoff (it knows its queue), capped at
+    ``retry_after_max`` and stretched by up to ``retry_after_jitter`` of itself for the same herd
+    reason; it never shortens it.
     """
 
     #: Tries per request; None: as many as :attr:`deadline` allows (which must then be set).
@@ -125,13 +130,38 @@ class RetryPolicy:
         return self.max_attempts is None or attempts < self.max_attempts
 
     def delay(self, retry_index: int, retry_after: float | None = None) -> float:
-        """Seconds to sleep before retry number ``retry_index`` (0 for the first retry)."""
-        if retry_after is not None:
-            base = min(retry_after, self.retry_after_max)
-            return base + self.rng.uniform(0.0, self.retry_after_jitter * base)
+        """Seconds to sleep before retry number ``retry_index`` (0 for the first retry): the
+        larger of the backoff and the server's ``Retry-After``. The header may lengthen the
+        wait, never shorten it: ``Retry-After: 0`` (or a date gone by) from an overloaded proxy
+        took the backoff away, and a client retried thousands of times a second.
+
+        >>> p = RetryPolicy(backoff_base=1.0, retry_after_jitter=0.0)
+        >>> 0.5 <= p.delay(0, retry_after=0.0) <= 1.0, p.delay(0, retry_after=7.0)
+        (True, 7.0)
+        """
+        backoff = self.backoff(retry_index)
+        return backoff if retry_after is None else max(backoff, self.held(retry_after))
+
+    def backoff(self, retry_index: int) -> float:
+        """The policy's own wait before retry number ``retry_index``: ``d/2 + U(0, d/2)``.
+
+        >>> p = RetryPolicy(backoff_base=0.5, backoff_max=20.0)
+        >>> 0.25 <= p.backoff(0) <= 0.5, 10.0 <= p.backoff(5000) <= 20.0
+        (True, True)
+        """
         # The exponent is capped: retrying to a deadline reaches indexes where 2.0**k overflows.
         d = min(self.backoff_max, self.backoff_base * (2.0 ** min(retry_index, 64)))
         return d / 2.0 + self.rng.uniform(0.0, d / 2.0)
+
+    def held(self, retry_after: float) -> float:
+        """The wait a ``Retry-After`` of ``retry_after`` seconds asks for: capped at
+        :attr:`retry_after_max`, stretched by up to :attr:`retry_after_jitter` of itself.
+
+        >>> RetryPolicy(retry_after_max=60.0, retry_after_jitter=0.0).held(3600.0)
+        60.0
+        """
+        base = min(retry_after, self.retry_after_max)
+        return base + self.rng.uniform(0.0, self.retry_after_jitter * base)
 
 
 #: A reward server checked before a command loads its model (``sde2-train``, ``sde2-eval``): a

@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from reward_server.core import RECIPES
 from reward_server.core.normalization import aggregate
 from reward_server.core.params import RewardParams
 from reward_server.core.scoring import ScoreItem
@@ -70,6 +71,29 @@ def params_to_json(params: RewardParams | Mapping[str, Any] | None) -> dict[str,
             where = ".".join(map(str, ("params", *first["loc"])))
             raise ValueError(f"{where}: {first['msg']}") from None
     return params.model_dump(exclude_unset=True)
+
+
+def check_weights(recipe: str, params: Mapping[str, Any], field: str = "params.weights.{}") -> None:
+    """Refuse a weight of a component ``recipe`` does not have (``ValueError`` naming each as
+    ``field`` formats it): the server accepts it and it changes nothing, an ablation that never
+    happens (``cfl`` with ``weights={"sd": 0}`` trains on the full reward). One check for
+    ``sde2-train``'s flags and the TRL and verl adapters.
+
+    >>> check_weights("cfl", {"weights": {"oc": 0.5}})
+    >>> check_weights("cfl", {"weights": {"sd": 0, "oc": 1}})
+    Traceback (most recent call last):
+    ...
+    ValueError: params.weights.sd: not a component of recipe 'cfl' (oc, fa, len): ...
+    """
+    if recipe not in RECIPES:  # named by the caller's own check, or by the server's 422
+        return
+    components = RECIPES[recipe].components
+    unused = sorted(set(params.get("weights") or {}) - set(components))
+    if unused:
+        raise ValueError(
+            f"{', '.join(map(field.format, unused))}: not a component of recipe {recipe!r} "
+            f"({', '.join(components)}): its weight would change nothing"
+        )
 
 
 def _plain(value: Any) -> Any:

@@ -35,6 +35,7 @@ from trainer_client.datasets import (
 )
 from trainer_client.modeling import ModelRef
 from trainer_client.retry import RetryPolicy, RewardServiceError
+from trainer_client.sharding import check_weights
 
 log = logging.getLogger("sde2.train")
 
@@ -68,13 +69,10 @@ def reward_params(args: argparse.Namespace) -> dict[str, Any]:
             raise FlagError(f"--param weights must be a JSON object, got {given!r}")
         params["weights"] = {**given, **weights}
     RewardParams(**params)
-    recipe = RECIPES[args.recipe]
-    unused = sorted(set(params.get("weights", {})) - set(recipe.components))
-    if unused:  # accepted by the server, and without effect: an ablation that never happens
-        raise FlagError(
-            f"--weight {', '.join(unused)}: not a component of recipe {recipe.name!r} "
-            f"({', '.join(recipe.components)})"
-        )
+    try:
+        check_weights(args.recipe, params, "--weight {}")
+    except ValueError as exc:
+        raise FlagError(str(exc)) from None
     return params
 
 
@@ -441,6 +439,20 @@ def resume_target(args: argparse.Namespace) -> str | None:
     return last
 
 
+def how_to_continue(last: str | None) -> str:
+    """What to do after the reward service stopped the training: ``--resume`` only when a
+    checkpoint exists (it was advised after a failure at step 0, with nothing to resume).
+
+    >>> how_to_continue(None)
+    'no checkpoint was saved: fix the reward service and run the same command again'
+    >>> how_to_continue("out/checkpoint-500")
+    'last checkpoint: out/checkpoint-500; fix the reward service and rerun with --resume'
+    """
+    if last is None:
+        return "no checkpoint was saved: fix the reward service and run the same command again"
+    return f"last checkpoint: {last}; fix the reward service and rerun with --resume"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``sde2-train``."""
     logging.basicConfig(
@@ -467,10 +479,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         last = get_last_checkpoint(args.output_dir) if Path(args.output_dir).is_dir() else None
         log.error("training stopped at step %d: %s", trainer.state.global_step, exc)
-        log.error(
-            "last checkpoint: %s; fix the reward service and rerun with --resume",
-            last or "none",
-        )
+        log.error("%s", how_to_continue(last))
         return 2
     out = Path(args.output_dir)
     trainer.save_model(str(out / "final"))

@@ -38,7 +38,7 @@ from reward_server.core.answers import gold_text
 from trainer_client.client import DEFAULT_TIMEOUT, AsyncRewardClient, normalize_urls
 from trainer_client.results import ScoreResult
 from trainer_client.retry import RetryPolicy, RewardServiceError
-from trainer_client.sharding import merge
+from trainer_client.sharding import check_weights, merge
 
 log = logging.getLogger(__name__)
 
@@ -214,6 +214,7 @@ class SDE2Reward:
         # Validate now (a typo fails at startup, not at the first step), send only what was set.
         validated = params if isinstance(params, RewardParams) else RewardParams(**(params or {}))
         self.params: dict[str, Any] = validated.model_dump(exclude_unset=True)
+        check_weights(recipe, self.params)
         self.normalize = normalize
         self.diagnostics = diagnostics
         self.timeout = timeout
