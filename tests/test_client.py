@@ -1125,27 +1125,28 @@ async def test_errors_name_the_item_s_index_in_the_caller_s_batch(
 
     a, b = two_reward_servers
     items = [{"completion": "<final_answer>1</final_answer>", "answer": "1"} for _ in range(6)]
-    blank = [*items[:4], {**items[4], "answer": "   "}, items[5]]
+    # Over the server's --max-completion-chars (200,000): a 422 at the item's completion.
+    blank = [*items[:4], {**items[4], "completion": "x" * 200_001}, items[5]]
     broken = [*items[:4], {**items[4], "completion": "bad \ud800 text"}, items[5]]
     for urls in ([a.url, b.url], [a.url]):
         with RewardClient(urls) as rc:
-            with pytest.raises(RewardRequestError, match=r"items\.4\.answer") as err:
+            with pytest.raises(RewardRequestError, match=r"items\.4\.completion") as err:
                 rc.score(blank)
             assert "items.1." not in str(err.value)
-            assert [i["field"] for i in err.value.attempts[-1].issues] == ["items.4.answer"]
+            assert [i["field"] for i in err.value.attempts[-1].issues] == ["items.4.completion"]
             with pytest.raises(ValueError, match=r"items\.4\.completion: not valid UTF-8"):
                 rc.score(broken)
         async with AsyncRewardClient(urls) as ac:
-            with pytest.raises(RewardRequestError, match=r"items\.4\.answer"):
+            with pytest.raises(RewardRequestError, match=r"items\.4\.completion"):
                 await ac.score(blank)
             with pytest.raises(ValueError, match=r"items\.4\.completion: not valid UTF-8"):
                 await ac.score(broken)
     many = [{**items[0]} for _ in range(20)]
-    many[15]["answer"] = "   "
+    many[15]["completion"] = "x" * 200_001
     with (
         running_server("--max-items", "3") as small,
         RewardClient(small.url) as rc,
-        pytest.raises(RewardRequestError, match=r"items\.15\.answer") as err,
+        pytest.raises(RewardRequestError, match=r"items\.15\.completion") as err,
     ):
         rc.score(many)  # 20 refused for its size, halved down to pieces of 3 or fewer
-    assert "items.0.answer" not in str(err.value)
+    assert "items.0.completion" not in str(err.value)
