@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import email.utils
 import json
+import logging
 import math
 import random
 import re
@@ -1150,3 +1151,31 @@ async def test_errors_name_the_item_s_index_in_the_caller_s_batch(
     ):
         rc.score(many)  # 20 refused for its size, halved down to pieces of 3 or fewer
     assert "items.0.completion" not in str(err.value)
+
+
+async def test_a_server_s_warnings_reach_the_caller_once_each(
+    two_reward_servers: tuple[ServerProcess, ServerProcess],  # noqa: F811
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A gold no sensible answer matches ("####") is scored, and the server says so in an
+    ``x-sde2-warning`` header: the result carries it, naming the item by its index in the
+    caller's batch (also when the batch is split over replicas), and the client logs each kind
+    once (a training run would otherwise log it every step)."""
+    a, b = two_reward_servers
+    items = [{"completion": "<final_answer>1</final_answer>", "answer": "1"} for _ in range(6)]
+    items[4] = {**items[4], "answer": "####"}
+    for urls in ([a.url, b.url], [a.url]):
+        with caplog.at_level(logging.WARNING, logger="trainer_client.client"):
+            caplog.clear()
+            with RewardClient(urls) as rc:
+                for _ in range(2):
+                    result = rc.score(items)
+                    [warning] = result.warnings
+                    assert warning.startswith("items.4.answer: the gold answer '####'")
+                    assert result.items[4].correct is False
+            async with AsyncRewardClient(urls) as ac:
+                assert (await ac.score(items)).warnings == [warning]
+        told = [r.getMessage() for r in caplog.records if "####" in r.getMessage()]
+        assert told == [f"the reward service warns: {warning}"] * 2, told  # once per client
+    with RewardClient(a.url) as rc:
+        assert rc.score(items[:4]).warnings == []

@@ -14,11 +14,13 @@ server did not compute.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
 import os
 import queue
+import re
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -279,6 +281,26 @@ def shifted_issues(body: Any, first: int) -> tuple[dict[str, Any], ...]:
     return tuple(out)
 
 
+#: Kinds of warning a client logs at most (each once).
+_MAX_WARNED = 1000
+#: The header a server names what it scored but would have the caller know with, one each.
+WARNING_HEADER = "x-sde2-warning"
+_WARNED_ITEM = re.compile(r"^items\.(\d+)\.")
+
+
+def shifted_warnings(warnings: Sequence[str], first: int) -> list[str]:
+    """A scoring answer's warnings with item indexes counted in the caller's batch (as
+    :func:`shifted_issues`).
+
+    >>> shifted_warnings(["items.3.answer: the gold answer is empty; ...", "and 2 more"], 256)
+    ['items.259.answer: the gold answer is empty; ...', 'and 2 more']
+    """
+    if not first:
+        return list(warnings)
+    shift = lambda m: f"items.{first + int(m.group(1))}."  # noqa: E731
+    return [_WARNED_ITEM.sub(shift, w, count=1) for w in warnings]
+
+
 def item_of_issue(loc: Any) -> int | None:
     """The item index an issue's ``loc`` points into (``["items", 3, "answer"]``: 3), if any."""
     if not (isinstance(loc, list) and len(loc) > 1 and loc[0] == "items"):
@@ -303,6 +325,8 @@ class _Attempts:
         first: int = 0,
     ) -> None:
         self.client, self.path, self.replica = client, path, replica
+        #: The answer's warnings (:data:`WARNING_HEADER`), items named in the caller's batch.
+        self.warnings: list[str] = []
         #: The index of the request's first item in the caller's batch (errors name items so).
         self.first = first
         self.policy = policy or client.retry
@@ -349,6 +373,9 @@ class _Attempts:
             self.data, maybe_failure, retryable = _check_response(url, outcome, self.first)
             if maybe_failure is None:
                 self.answered_by = url.removesuffix(self.path)
+                self.warnings = shifted_warnings(
+                    outcome.headers.get_list(WARNING_HEADER), self.first
+                )
                 return True
             failure = maybe_failure
             retry_after = parse_retry_after(outcome.headers.get("retry-after"))
@@ -487,6 +514,18 @@ class _Base:
             self._headers["authorization"] = f"Bearer {api_key}"
         self._turns = 0
         self._turns_lock = threading.Lock()
+        self._warned: set[str] = set()
+
+    def _told(self, result: ScoreResult) -> ScoreResult:
+        """``result``, its warnings logged, each kind once by this client: a training run with
+        a wrong answer column would log one a step otherwise (``result.warnings`` has them
+        all)."""
+        for warning in result.warnings:
+            kind = warning.split(": ", 1)[-1]
+            if kind not in self._warned and len(self._warned) < _MAX_WARNED:
+                self._warned.add(kind)
+                log.warning("the reward service warns: %s", warning)
+        return result
 
     @property
     def has_key(self) -> bool:
@@ -638,10 +677,10 @@ class RewardClient(_Base):
             except RewardRequestError as exc:
                 halves = _halves_or_raise(exc, body, first)
                 return [piece for at, half in halves for piece in one((replica, at, half))]
-            return [done.data]
+            return [dataclasses.replace(done.data, warnings=done.warnings)]
 
         if len(plan.shards) == 1:
-            return plan.finish([one(plan.shards[0])])
+            return self._told(plan.finish([one(plan.shards[0])]))
         results: list[list[ScoreResult]] = [[] for _ in plan.shards]
         finished: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
 
@@ -662,7 +701,7 @@ class RewardClient(_Base):
                 failure = finished.get()
                 if failure is not None:
                     raise failure
-            return plan.finish(results)
+            return self._told(plan.finish(results))
         finally:
             stop.set()  # the other shards stop at their next try
 
@@ -804,7 +843,7 @@ class AsyncRewardClient(_Base):
             except RewardRequestError as exc:
                 halves = _halves_or_raise(exc, body, first)
                 return [piece for at, half in halves for piece in await one(replica, at, half)]
-            return [done.data]
+            return [dataclasses.replace(done.data, warnings=done.warnings)]
 
         tasks = [asyncio.ensure_future(one(*shard)) for shard in plan.shards]
         try:
@@ -812,7 +851,7 @@ class AsyncRewardClient(_Base):
             failed = next((t for t in tasks if t.done() and t.exception()), None)
             if failed is not None:
                 raise failed.exception()  # type: ignore[misc]
-            return plan.finish([t.result() for t in tasks])
+            return self._told(plan.finish([t.result() for t in tasks]))
         finally:
             for task in tasks:
                 task.cancel()  # a no-op for the finished ones

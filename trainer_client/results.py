@@ -88,6 +88,10 @@ class ScoreResult:
     encoder: str | None = None
     #: Which server URL(s) produced the numbers (one per shard); informational.
     served_by: list[str] = field(default_factory=list)
+    #: What the server said about the batch though it scored it (its ``x-sde2-warning``
+    #: headers, items named by their index in the caller's batch): a gold no sensible answer
+    #: matches, say. The client also logs each once.
+    warnings: list[str] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.rewards)

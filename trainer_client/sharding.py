@@ -195,4 +195,5 @@ def merge(
         params=first.params,
         encoder=first.encoder,
         served_by=[u for s in shards for u in s.served_by],
+        warnings=[w for s in shards for w in s.warnings],
     )
