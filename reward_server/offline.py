@@ -96,14 +96,17 @@ class InputItems:
 
     def batch_error(self, exc: InvalidBatch) -> InputError:
         """``exc`` with its item index turned into the file's line."""
-        loc = exc.loc
+        return InputError(self.where(exc.loc, exc.message))
+
+    def where(self, loc: tuple[str | int, ...], message: str) -> str:
+        """``message`` about the field at ``loc``, its item named by the file's line."""
         index = loc[1] if len(loc) >= 2 and loc[0] == "items" else None
         if isinstance(index, int) and 0 <= index < len(self.lines):
             field = ".".join(str(p) for p in loc[2:]) or "item"
-            return InputError(f"{self.path}: line {self.lines[index]}: {field}: {exc.message}")
+            return f"{self.path}: line {self.lines[index]}: {field}: {message}"
         if loc == ("items",):
-            return InputError(f"{self.path}: {exc.message}")
-        return InputError(str(exc))
+            return f"{self.path}: {message}"
+        return f"{'.'.join(map(str, loc))}: {message}"
 
 
 def load_items(path: Path) -> InputItems:
@@ -199,7 +202,7 @@ def prepare_input(
     args: argparse.Namespace, judge: IsolatedMathJudge, diagnostics: bool
 ) -> tuple[InputItems, PreparedBatch]:
     """Read ``--in`` and run the batch's phase 1; every error an :class:`InputError` naming the
-    file and line (or the flag)."""
+    file and line (or the flag), every warning printed so named."""
     params = params_from_flag(args.params)
     inputs = load_items(args.input)
     try:
@@ -213,6 +216,8 @@ def prepare_input(
         )
     except InvalidBatch as exc:
         raise inputs.batch_error(exc) from None
+    for warning in prepared.warnings:  # scored, but the user should know (a wrong answer column)
+        print(f"warning: {inputs.where(warning.loc, warning.message)}", file=sys.stderr)
     return inputs, prepared
 
 

@@ -82,6 +82,23 @@ def test_an_item_index_error_is_reported_as_the_files_line(
     assert f"{src}: line 3: group:" in capsys.readouterr().err
 
 
+def test_a_gold_no_answer_can_match_is_scored_with_a_warning_naming_its_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A "####" gold is scored as SPEC §2 defines it (a 422 on the server before), and both
+    commands say so on stderr, naming the file and line (exit 0, the output written)."""
+    bad = {"completion": "<final_answer>.</final_answer>", "answer": "####"}
+    src = write_lines(tmp_path / "in.jsonl", [json.dumps(GOOD), "", json.dumps(bad)])
+    out = tmp_path / "out.jsonl"
+    assert main(score_argv(src, out)) == 0
+    err = capsys.readouterr().err
+    assert f"warning: {src}: line 3: answer: the gold answer '####' is empty" in err
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["correct"] for r in records] == [True, True]  # N("####") = N(".") = ""
+    assert main(["explain", "--in", str(src), "--quiet", "--recipe", "cfl"]) == 0
+    assert f"warning: {src}: line 3: answer:" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("value", ["inf", "nan", "0", "-5", "1e300"])
 @pytest.mark.parametrize("command", ["score", "explain"])
 def test_math_timeout_must_be_a_finite_positive_number(
