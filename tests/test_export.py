@@ -605,3 +605,30 @@ def test_a_model_of_another_width_is_refused_before_export_and_load(tmp_path: Pa
     wide = _model_of_width(tmp_path / "other" / "model", 384)
     assert SentenceTransformerEncoder(wide).name == "model torch"
     assert SentenceTransformerEncoder().name == "all-MiniLM-L6-v2 torch"
+
+
+def test_a_refused_export_is_remembered_and_said_at_once(tmp_path: Path) -> None:
+    """The exporter's refusal (a verdict on the model, variant and options) is kept beside the
+    cache entry: ``serve --variant int8`` exported and gated the shipped model for minutes on
+    every start, to be refused each time. The next try says it at once, naming the record to
+    delete; deleted (or with other export options), the export is tried again."""
+    folder = _model_of_width(tmp_path / "narrow", 256)
+    root = tmp_path / "cache"
+    problem = "embeds texts in 256 dimensions"
+    with pytest.raises(model_store.ModelExportError, match=problem) as first:
+        model_store.resolve_model(str(folder), "fp32", root=root)
+    assert "remembered" not in str(first.value)
+    [record] = (root / "models").glob("*.refused.json")
+    start = time.monotonic()
+    with pytest.raises(model_store.ModelExportError, match=problem) as again:
+        model_store.resolve_model(str(folder), "fp32", root=root)
+    assert time.monotonic() - start < 1.0  # no exporter started (importing torch alone: ~5 s)
+    assert f"remembered in {record}: delete it to try again" in str(again.value)
+    assert model_store.remembered_refusal(record.parent / record.name.split(".")[0]) is not None
+    other_options = ["--fidelity-texts", "50"]
+    assert model_store.remembered_refusal(record.parent / record.name.split(".")[0],
+                                          other_options) is None  # fmt: skip
+    record.unlink()
+    with pytest.raises(model_store.ModelExportError, match=problem) as fresh:
+        model_store.resolve_model(str(folder), "fp32", root=root)
+    assert "remembered" not in str(fresh.value) and record.is_file()

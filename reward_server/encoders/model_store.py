@@ -13,6 +13,7 @@ so a folder with a ``manifest.json`` is always a finished one.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -217,11 +218,59 @@ def export_in_subprocess(
     cmd += list(export_args)
     proc = _run_child(cmd, timeout_s)
     if proc.returncode != 0 or not is_export(out_dir):
-        raise ModelExportError(
+        message = (
             f"exporting {source or DEFAULT_MODEL_NAME} ({variant}) failed with exit code "
             f"{proc.returncode}:\n{_tail(proc)}"
         )
+        if proc.returncode == 2 and _REFUSED in (proc.stderr or ""):
+            _remember_refusal(out_dir, export_args, message)
+        raise ModelExportError(message)
+    with contextlib.suppress(OSError):  # exported after all (with other options, or code)
+        _refusal_file(out_dir).unlink(missing_ok=True)
     return out_dir
+
+
+#: What the exporter prints when it refuses a model or variant (exit status 2): a verdict on
+#: the model, the variant and the export's options, the same at every try.
+_REFUSED = "export refused:"
+#: The exporter's sources, whose digest keys a remembered refusal: changed code tries again.
+_EXPORTER_SOURCES = ("onnx_export.py", "fidelity.py")
+
+
+def _refusal_file(out_dir: Path) -> Path:
+    return out_dir.with_name(out_dir.name + ".refused.json")
+
+
+def _refusal_key(export_args: Sequence[str]) -> dict[str, Any]:
+    here = Path(__file__).resolve().parent
+    digest = hashlib.sha256(b"".join((here / name).read_bytes() for name in _EXPORTER_SOURCES))
+    return {"export_args": list(export_args), "exporter": digest.hexdigest()[:16]}
+
+
+def _remember_refusal(out_dir: Path, export_args: Sequence[str], message: str) -> None:
+    """Keep the exporter's refusal beside the cache entry, so that the next start says it at
+    once: ``serve --variant int8`` spent minutes exporting and gating the shipped model on
+    every start, to be refused each time. Best effort (a read-only cache just tries again)."""
+    record = {**_refusal_key(export_args), "refused": message, "at": time.time()}
+    with contextlib.suppress(OSError):
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        _refusal_file(out_dir).write_text(json.dumps(record), encoding="utf-8")
+
+
+def remembered_refusal(out_dir: Path, export_args: Sequence[str] = ()) -> str | None:
+    """The refusal :func:`export_in_subprocess` kept for ``out_dir`` with these options and
+    this exporter, as an error message that says how to try again; None when there is none."""
+    path = _refusal_file(out_dir)
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    key = _refusal_key(export_args)
+    if not isinstance(record, dict) or any(record.get(k) != v for k, v in key.items()):
+        return None
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(float(record.get("at", 0))))
+    again = f"refused at {when}, remembered in {path}: delete it to try again"
+    return f"{record.get('refused')}\n({again})"
 
 
 def _run_child(cmd: Sequence[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
@@ -252,6 +301,9 @@ def _ensure(
     if is_current_export(target, variant):
         return target
     stale = is_export(target)  # made by an older graph recipe
+    refused = None if stale else remembered_refusal(target, export_args)
+    if refused is not None:
+        raise ModelExportError(refused)
     try:
         with file_lock(root / "locks" / f"{entry}-{variant}.lock"):
             if is_current_export(target, variant):  # another process made it while we waited
