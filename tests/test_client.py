@@ -1179,3 +1179,63 @@ async def test_a_server_s_warnings_reach_the_caller_once_each(
         assert told == [f"the reward service warns: {warning}"] * 2, told  # once per client
     with RewardClient(a.url) as rc:
         assert rc.score(items[:4]).warnings == []
+
+
+@contextlib.contextmanager
+def busy_proxy(upstream: str) -> Iterator[str]:
+    """A real HTTP proxy in front of ``upstream`` that passes on ``GET`` requests and answers
+    a scoring request as a server busy with another job does once it has accepted its key:
+    429 with ``Retry-After`` (a wrong key still gets the upstream's 401)."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # the stdlib's name
+            self._answer(httpx.get(upstream + self.path))
+
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["content-length"]))
+            headers = {k: v for k, v in self.headers.items() if k.lower() == "authorization"}
+            answer = httpx.post(upstream + self.path, content=body, headers=headers)
+            if answer.status_code != 401:
+                answer = httpx.Response(429, json={"detail": "busy"}, headers={"retry-after": "1"})
+            self._answer(answer)
+
+        def _answer(self, answer: httpx.Response) -> None:
+            self.send_response(answer.status_code)
+            for name in ("content-type", "retry-after"):
+                if name in answer.headers:
+                    self.send_header(name, answer.headers[name])
+            self.send_header("content-length", str(len(answer.content)))
+            self.end_headers()
+            self.wfile.write(answer.content)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_key_check_passes_a_busy_server_that_accepted_the_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The server checks the key before its queue: a 429 from a server busy with another job
+    has accepted the key. The check retried it three times and failed the command's start."""
+    from trainer_client.client import probe_each
+
+    monkeypatch.delenv("SDE2_API_KEY", raising=False)
+    keyed = ServerProcess(None, env={"SDE2_API_KEY": "probe-key"}).start()
+    try:
+        with busy_proxy(keyed.url) as busy:
+            start = time.monotonic()
+            assert len(probe_each(busy, api_key="probe-key")) == 1
+            assert time.monotonic() - start < 5  # one try, no waiting out the Retry-After
+            with pytest.raises(RewardRequestError, match=r"refused the API key"):
+                probe_each(busy, api_key="wrong-key")
+    finally:
+        keyed.stop()

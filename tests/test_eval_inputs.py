@@ -5,6 +5,7 @@ command before any scoring, and a refused request is one line carrying the serve
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, ClassVar
@@ -129,7 +130,8 @@ class FakeClient:
                 "reward service rejected the request to score", [Attempt(URL, 422, body)]
             )
         FakeClient.requests.append(items)
-        return SimpleNamespace(items=[ItemDiagnostics(0, None, False, False) for _ in items])
+        items_out = [ItemDiagnostics(0, None, False, False) for _ in items]
+        return SimpleNamespace(items=items_out, warnings=[])
 
 
 @pytest.fixture
@@ -377,3 +379,27 @@ def test_a_refused_completion_is_named_by_its_file_and_line(
         assert main(["--reward-url", server.url, "--completions", f"a={long_run}"]) == 2
         err = capsys.readouterr().err
         assert f"{long_run}: line 290: completion: at most 100 characters" in err, err
+
+
+def test_a_gold_warning_is_named_by_its_file_and_line_for_every_run(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A gold no answer matches ("####") is scored, with the server's warning: sde2-eval names
+    it by the file and line (it was the index in the 256-completion chunk sent, through the
+    client's log) and says it for each run (the client's log said a kind once)."""
+    from tests.client_fixtures import running_server
+
+    rows: list[object] = [dict(GOOD) for _ in range(300)]
+    rows[299] = {**GOOD, "answer": "####"}  # line 300
+    first = write_run(tmp_path / "first.jsonl", rows)
+    second = write_run(tmp_path / "second.jsonl", rows)
+    with running_server() as server, caplog.at_level(logging.WARNING):
+        argv = ["--reward-url", server.url, "--completions", f"a={first}"]
+        assert main([*argv, "--completions", f"b={second}"]) == 0
+    said = [r.getMessage() for r in caplog.records if "####" in r.getMessage()]
+    assert said == [
+        f"a: {first}: line 300: answer: the gold answer '####' is empty once canonicalized"
+        + said[0].split("canonicalized", 1)[1],
+        f"b: {second}: line 300: answer: the gold answer '####' is empty once canonicalized"
+        + said[1].split("canonicalized", 1)[1],
+    ], said

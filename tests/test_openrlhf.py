@@ -157,6 +157,19 @@ def test_openrlhf_empty_label_is_refused_not_scored(
     assert "OpenRLHF drops this sample's reward" in open_server.log()
 
 
+def test_openrlhf_a_label_no_answer_matches_is_scored_and_the_warning_logged(
+    open_server: ServerProcess, tokenizer: Any, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    """A label no answer matches ("####") is scored as SPEC §2 defines it; the server's warning
+    (naming ``labels.0``) reaches the trainer's log through the hook, not only the server's."""
+    monkeypatch.setenv("SDE2_URL", open_server.url)
+    executor = agent.SingleTurnAgentExecutor(remote_rm_url=str(HOOK))
+    with caplog.at_level(logging.WARNING, logger="trainer_client.client"):
+        [out] = rollout(executor, tokenizer, "####", COMPLETIONS[:1])
+    assert out["reward"] is not None
+    assert "the reward service warns: labels.0: the gold answer '####'" in caplog.text
+
+
 def test_openrlhf_server_killed_mid_run(tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Recorded behaviour: a dead server leaves OpenRLHF samples with reward None; OpenRLHF's
     batching then drops every reward of a batch whose first sample lost its own, and fails on a

@@ -50,8 +50,9 @@ def step_rows() -> list[dict[str, Any]]:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if g == 3:  # a response-schema template: the strategies come back as reasoning
                 message = {"role": "assistant", "reasoning_content": text, "content": ""}
+            answer = "####" if (p, g) == (2, 1) else gold  # a gold no answer matches: warned
             rows.append(
-                {"prompt": prompt, "completion": [message], "text": text, "answer": gold,
+                {"prompt": prompt, "completion": [message], "text": text, "answer": answer,
                  "ids": list(range(5 + 7 * g + p))}
             )  # fmt: skip
     return rows
@@ -111,7 +112,8 @@ def _worker(rank: int, url: str, store: str, out_dir: str) -> None:
                 log_extra=lambda k, v: extra[k].extend(v),
             )
         )
-        report = {"rewards": rewards, "metrics": metrics, "extra": extra}
+        warnings = fn.__self__.last_result.warnings  # type: ignore[attr-defined]
+        report = {"rewards": rewards, "metrics": metrics, "extra": extra, "warnings": warnings}
         Path(out_dir, f"{rank}.json").write_text(json.dumps(report))
 
 
@@ -154,6 +156,9 @@ def test_two_processes_get_the_whole_step_rewards(
     columns = [c for report in reports for c in report["extra"]["sde2/correct"]]
     assert columns == [it.correct for it in whole.items]
     assert sum(it.n_strat for it in whole.items[3::4]) > 0  # reasoning_content was scored
+    # The step's warnings name the item in the step on every process (rank 1's are shifted).
+    assert [w.split(":")[0] for w in whole.warnings] == ["items.9.answer"]
+    assert reports[0]["warnings"] == reports[1]["warnings"] == whole.warnings
 
 
 def _failing_worker(rank: int, urls: list[str], store: str, out_dir: str, case: str) -> None:

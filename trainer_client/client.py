@@ -466,7 +466,7 @@ def _answer(body: Mapping[str, Any], first: int = 0) -> Callable[[Any, str], Sco
     def read(data: Any, served_by: str) -> ScoreResult:
         try:
             result = ScoreResult.from_json(data, served_by=served_by, first=first)
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
             raise ValueError(f"not a scoring answer ({type(exc).__name__}: {exc})") from None
         if len(result) != len(body["items"]):
             raise ValueError(f"{len(result)} results for {len(body['items'])} items")
@@ -514,18 +514,25 @@ class _Base:
             self._headers["authorization"] = f"Bearer {api_key}"
         self._turns = 0
         self._turns_lock = threading.Lock()
+        #: Whether the server's warnings are logged (each kind once); off for a caller that
+        #: reports them itself (sde2-eval names each run file's line).
+        self.logs_warnings = True
         self._warned: set[str] = set()
 
     def _told(self, result: ScoreResult) -> ScoreResult:
-        """``result``, its warnings logged, each kind once by this client: a training run with
-        a wrong answer column would log one a step otherwise (``result.warnings`` has them
-        all)."""
-        for warning in result.warnings:
+        """``result``, its warnings logged (:meth:`log_warnings`)."""
+        self.log_warnings(result.warnings)
+        return result
+
+    def log_warnings(self, warnings: Sequence[str]) -> None:
+        """Log the server's ``warnings``, each kind once by this client (a training run with a
+        wrong answer column would log one a step otherwise), unless :attr:`logs_warnings` is
+        off."""
+        for warning in warnings if self.logs_warnings else ():
             kind = warning.split(": ", 1)[-1]
             if kind not in self._warned and len(self._warned) < _MAX_WARNED:
                 self._warned.add(kind)
                 log.warning("the reward service warns: %s", warning)
-        return result
 
     @property
     def has_key(self) -> bool:
@@ -601,9 +608,12 @@ class RewardClient(_Base):
         what: str = "",
         retry: RetryPolicy | None = None,
     ) -> Any:
-        """One JSON request with retries and replica failover; returns the decoded body.
+        """One JSON request with retries and replica failover; returns the decoded body (the
+        server's warnings logged: OpenRLHF's /get_reward names a label no answer matches).
         ``retry`` replaces the client's policy for this request."""
-        return self._exchange(method, path, body, replica=replica, what=what, retry=retry).data
+        done = self._exchange(method, path, body, replica=replica, what=what, retry=retry)
+        self.log_warnings(done.warnings)
+        return done.data
 
     def _exchange(
         self,
@@ -776,9 +786,10 @@ class AsyncRewardClient(_Base):
         what: str = "",
         retry: RetryPolicy | None = None,
     ) -> Any:
-        """One JSON request with retries and replica failover; returns the decoded body.
-        ``retry`` replaces the client's policy for this request."""
+        """One JSON request with retries and replica failover; returns the decoded body (the
+        server's warnings logged). ``retry`` replaces the client's policy for this request."""
         done = await self._exchange(method, path, body, replica=replica, what=what, retry=retry)
+        self.log_warnings(done.warnings)
         return done.data
 
     async def _exchange(
@@ -897,14 +908,21 @@ def probe_each(urls: str | Sequence[str], api_key: str | None = None) -> list[di
 _KEY_CHECK = {"items": [{"completion": "", "answer": "0"}], "normalize": False}
 
 
+#: The key check's policy: one try (only its answer's status matters).
+_ONE_TRY = RetryPolicy(max_attempts=1)
+
+
 def check_key(client: RewardClient) -> None:
-    """One scoring request to ``client``'s first replica with its key; a refusal (401) is a
-    :class:`RewardRequestError` saying what to set: ``SDE2_API_KEY``, missing or wrong."""
+    """One scoring request to ``client``'s first replica with its key, tried once; a refusal
+    (401) is a :class:`RewardRequestError` saying what to set: ``SDE2_API_KEY``, missing or
+    wrong. Any other answer passes: the server checks the key before anything else (before its
+    readiness and its queue), so a 429 from a server busy with another job, or a 503, has
+    accepted the key (retried, they failed the start next to a busy server)."""
     try:
-        client.request("POST", SCORE_PATH, _KEY_CHECK, what="check the API key")
-    except RewardRequestError as exc:
-        if exc.status != 401:
-            raise
+        client.request("POST", SCORE_PATH, _KEY_CHECK, what="check the API key", retry=_ONE_TRY)
+    except RewardServiceError as exc:
+        if not (isinstance(exc, RewardRequestError) and exc.status == 401):
+            return
         url = client.urls[0]
         problem = (
             "refused the API key this client sends"

@@ -348,8 +348,20 @@ def score_run(client: RewardClient, run: Run, recipe: str, interval: str = "norm
             ) from None
         except RewardRequestError as exc:
             raise located(exc, run, start) from None
+        for warning in result.warnings:  # a gold no answer matches ("####"): its file line
+            log.warning("%s: %s", run.method, located_warning(warning, run, start))
         items_out.extend(result.items)
     return summarize(run.method, items_out, run.completions, run.num_tokens, interval)
+
+
+def located_warning(warning: str, run: Run, start: int) -> str:
+    """A scoring answer's ``warning`` about completion ``start + N`` of ``run`` (``items.N.…``)
+    named by its file and line, as :func:`located` names refusals."""
+    loc, _, message = warning.partition(": ")
+    parts = loc.split(".")
+    if len(parts) < 3 or parts[0] != "items" or not parts[1].isdigit():
+        return warning
+    return f"{run.where(start + int(parts[1]))}: {'.'.join(parts[2:])}: {message}"
 
 
 def located(exc: RewardRequestError, run: Run, start: int) -> RewardRequestError:
@@ -527,6 +539,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         with RewardClient(args.reward_url, retry=retry) as client:
+            client.logs_warnings = False  # score_run names each one's file and line
             rows = [score_run(client, r, args.recipe, args.ci) for r in runs]
     except (RewardServiceError, RunFileError, KeyboardInterrupt) as exc:  # with the reason
         stopped = isinstance(exc, KeyboardInterrupt)  # Ctrl-C while the retries wait

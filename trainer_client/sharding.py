@@ -195,5 +195,18 @@ def merge(
         params=first.params,
         encoder=first.encoder,
         served_by=[u for s in shards for u in s.served_by],
-        warnings=[w for s in shards for w in s.warnings],
+        warnings=once_each([w for s in shards for w in s.warnings]),
     )
+
+
+def once_each(warnings: Sequence[str]) -> list[str]:
+    """``warnings`` of several shards, each kind once (the first): a server warns once about a
+    gold, at its first item, so a batch split over replicas was warned once per shard.
+
+    >>> once_each(["items.0.answer: bad '#'", "items.5.answer: bad '#'", "items.6.answer: x"])
+    ["items.0.answer: bad '#'", 'items.6.answer: x']
+    """
+    first: dict[str, str] = {}
+    for warning in warnings:
+        first.setdefault(warning.split(": ", 1)[-1], warning)
+    return list(first.values())

@@ -24,18 +24,25 @@ forms its group advantages from them.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import logging
 import sys
 import weakref
 from collections.abc import Callable, Mapping, Sequence
+from itertools import accumulate
 from types import MethodType
 from typing import Any
 
 from reward_server.core import ANSWER_TYPES, RECIPES, RewardParams
 from reward_server.core.answers import gold_text
-from trainer_client.client import DEFAULT_TIMEOUT, AsyncRewardClient, normalize_urls
+from trainer_client.client import (
+    DEFAULT_TIMEOUT,
+    AsyncRewardClient,
+    normalize_urls,
+    shifted_warnings,
+)
 from trainer_client.results import ScoreResult
 from trainer_client.retry import RetryPolicy, RewardServiceError
 from trainer_client.sharding import check_weights, merge
@@ -381,6 +388,12 @@ class SDE2Reward:
             )
         _uniform([t for _, _, t, _, _ in gathered], "answer_type across processes", "")
         shards = [shard for shard, *_ in gathered]
+        starts = [0, *accumulate(map(len, shards))]
+        # Each rank's warnings name its items from 0: named in the step, as its rewards are.
+        shards = [
+            dataclasses.replace(shard, warnings=shifted_warnings(shard.warnings, start))
+            for shard, start in zip(shards, starts, strict=False)
+        ]
         all_groups = [g for _, gs, *_ in gathered for g in gs]
         step = merge(shards, normalize=self.normalize, groups=all_groups)
         offset = sum(len(shard) for shard in shards[: _rank()])
