@@ -101,6 +101,24 @@ def test_timing_headers(client: Any) -> None:
     assert total >= times["parse"] + times["reward"]
 
 
+def test_an_unknown_field_is_one_kind_of_issue_at_every_level(client: Any) -> None:
+    """An item's unknown field was ``unexpected_keyword_argument`` (items are a validating
+    dataclass), the body's and the params' ``extra_forbidden``: one machine-readable type now,
+    and the issue's ``field`` is declared in the OpenAPI document as it is sent."""
+    item = {"completion": "a", "answer": "1", "answr": "2"}
+    body = {"items": [item], "params": {"eps2": 1}, "surprise": 1}
+    r = client.post("/v1/score", json=body)
+    assert r.status_code == 422
+    got = {(d["field"], d["type"], d["msg"]) for d in r.json()["detail"]}
+    unknown = "Extra inputs are not permitted"
+    assert {
+        ("items.0.answr", "extra_forbidden", unknown),
+        ("surprise", "extra_forbidden", unknown),
+    } <= got
+    issue = client.get("/openapi.json").json()["components"]["schemas"]["ValidationIssue"]
+    assert set(issue["properties"]) == set(r.json()["detail"][0]) == {"loc", "field", "msg", "type"}
+
+
 @pytest.mark.parametrize(
     ("body", "field"),
     [

@@ -120,11 +120,18 @@ def _mapped(loc_map: LocMap | None, loc: Loc) -> Loc:
 
 
 def issues_from_validation(exc: ValidationError, loc_map: LocMap | None = None) -> list[dict]:
-    """pydantic errors -> wire issues (without echoing the offending input back)."""
+    """pydantic errors -> wire issues (without echoing the offending input back). An unknown
+    field is ``extra_forbidden`` at every level: an item, a validating dataclass, reported it
+    as an unexpected keyword argument, which the wire has none of."""
     out = []
     for err in exc.errors(include_url=False, include_input=False)[:MAX_ISSUES]:
-        out.append(issue(_mapped(loc_map, tuple(err["loc"])), err["msg"], err["type"]))
+        kind, msg = _WIRE_KINDS.get(err["type"], (err["type"], err["msg"]))
+        out.append(issue(_mapped(loc_map, tuple(err["loc"])), msg, kind))
     return out
+
+
+#: pydantic error types the wire names otherwise: (type, message).
+_WIRE_KINDS = {"unexpected_keyword_argument": ("extra_forbidden", "Extra inputs are not permitted")}
 
 
 def text_over_limit(value: str | None, limit: int, nfkc: bool) -> str | None:

@@ -166,6 +166,7 @@ class ValidationIssue(BaseModel):
     """One validation problem, FastAPI-style."""
 
     loc: list[str | int] = Field(description="path of the offending field, e.g. items.3.answer")
+    field: str = Field(description="the path as one dotted string (items.3.answer; body: the body)")
     msg: str = Field(description="what is wrong")
     type: str = Field(description="machine-readable error type")
 
