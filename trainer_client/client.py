@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 
 from reward_server.core.params import RewardParams
-from trainer_client.results import ScoreResult
+from trainer_client.results import ScoreResult, warning_kind
 from trainer_client.retry import (
     PROBE_RETRY,
     RETRYABLE_STATUSES,
@@ -529,7 +529,7 @@ class _Base:
         wrong answer column would log one a step otherwise), unless :attr:`logs_warnings` is
         off."""
         for warning in warnings if self.logs_warnings else ():
-            kind = warning.split(": ", 1)[-1]
+            kind = warning_kind(warning)
             if kind not in self._warned and len(self._warned) < _MAX_WARNED:
                 self._warned.add(kind)
                 log.warning("the reward service warns: %s", warning)

@@ -14,6 +14,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+def warning_kind(warning: str) -> str:
+    """What a server's warning says, without the field it names: one kind of warning, told
+    once however many items or shards carry it.
+
+    >>> warning_kind("items.3.answer: the gold answer is empty")
+    'the gold answer is empty'
+    """
+    return warning.split(": ", 1)[-1]
+
+
 def finite(values: Iterable[Any], name: str, first: int = 0) -> list[float]:
     """``values`` as floats, each one finite: a NaN or an infinity (a server or proxy writing
     JSON ``NaN``/``Infinity``, which Python's ``json`` reads) would reach the trainer as a

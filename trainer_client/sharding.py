@@ -19,7 +19,7 @@ from reward_server.core import RECIPES
 from reward_server.core.normalization import aggregate
 from reward_server.core.params import RewardParams
 from reward_server.core.scoring import ScoreItem
-from trainer_client.results import ScoreResult
+from trainer_client.results import ScoreResult, warning_kind
 
 ItemLike = ScoreItem | Mapping[str, Any]
 
@@ -208,5 +208,5 @@ def once_each(warnings: Sequence[str]) -> list[str]:
     """
     first: dict[str, str] = {}
     for warning in warnings:
-        first.setdefault(warning.split(": ", 1)[-1], warning)
+        first.setdefault(warning_kind(warning), warning)
     return list(first.values())

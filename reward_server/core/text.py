@@ -81,7 +81,7 @@ def nfkc(text: str) -> str:
     if unicodedata.is_normalized("NFKC", text):  # the usual non-ASCII text: nothing to do
         return text
     runs = _flood_runs(text)
-    if runs is not None and runs.search(text):
+    if runs is not None:  # (a text without a run comes back as it was)
         text = runs.sub(_canonical_decomposition, text)
     return unicodedata.normalize("NFKC", text)
 
@@ -181,7 +181,7 @@ def _flood_runs(text: str) -> re.Pattern[str] | None:
 def _mark_runs() -> re.Pattern[str]:
     """Runs of two or more characters with a combining class (in decomposed text, the
     non-starters are exactly these)."""
-    codes = [code for code in range(0x80, _LAST_MARK) if unicodedata.combining(chr(code))]
+    codes = sorted(ord(char) for char in _non_starters() if unicodedata.combining(char))
     return re.compile(_class_of(codes) + "{2,}")
 
 

@@ -593,8 +593,7 @@ class ScoringService:
         if not scored.score.warnings:
             return scored
         warnings = tuple(
-            f"{'.'.join(map(str, _mapped(loc_map, w.loc)))}: {w.message}"
-            for w in scored.score.warnings
+            str(w._replace(loc=_mapped(loc_map, w.loc))) for w in scored.score.warnings
         )
         log.warning("scored with %d warning(s), the first: %s", len(warnings), warnings[0])
         return replace(scored, warnings=warnings)
