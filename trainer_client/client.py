@@ -285,7 +285,20 @@ def shifted_issues(body: Any, first: int) -> tuple[dict[str, Any], ...]:
 _MAX_WARNED = 1000
 #: The header a server names what it scored but would have the caller know with, one each.
 WARNING_HEADER = "x-sde2-warning"
-_WARNED_ITEM = re.compile(r"^items\.(\d+)\.")
+_WARNED_ITEM = re.compile(r"items\.(\d+)\.")
+
+
+def warned_item(warning: str) -> tuple[int, str] | None:
+    """The item a scoring answer's warning names, and what follows its index (``None`` for a
+    warning about no one item).
+
+    >>> warned_item("items.3.answer: the gold answer is empty")
+    (3, 'answer: the gold answer is empty')
+    >>> warned_item("and 2 more") is None
+    True
+    """
+    named = _WARNED_ITEM.match(warning)
+    return None if named is None else (int(named.group(1)), warning[named.end() :])
 
 
 def shifted_warnings(warnings: Sequence[str], first: int) -> list[str]:
@@ -295,10 +308,11 @@ def shifted_warnings(warnings: Sequence[str], first: int) -> list[str]:
     >>> shifted_warnings(["items.3.answer: the gold answer is empty; ...", "and 2 more"], 256)
     ['items.259.answer: the gold answer is empty; ...', 'and 2 more']
     """
-    if not first:
-        return list(warnings)
-    shift = lambda m: f"items.{first + int(m.group(1))}."  # noqa: E731
-    return [_WARNED_ITEM.sub(shift, w, count=1) for w in warnings]
+    out = []
+    for warning in warnings:
+        named = warned_item(warning) if first else None
+        out.append(warning if named is None else f"items.{first + named[0]}.{named[1]}")
+    return out
 
 
 def item_of_issue(loc: Any) -> int | None:

@@ -41,7 +41,13 @@ from reward_server.jsonl_files import (
     parse_json_line,
     write_output,
 )
-from trainer_client.client import ItemError, RewardClient, item_of_issue, probe_each
+from trainer_client.client import (
+    ItemError,
+    RewardClient,
+    item_of_issue,
+    probe_each,
+    warned_item,
+)
 from trainer_client.datasets import ANSWER_TYPES as ANSWER_TYPES_OF
 from trainer_client.datasets import (
     DATASETS,
@@ -357,11 +363,8 @@ def score_run(client: RewardClient, run: Run, recipe: str, interval: str = "norm
 def located_warning(warning: str, run: Run, start: int) -> str:
     """A scoring answer's ``warning`` about completion ``start + N`` of ``run`` (``items.N.…``)
     named by its file and line, as :func:`located` names refusals."""
-    loc, _, message = warning.partition(": ")
-    parts = loc.split(".")
-    if len(parts) < 3 or parts[0] != "items" or not parts[1].isdigit():
-        return warning
-    return f"{run.where(start + int(parts[1]))}: {'.'.join(parts[2:])}: {message}"
+    named = warned_item(warning)
+    return warning if named is None else f"{run.where(start + named[0])}: {named[1]}"
 
 
 def located(exc: RewardRequestError, run: Run, start: int) -> RewardRequestError:
