@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from reward_server.core.answers import _same, canonical_numeric, make_matcher, math_equivalent
 from reward_server.core.parsing import ParsedCompletion, Strategy
-from reward_server.core.scoring import ScoreItem, analyze_items
+from reward_server.core.scoring import ScoreItem, analyze_items, preprocessed_golds
 
 _NUMBER = st.one_of(
     st.integers(0, 10**6).map(str),
@@ -59,7 +59,10 @@ def test_batch_verdicts_are_the_matchers(
         ParsedCompletion(tuple(Strategy(f"r{j}", o) for j, o in enumerate(outcomes)), final)
         for _, outcomes, final in rows
     ]
-    analyses = analyze_items(items, parsed, "numeric", math_equivalent, needs_encoder, diagnostics)
+    golds = preprocessed_golds(items)
+    analyses = analyze_items(
+        items, parsed, golds, "numeric", math_equivalent, needs_encoder, diagnostics
+    )
     for item, p, analysis in zip(items, parsed, analyses, strict=True):
         matches = make_matcher("numeric", item.answer)
         chi = any(matches(s.outcome) for s in p.strategies)

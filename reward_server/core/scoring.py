@@ -205,19 +205,32 @@ def recipe_spec(recipe: str) -> RecipeSpec:
         ) from None
 
 
+_ANSWER = attrgetter("answer")
+
+
+def preprocessed_golds(items: Sequence[ScoreItem]) -> dict[str, str]:
+    """Each distinct gold answer of the batch, preprocessed (SPEC §1's text rules): what
+    :func:`analyze_items` matches against and :func:`gold_warnings` checks.
+
+    >>> preprocessed_golds([ScoreItem("x", "#### 4"), ScoreItem("y", "#### 4")])
+    {'#### 4': '#### 4'}
+    """
+    return {gold: preprocess(gold) for gold in dict.fromkeys(map(_ANSWER, items))}
+
+
 def analyze_items(
     items: Sequence[ScoreItem],
     parsed: Sequence[ParsedCompletion],
+    golds: dict[str, str],
     answer_type: AnswerType,
     math_judge: MathJudge,
     needs_encoder: bool,
     diagnostics: bool,
 ) -> list[ItemAnalysis]:
     """Match each parsed completion's answers against its item's gold and decide whether it
-    needs the encoder (``needs_encoder``: its recipe's)."""
+    needs the encoder (``needs_encoder``: its recipe's). ``golds``: the batch's
+    :func:`preprocessed_golds`."""
     strategies, finals = list(zip(*parsed, strict=True))
-    distinct = dict.fromkeys(it.answer for it in items)
-    golds = {gold: preprocess(gold) for gold in distinct}
     verdicts = None
     if answer_type == "numeric":  # every gold a whole number, the answers plain: compared as text
         verdicts = _verdicts_as_strings(items, golds, strategies, finals)
@@ -241,27 +254,27 @@ def analyze_items(
     return list(map(tuple.__new__, repeat(ItemAnalysis), columns))
 
 
-def gold_warnings(items: Sequence[ScoreItem], answer_type: AnswerType) -> tuple[BatchWarning, ...]:
+def gold_warnings(
+    items: Sequence[ScoreItem], golds: dict[str, str], answer_type: AnswerType
+) -> tuple[BatchWarning, ...]:
     """A :class:`BatchWarning` at the first item of each distinct gold answer no sensible
-    answer can match (:func:`~reward_server.core.answers.unmatchable_gold`).
+    answer can match (:func:`~reward_server.core.answers.unmatchable_gold`). ``golds``: the
+    batch's :func:`preprocessed_golds`.
 
     >>> items = [ScoreItem("x", "####"), ScoreItem("y", "4"), ScoreItem("z", "####")]
-    >>> [str(w) for w in gold_warnings(items, "numeric")]  # doctest: +ELLIPSIS
+    >>> [str(w) for w in gold_warnings(items, preprocessed_golds(items), "numeric")]
+    ... # doctest: +ELLIPSIS
     ["items.0.answer: the gold answer '####' is empty once canonicalized (SPEC §2)..."]
     """
-    answers = list(map(_ANSWER, items))
     found = []
-    for gold in dict.fromkeys(answers):
+    for gold, preprocessed in golds.items():
         if answer_type == "numeric" and gold.isascii() and gold.isdigit():
             continue  # a whole number: the usual gold (a step's golds cost 3 us)
-        problem = unmatchable_gold(answer_type, preprocess(gold))
+        problem = unmatchable_gold(answer_type, preprocessed)
         if problem is not None:
-            at = ("items", answers.index(gold), "answer")
+            at = ("items", list(map(_ANSWER, items)).index(gold), "answer")
             found.append(BatchWarning(at, f"{problem}; {_SCORED_ANYWAY[answer_type]}"))
     return tuple(sorted(found))
-
-
-_ANSWER = attrgetter("answer")
 
 
 #: What scoring such a gold as SPEC §2 defines means, by matcher.
@@ -333,7 +346,10 @@ def prepare_batch(
     groups = _groups(items)
     completions = [preprocess(it.completion) for it in items]
     parsed = parse_completions(completions, params.max_strategies)
-    analyses = analyze_items(items, parsed, answer_type, math_judge, needs_encoder, diagnostics)
+    golds = preprocessed_golds(items)
+    analyses = analyze_items(
+        items, parsed, golds, answer_type, math_judge, needs_encoder, diagnostics
+    )
     needing = [a.parsed.strategies for a in analyses if a.needs_geometry]
     counts = list(map(len, needing))
     rows: dict[str, int] = {}  # each distinct reasoning text to embed -> its row
@@ -342,7 +358,7 @@ def prepare_batch(
     # rows (gains_of_selections then reads their H as a view, with no gather).
     for k in sorted(range(len(needing)), key=counts.__getitem__):
         selections[k] = [rows.setdefault(s.reasoning, len(rows)) for s in needing[k]]
-    warnings = gold_warnings(items, answer_type)
+    warnings = gold_warnings(items, golds, answer_type)
     return PreparedBatch(
         recipe, answer_type, params, analyses, groups, list(rows), selections, warnings
     )
