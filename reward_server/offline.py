@@ -57,6 +57,7 @@ from reward_server.jsonl_files import (
 )
 from reward_server.math_judge import IsolatedMathJudge
 from reward_server.service.config import MAX_SECONDS
+from reward_server.service.errors import wire_kind
 
 #: Texts per encoder call: small enough for a live progress bar, large enough to batch well.
 CHUNK = 256
@@ -72,7 +73,8 @@ def item_error(path: Path, number: int, exc: ValidationError) -> InputError:
         got = json_type(first.get("input"))
         return InputError(f"{path}: line {number}: expected a JSON object, got {got}")
     where = ".".join(str(p) for p in first["loc"])
-    return InputError(f"{path}: line {number}: {where}: {first['msg']}")
+    _, msg = wire_kind(first["type"], first["msg"])
+    return InputError(f"{path}: line {number}: {where}: {msg}")
 
 
 def read_items(path: Path) -> Iterator[tuple[int, ScoreItem]]:

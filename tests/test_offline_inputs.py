@@ -82,6 +82,18 @@ def test_an_item_index_error_is_reported_as_the_files_line(
     assert f"{src}: line 3: group:" in capsys.readouterr().err
 
 
+def test_an_unknown_field_is_named_in_the_servers_words(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A misspelt field is refused with the message the server sends for it ("Unexpected
+    keyword argument" before: an item is a validating dataclass)."""
+    src = write_lines(tmp_path / "in.jsonl", [json.dumps(GOOD), json.dumps({**GOOD, "answr": 4})])
+    assert main(score_argv(src, "-")) == 2
+    assert f"{src}: line 2: answr: Extra inputs are not permitted" in capsys.readouterr().err
+    assert main(["explain", "--in", str(src), "--quiet"]) == 2
+    assert f"{src}: line 2: answr: Extra inputs are not permitted" in capsys.readouterr().err
+
+
 def test_a_gold_no_answer_can_match_is_scored_with_a_warning_naming_its_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

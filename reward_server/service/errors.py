@@ -34,6 +34,23 @@ def issue(loc: Loc, msg: str, kind: str) -> dict[str, Any]:
     return {"loc": list(loc), "field": field, "msg": msg, "type": kind}
 
 
+def wire_kind(kind: str, msg: str) -> tuple[str, str]:
+    """A validation error's type and message as every wire and the offline commands name them.
+    An unknown field is ``extra_forbidden`` at every level: an item, a validating dataclass,
+    reports it as an unexpected keyword argument, which the wire has none of.
+
+    >>> wire_kind("unexpected_keyword_argument", "Unexpected keyword argument")
+    ('extra_forbidden', 'Extra inputs are not permitted')
+    >>> wire_kind("string_type", "Input should be a valid string")
+    ('string_type', 'Input should be a valid string')
+    """
+    return _WIRE_KINDS.get(kind, (kind, msg))
+
+
+#: pydantic error types the wire names otherwise: (type, message).
+_WIRE_KINDS = {"unexpected_keyword_argument": ("extra_forbidden", "Extra inputs are not permitted")}
+
+
 class ServiceError(Exception):
     """A request the service cannot answer with a result (subclasses set the class fields)."""
 

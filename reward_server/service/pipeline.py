@@ -72,6 +72,7 @@ from reward_server.service.errors import (
     ShuttingDown,
     Unauthorized,
     issue,
+    wire_kind,
 )
 from reward_server.service.metrics import Metrics
 from reward_server.service.schemas import ScoreRequest
@@ -120,18 +121,13 @@ def _mapped(loc_map: LocMap | None, loc: Loc) -> Loc:
 
 
 def issues_from_validation(exc: ValidationError, loc_map: LocMap | None = None) -> list[dict]:
-    """pydantic errors -> wire issues (without echoing the offending input back). An unknown
-    field is ``extra_forbidden`` at every level: an item, a validating dataclass, reported it
-    as an unexpected keyword argument, which the wire has none of."""
+    """pydantic errors -> wire issues (without echoing the offending input back), each named
+    by :func:`wire_kind`."""
     out = []
     for err in exc.errors(include_url=False, include_input=False)[:MAX_ISSUES]:
-        kind, msg = _WIRE_KINDS.get(err["type"], (err["type"], err["msg"]))
+        kind, msg = wire_kind(err["type"], err["msg"])
         out.append(issue(_mapped(loc_map, tuple(err["loc"])), msg, kind))
     return out
-
-
-#: pydantic error types the wire names otherwise: (type, message).
-_WIRE_KINDS = {"unexpected_keyword_argument": ("extra_forbidden", "Extra inputs are not permitted")}
 
 
 def text_over_limit(value: str | None, limit: int, nfkc: bool) -> str | None:
