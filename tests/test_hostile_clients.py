@@ -133,9 +133,14 @@ def test_slow_headers_and_silent_connections_are_dropped(server: ServerProcess) 
         assert closed_after < 1.5 + 1.5
         assert closed_or_answered(silent, within=2.0) is not None, "an idle connection stayed"
     assert httpx.get(server.url + "/healthz", timeout=5).status_code == 200
+    assert failure_count(server, "header_timeout") >= 2
+
+
+def failure_count(server: ServerProcess, reason: str) -> float:
+    """``sde2_failures_total`` under ``reason`` (0 before the first)."""
     metrics = httpx.get(server.url + "/metrics", timeout=5).text
-    found = re.search(r'^sde2_failures_total\{reason="header_timeout"\} (\S+)$', metrics, re.M)
-    assert found is not None and float(found.group(1)) >= 2
+    found = re.search(rf'^sde2_failures_total\{{reason="{reason}"\}} (\S+)$', metrics, re.M)
+    return 0.0 if found is None else float(found.group(1))
 
 
 def request_bytes(body: bytes, extra_headers: bytes = b"") -> bytes:
@@ -168,7 +173,9 @@ def read_responses(sock: socket.socket, n: int, within: float = 10.0) -> list[in
 
 def test_request_heads_over_the_limit_get_431_whole_or_in_pieces(server: ServerProcess) -> None:
     """--max-header-bytes (32 KiB): a head just under it is served, one over it is refused
-    with 431 whether it arrives in one write or line by line."""
+    with 431 whether it arrives in one write or line by line, and counted (it never reaches
+    the app, which counts the rest)."""
+    before = failure_count(server, "head_too_large")
     body = orjson_dumps(VALID)
     under = b"x-pad: " + b"a" * (30 * 1024) + b"\r\n"
     with sockets(1, server) as (sock,):
@@ -185,6 +192,21 @@ def test_request_heads_over_the_limit_get_431_whole_or_in_pieces(server: ServerP
         for sock in (whole, pieces):
             got = closed_or_answered(sock, within=3.0)
             assert got is not None and got.startswith(b"HTTP/1.1 431 "), got
+    assert failure_count(server, "head_too_large") == before + 2
+
+
+def test_a_malformed_request_head_is_400_and_counted(server: ServerProcess) -> None:
+    """A head the parser cannot read is answered 400 below the app, and counted as
+    ``bad_request`` (it changed no counter)."""
+    before = failure_count(server, "bad_request")
+    with sockets(2, server) as socks:
+        socks[0].sendall(b"POST /v1/score HTTP/1.1\r\nhost x\r\n\r\n")  # a line without ":"
+        socks[1].sendall(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + b"\0" * 64)  # TLS
+        for sock in socks:
+            got = closed_or_answered(sock, within=3.0)
+            assert got is not None and got.startswith(b"HTTP/1.1 400 "), got
+    assert failure_count(server, "bad_request") == before + 2
+    assert httpx.post(server.url + "/v1/score", json=VALID, timeout=30).status_code == 200
 
 
 def test_kept_alive_connections_outlive_the_header_timeout_between_requests(

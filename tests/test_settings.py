@@ -86,6 +86,7 @@ def test_public_is_what_v1_info_reports_of_the_settings() -> None:
         "max_header_bytes": service.settings.max_header_bytes,
         "header_timeout_s": 3.5,
         "body_timeout_s": service.settings.body_timeout,
+        "keep_alive_timeout_s": service.settings.keep_alive_timeout,
         "request_timeout_s": service.settings.request_timeout,
         "queue_capacity": service.settings.queue_capacity,
         "batch_tokens": service.settings.batch_tokens,

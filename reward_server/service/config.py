@@ -154,7 +154,11 @@ class Settings:
         },
     )
     keep_alive_timeout: int = field(
-        default=5, metadata={"help": "seconds an idle keep-alive connection is kept open"}
+        default=5,
+        metadata={
+            "info": "keep_alive_timeout_s",
+            "help": "seconds an idle keep-alive connection is kept open",
+        },
     )
     request_timeout: float = field(
         default=120.0,

@@ -14,7 +14,7 @@ client sending one header byte a second, or nothing at all, holds its connection
   request line and headers instead. So at most the limit plus one socket read is ever held.
 - **time**: from the moment a connection opens, or the first byte of the next request on a
   kept-alive one arrives, the whole head must arrive within ``--header-timeout`` seconds, else
-  the connection is closed and counted. (A proxy with ``client_header_timeout``, such as nginx,
+  the connection is closed. (A proxy with ``client_header_timeout``, such as nginx,
   does the same in front.)
 
 The body has its own deadline in the app (``--body-timeout``, see ``http_scoring``), where a 408
@@ -24,6 +24,9 @@ stops reading is dropped with its connection once ``--body-timeout`` (``send_tim
 passes with none of it taken: the send buffer held it whole, outside every admission bound.
 (h11, uvicorn's other protocol, bounds the head itself, but costs 0.1-0.2 ms more a scoring
 request: benchmarks/README.md.)
+
+What is refused here never reaches the app, so it is counted here, by ``on_refusal`` with one
+of :data:`REFUSALS` (``sde2_failures_total``'s reason): no route is known yet to count it under.
 """
 
 from __future__ import annotations
@@ -48,6 +51,16 @@ _HEADER_LINE_EXTRA = len(": \r\n")
 _HEAD_END = len("\r\n")
 
 
+#: The failure reasons of this layer: a head over ``--max-header-bytes`` (431), a head the
+#: parser cannot read (uvicorn's 400), a head not all received within ``--header-timeout``
+#: (the connection closed, no answer).
+HEAD_TOO_LARGE, BAD_REQUEST, HEADER_TIMEOUT = REFUSALS = (
+    "head_too_large",
+    "bad_request",
+    "header_timeout",
+)
+
+
 class _BoundedHttpToolsProtocol(HttpToolsProtocol):
     """:class:`HttpToolsProtocol` that refuses oversized request heads and closes connections
     whose head is late."""
@@ -55,7 +68,7 @@ class _BoundedHttpToolsProtocol(HttpToolsProtocol):
     header_timeout: float = 10.0
     max_header_bytes: int = 32 * 1024
     send_timeout: float = 15.0
-    on_timeout: Callable[[], None] | None = None
+    on_refusal: Callable[[str], None] | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -153,10 +166,16 @@ class _BoundedHttpToolsProtocol(HttpToolsProtocol):
         if self._head_too_large:
             self._refuse_head()
         else:
+            self._count(BAD_REQUEST)
             super().send_400_response(msg)
+
+    def _count(self, reason: str) -> None:
+        if self.on_refusal is not None:
+            self.on_refusal(reason)
 
     def _refuse_head(self) -> None:
         self._disarm_head_timer()
+        self._count(HEAD_TOO_LARGE)
         msg = f"request line and headers larger than {self.max_header_bytes} bytes".encode()
         self.transport.write(
             b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
@@ -180,8 +199,7 @@ class _BoundedHttpToolsProtocol(HttpToolsProtocol):
         log.debug(
             "closing %s: no complete request head in %.1f s", self.client, self.header_timeout
         )
-        if self.on_timeout is not None:
-            self.on_timeout()
+        self._count(HEADER_TIMEOUT)
         self.transport.close()
 
 
@@ -195,7 +213,7 @@ def _cancelled(timer: asyncio.TimerHandle | None) -> asyncio.TimerHandle | None:
 def bounded_http_protocol(
     header_timeout: float,
     max_header_bytes: int,
-    on_timeout: Callable[[], None] | None = None,
+    on_refusal: Callable[[str], None] | None = None,
     *,
     send_timeout: float = 15.0,
 ) -> type[HttpToolsProtocol]:
@@ -207,6 +225,6 @@ def bounded_http_protocol(
             "header_timeout": header_timeout,
             "max_header_bytes": max_header_bytes,
             "send_timeout": send_timeout,
-            "on_timeout": staticmethod(on_timeout) if on_timeout is not None else None,
+            "on_refusal": staticmethod(on_refusal) if on_refusal is not None else None,
         },
     )

@@ -172,7 +172,7 @@ def _http_server(settings: Settings, service: ScoringService) -> uvicorn.Server:
         http=bounded_http_protocol(
             settings.header_timeout,
             settings.max_header_bytes,
-            on_timeout=service.metrics.failures.labels("header_timeout").inc,
+            on_refusal=lambda reason: service.metrics.failures.labels(reason).inc(),
             send_timeout=settings.body_timeout,
         ),
         timeout_keep_alive=settings.keep_alive_timeout,
