@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import re
+import string
 import threading
 import time
 from collections.abc import Sequence
@@ -16,6 +18,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from reward_server.service.batcher import (
     Batcher,
@@ -31,6 +35,16 @@ from reward_server.service.metrics import Metrics
 from reward_server.service.pipeline import ScoringService
 from tests.doubles import HashEncoder
 from tests.service_fixtures import SlowEncoder, http_client, make_service, make_settings
+
+
+@given(st.text(alphabet=st.sampled_from(" a!.,中é\u0301😀\n" + string.punctuation), max_size=400))
+def test_the_token_estimate_counts_what_its_docstring_says(text: str) -> None:
+    """Words, ASCII punctuation and half the non-ASCII characters, or a quarter of the length,
+    capped at the model's limit: counted here character by character."""
+    punctuation = sum(c in string.punctuation for c in text)
+    non_ascii = sum(not c.isascii() for c in text)
+    pieces = text.count(" ") + 1 + punctuation + non_ascii // 2
+    assert estimate_tokens(text) == min(256, 2 + max(math.ceil(len(text) / 4), pieces))
 
 
 class DepthWatch(Metrics):

@@ -66,8 +66,10 @@ CHARS_PER_TOKEN = 4
 CHUNK_TOKENS_PER_STREAM = 4096
 
 
-#: Deletes ASCII punctuation (``str.translate``): what is gone was that many WordPiece tokens.
-_NO_PUNCTUATION = str.maketrans("", "", string.punctuation)
+#: ASCII punctuation, deleted by ``bytes.translate``: what is gone was that many WordPiece
+#: tokens. (``str.translate`` with a deletion map looks every character up in a dict: 3-4x
+#: slower, and a standard step's texts were estimated three times a request: 2 ms.)
+_PUNCTUATION = string.punctuation.encode("ascii")
 
 
 def estimate_tokens(text: str) -> int:
@@ -84,8 +86,8 @@ def estimate_tokens(text: str) -> int:
     >>> estimate_tokens("a" * 40), estimate_tokens("!" * 254), estimate_tokens("中文" * 50)
     (12, 256, 53)
     """
-    ascii_part = text if text.isascii() else text.encode("ascii", "ignore").decode("ascii")
-    punctuation = len(ascii_part) - len(ascii_part.translate(_NO_PUNCTUATION))
+    ascii_part = text.encode("ascii", "ignore")
+    punctuation = len(ascii_part) - len(ascii_part.translate(None, _PUNCTUATION))
     pieces = text.count(" ") + 1 + punctuation + (len(text) - len(ascii_part)) // 2
     return min(MAX_SEQ_LENGTH, 2 + max(math.ceil(len(text) / CHARS_PER_TOKEN), pieces))
 
@@ -126,6 +128,9 @@ class JobFuture(Future[EncodeResult]):
 @dataclass
 class _Job:
     texts: list[str]
+    #: :func:`estimate_tokens` of each text, once: admission, chunking and the throughput
+    #: estimate all read them.
+    estimates: list[int]
     tokens: int
     deadline: float
     submitted: float
@@ -271,9 +276,8 @@ class Batcher:
         encoded by then (checked before each chunk); abandoning it (the caller gave up) makes
         the worker skip the job, or stop encoding for it at the next chunk.
         """
-        job = _Job(
-            list(texts), sum(map(estimate_tokens, texts)), deadline, submitted=time.monotonic()
-        )
+        estimates = list(map(estimate_tokens, texts))
+        job = _Job(list(texts), estimates, sum(estimates), deadline, submitted=time.monotonic())
         with self._cond:
             if self._stopped:
                 raise ShuttingDown("the encoder worker has stopped")
@@ -375,11 +379,14 @@ class Batcher:
         failed = 0
         done: dict[str, npt.NDArray[np.float32]] = {}
         tokens = 0
+        estimates: dict[str, int] = {}
+        for job in live:
+            estimates.update(zip(job.texts, job.estimates, strict=True))
         # Longest first, as the encoder plans its runs: chunks of similar lengths pad little.
-        todo = sorted(dict.fromkeys(t for job in live for t in job.texts), key=len, reverse=True)
+        todo = sorted(estimates, key=len, reverse=True)
         pos = 0
         while pos < len(todo) and live:
-            chunk = self._next_chunk(todo, pos)
+            chunk = self._next_chunk(todo, pos, estimates)
             pos += len(chunk)
             try:
                 embeddings = np.asarray(self.encoder.encode(chunk), dtype=np.float32)
@@ -392,7 +399,7 @@ class Batcher:
                 failed, live = len(live), []  # reported below: the jobs dropped before count
                 break
             done.update(zip(chunk, embeddings, strict=True))
-            tokens += sum(estimate_tokens(t) for t in chunk)
+            tokens += sum(map(estimates.__getitem__, chunk))
             now = time.monotonic()
             gone = [j for j in live if j.gone(now)]
             for job in gone:
@@ -431,12 +438,13 @@ class Batcher:
         except Exception:  # metrics must never break serving
             log.exception("batch observer failed")
 
-    def _next_chunk(self, todo: list[str], pos: int) -> list[str]:
-        """The texts of ``todo`` from ``pos`` on that fit ``chunk_tokens`` (at least one)."""
+    def _next_chunk(self, todo: list[str], pos: int, estimates: dict[str, int]) -> list[str]:
+        """The texts of ``todo`` from ``pos`` on that fit ``chunk_tokens`` (at least one), by
+        their ``estimates``."""
         budget = self.chunk_tokens
         end = pos
         while end < len(todo):
-            budget -= estimate_tokens(todo[end])
+            budget -= estimates[todo[end]]
             if budget < 0 and end > pos:
                 break
             end += 1

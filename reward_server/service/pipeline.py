@@ -584,7 +584,7 @@ class ScoringService:
             if request.answer_type == "math":  # the others' was checked in their preparing trip
                 self.check_encoder_budget(prepared.texts, loc_map)
             scored = await self._score_prepared(
-                batcher, request, prepared, cached, t0, deadline, explain, gone
+                batcher, request, prepared, cached, t0, deadline, explain, inline, gone
             )
         if not scored.score.warnings:
             return scored
@@ -603,18 +603,21 @@ class ScoringService:
         t0: float,
         deadline: float,
         explain: bool,
+        inline: bool,
         gone: Callable[[], Awaitable[object]] | None = None,
     ) -> Scored:
         """Encode, reward (and explain) an admitted, prepared request; time every phase. A
         request rewarded in its preparing trip (``cached``: every embedding was cached) has
-        the same answer and phases, without the encoder's queue."""
+        the same answer and phases, without the encoder's queue. ``inline``: a small body,
+        prepared on the event loop, is rewarded there too (:meth:`_parse_and_prepare` says
+        why)."""
         if cached is None:
             t1 = time.monotonic()
             embeddings, queue_s, encode_s = await self._embed(
                 batcher, prepared.texts, deadline, gone
             )
             t2 = time.monotonic()
-            score = await self._reward(request, prepared, embeddings)
+            score = await self._reward(request, prepared, embeddings, inline)
             t3 = time.monotonic()
         else:
             t1, t2, t3 = cached.prepared, cached.embedded, cached.rewarded
@@ -775,13 +778,13 @@ class ScoringService:
         return result.embeddings, result.queue_seconds, result.encode_seconds
 
     async def _reward(
-        self, request: ScoreRequest, prepared: PreparedBatch, embeddings: np.ndarray
+        self, request: ScoreRequest, prepared: PreparedBatch, embeddings: np.ndarray, inline: bool
     ) -> BatchScore:
-        """The rewards (a non-finite one is refused naming its parameter, never returned)."""
+        """The rewards (a non-finite one is refused naming its parameter, never returned), on
+        the event loop when ``inline``, else in the CPU pool."""
+        reward = partial(finish_batch, prepared, embeddings, normalize=request.normalize)
         try:
-            return await self._in_pool(
-                partial(finish_batch, prepared, embeddings, normalize=request.normalize)
-            )
+            return reward() if inline else await self._in_pool(reward)
         except NonFiniteRewardError as exc:
             raise _refused(exc) from None
 
