@@ -6,7 +6,9 @@ changes gain, so a before/after must come from one run with the two trees interl
 - (D): one worker process per tree (its own ``PYTHONPATH``), driven in lockstep, step by step:
   ``prepare_batch`` → table → ``finish_batch`` of the same standard step, timed in the worker;
 - (E): the standard app of each tree served with the same zero-cost table
-  (``benchmarks/table_server.py`` of that tree), requests alternating between the two.
+  (``benchmarks/table_server.py`` of that tree), requests alternating between the two; with
+  ``--worker-path``, the table does not answer the service's ``peek`` in either tree, so every
+  request goes through the batcher's worker, as a step the cache does not hold.
 
 Both trees must give the same rewards for every step, to within :data:`TOLERANCE` (a change
 may round differently, never more): the largest difference is printed, 0 when they agree bit
@@ -16,6 +18,7 @@ cosines (the ``Uniq`` walk runs for the items with a pair closer than the thresh
 
     python benchmarks/ab_trees.py --base ../other-checkout [--steps 300]
     python benchmarks/ab_trees.py --base ../other-checkout --shape "reasoning with line breaks"
+    python benchmarks/ab_trees.py --base ../other-checkout --worker-path
 
 The steps are made here, by this tree's ``benchmarks/workload.py`` (``--shape``: the standard
 steps reshaped as real output is, :data:`~benchmarks.workload.SHAPES`), and handed to both
@@ -127,6 +130,14 @@ def compare_in_process(
     return times
 
 
+#: A tree's table server whose table answers ``encode`` only (``peek`` says "not cached"): set
+#: here rather than by its ``--worker-path`` flag, which an older base does not have.
+_WORKER_PATH_SERVER = (
+    "import sys; from benchmarks import table_server as t; "
+    "t.TableEncoder.peek = lambda self, texts: None; sys.exit(t.main(sys.argv[1:]))"
+)
+
+
 def compare_http(
     trees: Sequence[Path],
     steps: int,
@@ -134,9 +145,11 @@ def compare_http(
     table: Path,
     port: int,
     largest: list[float],
+    worker_path: bool = False,
 ) -> tuple[dict[Path, list[float]], dict[Path, list[float]]]:
-    """(E) per tree through its standard app with the same table, alternating requests: the
-    client's milliseconds and the server's own (``x-total-time``)."""
+    """(E) per tree through its standard app with the same table, alternating requests (each
+    tree first in every other round): the client's milliseconds and the server's own
+    (``x-total-time``). ``worker_path``: through the batcher's worker."""
     import httpx
 
     from benchmarks.bench_score import _wait_ready
@@ -147,8 +160,12 @@ def compare_http(
     servers = []
     try:
         for k, tree in enumerate(trees):
-            script = str(tree / "benchmarks" / "table_server.py")
-            server = _spawn(tree, script, "--table", str(table), "--port", str(port + k))
+            script = (
+                ["-c", _WORKER_PATH_SERVER]
+                if worker_path
+                else [str(tree / "benchmarks" / "table_server.py")]
+            )
+            server = _spawn(tree, *script, "--table", str(table), "--port", str(port + k))
             servers.append(server)
             _wait_ready(server, port + k, time.perf_counter())  # type: ignore[arg-type]
         clients = [
@@ -156,14 +173,15 @@ def compare_http(
             for k in range(len(trees))
         ]
         headers = {"content-type": "application/json"}
+        pairs = list(zip(trees, clients, strict=True))
         for r in range(steps + 16):
             answers = []
-            for tree, client in zip(trees, clients, strict=True):
+            for tree, client in pairs if r % 2 == 0 else pairs[::-1]:
                 start = time.perf_counter()
                 resp = client.post("/v1/score", content=bodies[r % 8], headers=headers)
                 ms = (time.perf_counter() - start) * 1000
                 resp.raise_for_status()
-                answers.append(resp.json()["rewards"])
+                answers.append(resp.json()["rewards"])  # compared whatever the order
                 if r >= 16:
                     times[tree].append(ms)
                     server_ms[tree].append(float(resp.headers["x-total-time"]))
@@ -181,6 +199,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--port", type=int, default=18761)
     parser.add_argument("--shape", default=STANDARD, help="standard, or one of workload.SHAPES")
+    parser.add_argument(
+        "--worker-path",
+        action="store_true",
+        help="(E) through the batcher's worker (the table answers no peek), as uncached steps go",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--steps-file", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--table", type=Path, help=argparse.SUPPRESS)
@@ -202,14 +225,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         steps_file.write_text(json.dumps(step_items))
         _save_table(step_items, table)
         d = compare_in_process(trees, args.steps, steps_file, table, largest)
-        e, e_server = compare_http(trees, args.steps, step_items, table, args.port, largest)
+        e, e_server = compare_http(
+            trees, args.steps, step_items, table, args.port, largest, args.worker_path
+        )
     print(
         f"{args.steps} steps per tree ({args.shape}), interleaved; rewards agree "
         f"(<= {TOLERANCE:.0e}): yes, largest difference {largest[0]:.1e}"
     )
     rows = (
         ("(D) in process", d),
-        ("(E) through the server (httpx)", e),
+        ("(E) through the " + ("encoder's worker" if args.worker_path else "server (httpx)"), e),
         ("(E) ... the server's x-total-time", e_server),
     )
     for label, quantile in (("p50", 0.5), ("p99", 0.99)):

@@ -47,6 +47,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -252,12 +253,15 @@ def start_server(
     return proc, _wait_ready(proc, port, start)
 
 
-def start_table_server(table: Path, port: int) -> subprocess.Popen[bytes]:
-    """Start the standard app with the zero-cost :class:`TableEncoder` (``table_server.py``)."""
+def start_table_server(
+    table: Path, port: int, *, worker_path: bool = False
+) -> subprocess.Popen[bytes]:
+    """Start the standard app with the zero-cost :class:`TableEncoder` (``table_server.py``);
+    ``worker_path``: requests go through the batcher's worker, as uncached ones do."""
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.Popen(
         [sys.executable, str(root / "benchmarks" / "table_server.py"), "--table", str(table),
-         "--port", str(port)],
+         "--port", str(port), *(["--worker-path"] if worker_path else [])],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     _wait_ready(proc, port, time.perf_counter())
@@ -289,6 +293,9 @@ class Overhead:
     #: (E) again through a bare keep-alive ``http.client`` connection: what httpx adds.
     http_minimal: list[float] = field(default_factory=list)
     server_total: list[float] = field(default_factory=list)  # the server's x-total-time
+    #: (E) through the batcher's worker (a request the cache does not hold), and its server time.
+    http_worker: list[float] = field(default_factory=list)
+    server_total_worker: list[float] = field(default_factory=list)
     max_diff: float = 0.0  # HTTP vs in process, rewards
     #: (D) and (E) on the same steps in each of the workload's other :data:`SHAPES`.
     shapes: dict[str, tuple[list[float], list[float]]] = field(default_factory=dict)
@@ -305,10 +312,13 @@ def measure_overhead(
     then ``repeats`` requests (the steps cycled) run (D) ``prepare_batch`` → table →
     ``finish_batch`` in process and (E) ``POST /v1/score`` to the standard app served with that
     table, alternating. The body is serialized before the clock starts and the answer decoded
-    after it stops; the rewards of (D) and (E) must agree. Each (E) request is sent a second
-    time through a bare ``http.client`` connection, to tell the client's share from the
-    server's. Then (D) and (E) run ``repeats`` times on the same steps in each of the
-    workload's other :data:`SHAPES` (the table holds their texts too).
+    after it stops; the rewards of (D) and (E) must agree. Each step is also sent through a
+    bare ``http.client`` connection, to tell the client's share from the server's, and to a
+    second table server whose requests take the batcher's worker (``--worker-path``: a step
+    the cache does not hold, as in training); the three requests go in turn, each first in a
+    third of the steps, since the one after another on the same body finds the machine warm.
+    Then (D) and (E) run ``repeats`` times on the same steps in each of the workload's other
+    :data:`SHAPES` (the table holds their texts too).
     """
     import tempfile
     from http.client import HTTPConnection
@@ -319,38 +329,82 @@ def measure_overhead(
     table = TableEncoder.of_steps([*steps, *(st for sts in shaped.values() for st in sts)], encoder)
     bodies = [json.dumps({"items": st}).encode() for st in steps]
     out = Overhead()
+    servers = []
     with tempfile.TemporaryDirectory() as tmp:
         table.save(Path(tmp) / "table.npz")
-        server = start_table_server(Path(tmp) / "table.npz", port)
+        servers.append(start_table_server(Path(tmp) / "table.npz", port))
+        servers.append(start_table_server(Path(tmp) / "table.npz", port + 1, worker_path=True))
     minimal = HTTPConnection("127.0.0.1", port, timeout=60)
     standard: list[list[float]] = []  # each step's rewards, from the warm-up pass
     try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
+        with (
+            httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as http,
+            httpx.Client(base_url=f"http://127.0.0.1:{port + 1}", timeout=60) as worker,
+        ):
             for r in range(repeats + len(steps)):  # the first pass over the steps warms up
                 i = r % len(steps)
-                both = _both_ways(steps[i], bodies[i], table, http, out)
-                t3 = time.perf_counter()
-                minimal.request("POST", "/v1/score", body=bodies[i], headers=_JSON)
-                answer = minimal.getresponse()
-                raw = answer.read()
-                t4 = time.perf_counter()
-                if answer.status != 200 or json.loads(raw)["rewards"] != both.http_rewards:
-                    raise RuntimeError(f"the minimal client got {answer.status} or other rewards")
+                items = _items(steps[i])
+                t0 = time.perf_counter()
+                prepared = prepare_batch(items)
+                rewards = finish_batch(prepared, table.encode(prepared.texts)).rewards
+                in_process_ms = (time.perf_counter() - t0) * 1000
+                body = bodies[i]
+                sends = [
+                    partial(_post, http),
+                    partial(_post_minimal, minimal),
+                    partial(_post, worker),
+                ]
+                first = r % len(sends)
+                answers = {k: sends[k](body) for k in [*range(first, 3), *range(first)]}
+                for answer in answers.values():
+                    diff = float(np.max(np.abs(np.subtract(rewards, answer.rewards))))
+                    out.max_diff = max(out.max_diff, diff)
                 if r < len(steps):
-                    standard.append(both.rewards)
+                    standard.append(rewards)
                     continue
-                out.in_process.append(both.in_process_ms)
-                out.http.append(both.http_ms)
-                out.http_minimal.append((t4 - t3) * 1000)
-                out.server_total.append(both.server_ms)
+                out.in_process.append(in_process_ms)
+                out.http.append(answers[0].ms)
+                out.server_total.append(answers[0].server_ms)
+                out.http_minimal.append(answers[1].ms)
+                out.http_worker.append(answers[2].ms)
+                out.server_total_worker.append(answers[2].server_ms)
             for shape, shape_steps in shaped.items():
                 same_rewards = standard if shape == SHAPES[0] else None  # line breaks fold away
                 _measure_shape(out, shape, shape_steps, same_rewards, table, http, repeats)
     finally:
         minimal.close()
-        server.terminate()
-        server.wait(30)
+        for server in servers:
+            server.terminate()
+            server.wait(30)
     return out
+
+
+class Posted(NamedTuple):
+    """One timed ``POST /v1/score``: client milliseconds, the server's x-total-time, rewards."""
+
+    ms: float
+    server_ms: float
+    rewards: list[float]
+
+
+def _post(http: httpx.Client, body: bytes) -> Posted:
+    t0 = time.perf_counter()
+    resp = http.post("/v1/score", content=body, headers=_JSON)
+    ms = (time.perf_counter() - t0) * 1000
+    resp.raise_for_status()
+    return Posted(ms, float(resp.headers["x-total-time"]), resp.json()["rewards"])
+
+
+def _post_minimal(connection: Any, body: bytes) -> Posted:
+    """:func:`_post` through a bare keep-alive ``http.client`` connection."""
+    t0 = time.perf_counter()
+    connection.request("POST", "/v1/score", body=body, headers=_JSON)
+    answer = connection.getresponse()
+    raw = answer.read()
+    ms = (time.perf_counter() - t0) * 1000
+    if answer.status != 200:
+        raise RuntimeError(f"the minimal client got {answer.status}: {raw[:200]!r}")
+    return Posted(ms, float(answer.getheader("x-total-time") or "nan"), json.loads(raw)["rewards"])
 
 
 _JSON = {"content-type": "application/json"}
@@ -422,6 +476,8 @@ def print_overhead(o: Overhead) -> bool:
         ("(E) through the server (HTTP, JSON, all)", o.http, "<= 3.0"),
         ("    the same with a bare http.client client", o.http_minimal, ""),
         ("    of which the server's x-total-time", o.server_total, ""),
+        ("(E) through the encoder's worker (uncached)", o.http_worker, "<= 3.0"),
+        ("    of which the server's x-total-time", o.server_total_worker, ""),
     ):
         p50, p99 = statistics.median(values), float(np.percentile(values, 99))
         print(f"{name:<52}{p50:>10.2f}{p99:>10.2f}{target:>10}")
