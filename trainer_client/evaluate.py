@@ -77,6 +77,8 @@ class Run:
     #: each: an error about one completion names them.
     source: Path | None = None
     lines: list[int] | None = None
+    #: How a generated run was decoded (:func:`decoding_settings`), for the run's metadata.
+    decoding: dict[str, Any] | None = None
 
     def where(self, index: int) -> str:
         """Where completion ``index`` is, for a message: its file and line when known."""
@@ -268,8 +270,74 @@ def count_tokens(tokenizer: Any, texts: Sequence[str]) -> list[int]:
     return [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
 
 
+def eos_token_ids(tokenizer: Any, checkpoint_eos: int | list[int] | None) -> list[int]:
+    """The tokens that end a completion, as TRL 1.16's ``GRPOTrainer`` gathers them: the
+    tokenizer's EOS first, then the checkpoint generation config's own (Qwen2.5-Instruct
+    ends turns with ``<|im_end|>`` and ``<|endoftext|>``).
+
+    >>> class Tok: eos_token_id = 2
+    >>> eos_token_ids(Tok(), [7, 2]), eos_token_ids(Tok(), None)
+    ([7, 2], [2])
+    """
+    ids = (
+        []
+        if checkpoint_eos is None
+        else [checkpoint_eos]
+        if isinstance(checkpoint_eos, int)
+        else list(checkpoint_eos)
+    )
+    return ids if tokenizer.eos_token_id in ids else [tokenizer.eos_token_id, *ids]
+
+
+def generation_config(args: argparse.Namespace, tokenizer: Any, checkpoint_eos: Any) -> Any:
+    """The complete decoding of ``sde2-eval``: the paper's temperature and top-p held fixed
+    (Sec. 4, "decoding uses temperature T∈[0.1,0.3] and top-p 0.90–0.95"), as ``sde2-train``
+    samples through TRL (``top_k=0``, ``min_p=None``, ``repetition_penalty=1.0``), greedy at
+    ``--temperature 0``.
+
+    Every setting is given, not left to the checkpoint: ``generate`` fills what a config leaves
+    unset from the model's own ``generation_config.json``, and Qwen2.5-3B-Instruct's carries
+    ``repetition_penalty=1.05`` and ``top_k=20`` — evaluation then decoded otherwise than
+    training sampled (the penalty applied even greedily). Only the end and pad tokens are kept
+    from the checkpoint (:func:`eos_token_ids`)."""
+    from transformers import GenerationConfig
+
+    sampled = args.temperature > 0
+    return GenerationConfig(
+        max_new_tokens=args.max_new_tokens,
+        do_sample=sampled,
+        temperature=args.temperature if sampled else 1.0,  # 1.0, 0 and 1.0: no processor
+        top_p=args.top_p if sampled else 1.0,
+        top_k=0,
+        min_p=None,
+        repetition_penalty=1.0,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=eos_token_ids(tokenizer, checkpoint_eos),
+    )
+
+
+#: The decoding settings a run's metadata records (:func:`decoding_settings`).
+DECODING_FIELDS = (
+    "do_sample",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "max_new_tokens",
+    "eos_token_id",
+    "pad_token_id",
+)
+
+
+def decoding_settings(config: Any) -> dict[str, Any]:
+    """Every setting of :func:`generation_config` that shapes a completion, for ``--json``."""
+    return {name: getattr(config, name) for name in DECODING_FIELDS}
+
+
 def generate_run(args: argparse.Namespace, examples: list[Example]) -> tuple[Run, Any]:
-    """Generate one completion per question with the multi-strategy prompt."""
+    """Generate one completion per question with the multi-strategy prompt, decoded by
+    :func:`generation_config` alone (the checkpoint's own sampling settings never apply)."""
     import torch
     from tqdm.auto import tqdm
 
@@ -279,6 +347,10 @@ def generate_run(args: argparse.Namespace, examples: list[Example]) -> tuple[Run
     ref = ModelRef.parse(args.model, args.gguf_file)
     tokenizer = load_tokenizer(ref)
     model = load_model(ref, for_training=False)
+    decoding = generation_config(args, tokenizer, model.generation_config.eos_token_id)
+    # generate() fills a passed config's unset fields from the model's own: it is replaced
+    # too (on the base model, whose generate a PEFT model calls), so nothing of it remains.
+    model.generation_config = decoding
     if args.adapter:
         from peft import PeftModel
 
@@ -286,11 +358,6 @@ def generate_run(args: argparse.Namespace, examples: list[Example]) -> tuple[Run
     model.eval()
     torch.manual_seed(args.seed)
     chat = has_chat_template(tokenizer)
-    sampling: dict[str, Any] = (
-        {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p}
-        if args.temperature > 0
-        else {"do_sample": False}
-    )
     completions: list[str] = []
     for start in tqdm(range(0, len(examples), args.batch_size), desc="generating", unit="batch"):
         batch = examples[start : start + args.batch_size]
@@ -306,12 +373,7 @@ def generate_run(args: argparse.Namespace, examples: list[Example]) -> tuple[Run
         enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not chat)
         enc = {k: v.to(model.device) for k, v in enc.items()}
         with torch.inference_mode():
-            out = model.generate(
-                **enc,
-                max_new_tokens=args.max_new_tokens,
-                pad_token_id=tokenizer.pad_token_id,
-                **sampling,
-            )
+            out = model.generate(**enc, generation_config=decoding)
         new = out[:, enc["input_ids"].shape[1] :]
         completions.extend(tokenizer.batch_decode(new, skip_special_tokens=True))
     run = Run(
@@ -320,6 +382,7 @@ def generate_run(args: argparse.Namespace, examples: list[Example]) -> tuple[Run
         [ex.answer for ex in examples],
         examples[0].answer_type,
         count_tokens(tokenizer, completions),
+        decoding=decoding_settings(decoding),
     )
     return run, tokenizer
 
@@ -459,9 +522,12 @@ def unscored_path(run: Run) -> Path:
     return Path(tempfile.gettempdir()) / f"sde2-eval-{safe}-{os.getpid()}.jsonl"
 
 
-def run_meta(args: argparse.Namespace, split: str) -> dict[str, Any]:
+def run_meta(
+    args: argparse.Namespace, split: str, decoding: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """What the table was measured on, for ``--json``: the model and adapter, the data, the
-    decoding and the scoring (a row's label alone does not say it)."""
+    decoding (``decoding``: every setting the generated run used, :func:`decoding_settings`)
+    and the scoring (a row's label alone does not say it)."""
     meta: dict[str, Any] = {
         "recipe": args.recipe,
         "ci": args.ci,
@@ -481,6 +547,7 @@ def run_meta(args: argparse.Namespace, split: str) -> dict[str, Any]:
             top_p=args.top_p,
             max_new_tokens=args.max_new_tokens,
             seed=args.seed,
+            decoding=decoding,
         )
     return meta
 
@@ -558,7 +625,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.model and not args.save_completions:
         unscored_path(runs[0]).unlink(missing_ok=True)  # scored: no longer needed
     status = emit("sde2-eval", Path("-"), [markdown_table(rows) + "\n"])  # quiet on `| head`
-    payload = {"runs": [r.as_dict() for r in rows], "meta": run_meta(args, split)}
+    payload = {"runs": [r.as_dict() for r in rows], "meta": run_meta(args, split, runs[0].decoding)}
     if args.json:
         written = emit("sde2-eval", args.json, [json.dumps(payload, indent=1)])
         status = status or written
