@@ -87,6 +87,60 @@ class Run:
         return f"run {self.method}: completion {index + 1}"
 
 
+#: ``--base-quantization``'s choices; ``auto`` follows the adapter's training run.
+BASE_QUANTIZATIONS = ("auto", "4bit", "none")
+#: What ``sde2-train`` writes beside its adapter (the name in :mod:`trainer_client.train`; not
+#: imported from there: this command must not pay for that module's imports).
+TRAINING_RECORD = "sde2_training.json"
+
+
+def training_record_of(adapter: str) -> tuple[Path, dict[str, Any]] | None:
+    """The training run's record of ``adapter`` (``sde2-train``'s ``final/`` holds one; a
+    ``checkpoint-N/`` folder's is in the folder above), or None; a record that cannot be read
+    is a :class:`ValueError` naming it."""
+    folder = Path(adapter)
+    for path in (folder / TRAINING_RECORD, folder.parent / TRAINING_RECORD):
+        if path.is_file():
+            try:
+                record = json.loads(path.read_text())
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"{path}: cannot be read: {exc}") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}: expected a JSON object, got {json_type(record)}")
+            return path, record
+    return None
+
+
+def base_quantization(args: argparse.Namespace) -> tuple[bool, str]:
+    """Whether the base model loads in 4-bit, and why (for the log and ``--json``).
+
+    An adapter trained on a 4-bit base (the paper's QLoRA) is evaluated on the same 4-bit base
+    unless ``--base-quantization`` says otherwise: a LoRA update learned against NF4 weights is
+    not the same model on bf16 ones. 4-bit that cannot load (no CUDA, no bitsandbytes, GGUF
+    weights) is a :class:`ValueError` naming the flag, never a silent full-precision run.
+    """
+    from trainer_client.modeling import QLORA_EXTRA, can_load_4bit
+
+    choice = args.base_quantization
+    if choice == "none":
+        return False, "--base-quantization none"
+    if choice == "4bit":
+        why = "--base-quantization 4bit"
+    else:
+        found = training_record_of(args.adapter) if args.adapter else None
+        if found is None or not found[1].get("load_in_4bit"):
+            source = "no training record" if found is None else f"{found[0]}"
+            return False, f"auto: full precision ({source})"
+        why = f"auto: {found[0]} says the adapter was trained on a 4-bit base"
+    if not can_load_4bit(ModelRef.parse(args.model, args.gguf_file)):
+        raise ValueError(
+            f"--base-quantization: {why}; 4-bit loading needs CUDA, bitsandbytes (pip install "
+            f"'{QLORA_EXTRA}') and non-GGUF weights; --base-quantization none evaluates on the "
+            "full-precision base instead"
+        )
+    return True, why
+
+
 def _splits_help() -> str:
     return ", ".join(f"{name} {split}" for name, split in EVAL_SPLITS.items())
 
@@ -102,6 +156,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="policy to generate with: hub id, folder, or .gguf file")
     p.add_argument("--gguf-file", help="GGUF file inside --model")
     p.add_argument("--adapter", help="a LoRA adapter folder (e.g. sde2-train's output/final)")
+    p.add_argument(
+        "--base-quantization",
+        choices=BASE_QUANTIZATIONS,
+        default="auto",
+        help="the base model's weights under --adapter: auto = as its training run "
+        f"({TRAINING_RECORD} beside the adapter or in the folder above; 4bit needs CUDA and "
+        "bitsandbytes), else full precision",
+    )
     p.add_argument(
         "--method",
         help="label of the generated run (default: the model's hub id or folder name, "
@@ -346,7 +408,9 @@ def generate_run(args: argparse.Namespace, examples: list[Example]) -> tuple[Run
     assert args.model is not None
     ref = ModelRef.parse(args.model, args.gguf_file)
     tokenizer = load_tokenizer(ref)
-    model = load_model(ref, for_training=False)
+    quantize, why = base_quantization(args)
+    log.info("base model in %s (%s)", "4-bit NF4" if quantize else "full precision", why)
+    model = load_model(ref, quantize_4bit=quantize, for_training=False)
     decoding = generation_config(args, tokenizer, model.generation_config.eos_token_id)
     # generate() fills a passed config's unset fields from the model's own: it is replaced
     # too (on the base model, whose generate a PEFT model calls), so nothing of it remains.
@@ -494,6 +558,8 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             ModelRef.parse(args.model, args.gguf_file).check()
         if args.tokenizer:
             ModelRef.parse(args.tokenizer).check("--tokenizer")
+        if args.model:
+            base_quantization(args)  # a 4-bit base that cannot load stops here, not after
     except ValueError as exc:
         parser.error(str(exc))
     outputs = {
@@ -539,6 +605,7 @@ def run_meta(
             model=args.model,
             gguf_file=args.gguf_file,
             adapter=args.adapter,
+            base_quantization=dict(zip(("4bit", "why"), base_quantization(args), strict=True)),
             dataset=args.dataset,
             data=args.data or DEFAULT_SOURCES[args.dataset],
             split=split,
