@@ -7,7 +7,10 @@ at most 2048 tokens, sampling at temperature 0.2 and top-p 0.95 (the paper's dec
 extra: without it the command refuses to start, ``--no-4bit`` opts out), and the multi-strategy
 prompt. What the run used (quantized or not, optimizer, precision, reward, decoding) is written
 to ``sde2_training.json`` in ``--output-dir`` and beside the final adapter, where ``sde2-eval``
-reads it. The recipe (``--recipe``, any registered one) and ablations (``--weight
+reads it. The GRPO advantages are the paper's (App. A.2: the group's population std): the
+reward returns the server's group advantages and TRL, with ``scale_rewards="none"``, keeps them
+(returning ``R_final``, TRL's sample std made them √((G−1)/G) of the paper's); ``sde2/reward``
+logs ``R_final``. The recipe (``--recipe``, any registered one) and ablations (``--weight
 sd=0``, a component of the recipe) only change the reward request. Everything can be shrunk for
 a CPU smoke run (``--max-steps 2 --num-generations 2 --max-new-tokens 16 --batch-size 2``).
 
@@ -233,6 +236,7 @@ def training_record(
         "recipe": args.recipe,
         "params": params,
         "num_generations": args.num_generations,
+        "advantages": "the reward server's group advantages (population std), scale_rewards=none",
         "temperature": args.temperature,
         "top_p": args.top_p,
         "max_new_tokens": args.max_new_tokens,
@@ -436,6 +440,11 @@ def build_trainer(
         params=params,
         timeout=args.reward_timeout,
         retry=retry,
+        # The paper's advantages (population std), which TRL leaves as they are with
+        # scale_rewards="none" (grpo_config): returning R_final, TRL's sample std made them
+        # √((G−1)/G) times the paper's.
+        returns="advantages",
+        num_generations=args.num_generations,
     )
     trainer = GRPOTrainer(
         model=model,
@@ -445,6 +454,7 @@ def build_trainer(
         processing_class=tokenizer,
         peft_config=lora_config(args),
     )
+    holder.check_trainer_args(trainer.args)
     return trainer, holder
 
 
@@ -466,6 +476,8 @@ def grpo_config(args: argparse.Namespace, *, quantize_4bit: bool, cuda: bool) ->
         temperature=args.temperature,
         top_p=args.top_p,
         beta=args.beta,
+        # The reward returns the paper's group advantages: TRL only centres them (a no-op).
+        scale_rewards="none",
         max_steps=args.max_steps,
         num_train_epochs=args.epochs,
         save_steps=args.save_steps,
