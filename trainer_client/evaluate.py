@@ -59,6 +59,12 @@ from trainer_client.datasets import (
 from trainer_client.metrics import INTERVALS, RunMetrics, markdown_table, summarize
 from trainer_client.modeling import ModelRef
 from trainer_client.retry import RetryPolicy, RewardRequestError, RewardServiceError
+from trainer_client.train import (
+    TRAINING_RECORD,
+    FlagError,
+    add_param_flag,
+    checked_reward_params,
+)
 
 log = logging.getLogger("sde2.eval")
 SCORE_CHUNK = 256  # items per scoring request: well under the server's default max_items
@@ -89,9 +95,6 @@ class Run:
 
 #: ``--base-quantization``'s choices; ``auto`` follows the adapter's training run.
 BASE_QUANTIZATIONS = ("auto", "4bit", "none")
-#: What ``sde2-train`` writes beside its adapter (the name in :mod:`trainer_client.train`; not
-#: imported from there: this command must not pay for that module's imports).
-TRAINING_RECORD = "sde2_training.json"
 
 
 def training_record_of(adapter: str) -> tuple[Path, dict[str, Any]] | None:
@@ -199,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="sde2",
         help="recipe whose parameters score (ACC is the same)",
     )
+    add_param_flag(p)
     p.add_argument(
         "--ci",
         choices=list(INTERVALS),
@@ -459,8 +463,15 @@ def generated_label(args: argparse.Namespace) -> str:
     return f"{label}+{args.adapter.rstrip('/')}" if args.adapter else label
 
 
-def score_run(client: RewardClient, run: Run, recipe: str, interval: str = "normal") -> RunMetrics:
-    """Score every completion (raw, with diagnostics, in chunks of :data:`SCORE_CHUNK`) and
+def score_run(
+    client: RewardClient,
+    run: Run,
+    recipe: str,
+    interval: str = "normal",
+    params: dict[str, Any] | None = None,
+) -> RunMetrics:
+    """Score every completion (raw, with diagnostics, in chunks of :data:`SCORE_CHUNK`) under
+    the SPEC §4 ``params`` (``--param``: Uniq is counted at their ``similarity_threshold``) and
     summarize. A completion that cannot be sent (:class:`RunFileError`) or that the server
     refused (:class:`RewardRequestError`) is named by its file and line, not by its index in
     the chunk sent."""
@@ -473,7 +484,12 @@ def score_run(client: RewardClient, run: Run, recipe: str, interval: str = "norm
         ]
         try:
             result = client.score(
-                items, recipe=recipe, answer_type=run.answer_type, normalize=False, diagnostics=True
+                items,
+                recipe=recipe,
+                answer_type=run.answer_type,
+                params=params or None,
+                normalize=False,
+                diagnostics=True,
             )
         except ItemError as exc:
             raise RunFileError(
@@ -542,6 +558,10 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     anything is read, generated or scored."""
     if not args.model and not args.completions:
         parser.error("give --model to generate, or --completions NAME=FILE to read runs")
+    try:
+        args.params = checked_reward_params(args)  # a typo fails now, not after generation
+    except FlagError as exc:
+        parser.error(str(exc))
     for flag, value in (
         ("--limit", args.limit),
         ("--batch-size", args.batch_size),
@@ -596,6 +616,7 @@ def run_meta(
     and the scoring (a row's label alone does not say it)."""
     meta: dict[str, Any] = {
         "recipe": args.recipe,
+        "params": getattr(args, "params", None) or {},
         "ci": args.ci,
         "reward_url": args.reward_url,
         "completions": args.completions,
@@ -677,7 +698,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with RewardClient(args.reward_url, retry=retry) as client:
             client.logs_warnings = False  # score_run names each one's file and line
-            rows = [score_run(client, r, args.recipe, args.ci) for r in runs]
+            rows = [score_run(client, r, args.recipe, args.ci, args.params) for r in runs]
     except (RewardServiceError, RunFileError, KeyboardInterrupt) as exc:  # with the reason
         stopped = isinstance(exc, KeyboardInterrupt)  # Ctrl-C while the retries wait
         print(f"sde2-eval: {'stopped while scoring' if stopped else exc}", file=sys.stderr)

@@ -65,10 +65,25 @@ class FlagError(ValueError):
     it as argparse does (usage, the message, exit status 2)."""
 
 
+def add_param_flag(group: Any) -> None:
+    """``--param key=value``, SPEC §4 reward parameters, on a parser or an argument group: one
+    definition for ``sde2-train`` and ``sde2-eval`` (a model trained at δ = 0.75 is evaluated at
+    δ = 0.75: the eval table's Uniq is counted at the server's similarity threshold). Read with
+    :func:`checked_reward_params`."""
+    group.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="reward parameter (SPEC §4), e.g. similarity_threshold=0.75; repeatable",
+    )
+
+
 def reward_params(args: argparse.Namespace) -> dict[str, Any]:
-    """SPEC §4 parameters from ``--param`` and ``--weight``, validated (a typo fails now)."""
+    """SPEC §4 parameters from ``--param`` and ``--weight`` (a command without ``--weight``:
+    none), validated (a typo fails now)."""
     params = parse_assignments(args.param, "--param")
-    weights = parse_assignments(args.weight, "--weight")
+    weights = parse_assignments(getattr(args, "weight", []), "--weight")
     if weights:
         given = params.get("weights", {})
         if not isinstance(given, dict):
@@ -92,7 +107,8 @@ def checked_reward_params(args: argparse.Namespace) -> dict[str, Any]:
         issues = "; ".join(
             f"{'.'.join(str(p) for p in e['loc']) or 'params'}: {e['msg']}" for e in exc.errors()
         )
-        raise FlagError(f"--param/--weight: {issues}") from None
+        flags = "--param/--weight" if hasattr(args, "weight") else "--param"
+        raise FlagError(f"{flags}: {issues}") from None
 
 
 def check_flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -315,12 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--recipe", choices=list(RECIPES), default="sde2")
     g.add_argument("--weight", action="append", default=[], help="ablation weight, e.g. sd=0")
-    g.add_argument(
-        "--param",
-        action="append",
-        default=[],
-        help="reward parameter, e.g. similarity_threshold=0.75",
-    )
+    add_param_flag(g)
     g.add_argument("--reward-timeout", type=float, default=180.0, help="seconds per request")
     g.add_argument(
         "--reward-retries",
