@@ -4,7 +4,8 @@ A run is either generated here (``--model``, on ``--dataset`` questions, with th
 multi-strategy prompt) or read from a JSONL of completions (``--completions NAME=FILE``; each line
 has ``completion`` and ``answer``, optionally ``answer_type`` (else ``--dataset``'s matcher:
 numeric for gsm8k, the default, and aime, choice for medmcqa) and ``num_tokens`` — the latter on
-every line or on none; a wrong type is refused naming the file, line and field). Every
+every line or on none; a wrong type, or a field that is none of these nor ``sde2-reward
+score``'s ``prompt`` and ``group``, is refused naming the file, line and field). Every
 completion is scored by the server with ``diagnostics`` on — the same parser and matchers as the
 training reward, so ACC here is the reward's own notion of correct — and summarized as ACC with
 its 95% interval (normal, as the paper's tables; ``--ci wilson``), S-ACC, #STR, #TOK (policy
@@ -230,13 +231,26 @@ class RunRow(NamedTuple):
     num_tokens: int | None
 
 
+#: The fields of a completions file's line; any other is refused (:func:`run_row`). ``prompt``
+#: and ``group`` are ``sde2-reward score``'s item fields, read there and not here (a run is
+#: scored without normalization, so no group matters): its input files are runs as they are.
+RUN_FIELDS = ("completion", "answer", "answer_type", "num_tokens", "prompt", "group")
+
+
 def run_row(path: Path, number: int, record: Any, answer_type: str = "numeric") -> RunRow:
     """The checked fields of line ``number``: a wrong type is a :class:`RunFileError` naming
-    the file, the line and the field (``null`` is no completion, 9.9 no token count).
+    the file, the line and the field (``null`` is no completion, 9.9 no token count), and so is
+    a field that is not one of :data:`RUN_FIELDS` — a misspelt ``answer_typo`` was ignored, the
+    line scored with another matcher than meant, as ``sde2-reward score`` refuses it.
     ``answer_type`` is the matcher of a line that names none (``--dataset``'s)."""
     where = f"{path}: line {number}"
     if not isinstance(record, dict):
         raise RunFileError(f"{where}: expected a JSON object, got {json_type(record)}")
+    unknown = next((key for key in record if key not in RUN_FIELDS), None)
+    if unknown is not None:
+        raise RunFileError(
+            f"{where}: {unknown}: not a field of a run line (the fields: {', '.join(RUN_FIELDS)})"
+        )
     completion = record.get("completion")
     if not isinstance(completion, str):
         got = "missing" if "completion" not in record else json_type(completion)
