@@ -1,8 +1,9 @@
 """``sde2-eval``: the paper's Table 1 for one or several runs, scored through the reward server.
 
 A run is either generated here (``--model``, on ``--dataset`` questions, with the
-multi-strategy prompt) or read from a JSONL of completions (``--completions NAME=FILE``; each line
-has ``completion`` and ``answer``, optionally ``answer_type`` (else ``--dataset``'s matcher:
+multi-strategy prompt, or ``--prompt single``'s single trace) or read from a JSONL of
+completions (``--completions NAME=FILE``; each line has ``completion`` and ``answer``,
+optionally ``answer_type`` (else ``--dataset``'s matcher:
 numeric for gsm8k, the default, and aime, choice for medmcqa) and ``num_tokens`` — the latter on
 every line or on none; a wrong type, or a field that is none of these nor ``sde2-reward
 score``'s ``prompt`` and ``group``, is refused naming the file, line and field). Every
@@ -59,6 +60,7 @@ from trainer_client.datasets import (
 )
 from trainer_client.metrics import INTERVALS, RunMetrics, markdown_table, summarize
 from trainer_client.modeling import ModelRef
+from trainer_client.prompts import add_prompt_flag, prompt_style
 from trainer_client.retry import RetryPolicy, RewardRequestError, RewardServiceError
 from trainer_client.train import (
     TRAINING_RECORD,
@@ -145,6 +147,21 @@ def base_quantization(args: argparse.Namespace) -> tuple[bool, str]:
     return True, why
 
 
+def warn_prompt_mismatch(args: argparse.Namespace) -> None:
+    """A warning when ``--adapter``'s training run used another ``--prompt`` than this one:
+    the table would measure the adapter on a prompt it was not trained on (allowed: a
+    cross-prompt evaluation is a legitimate question, but never an unnoticed one)."""
+    found = training_record_of(args.adapter) if args.adapter else None
+    trained = None if found is None else found[1].get("prompt")
+    if trained is not None and trained != args.prompt:
+        log.warning(
+            "--prompt %s, but %s says the adapter was trained with --prompt %s",
+            args.prompt,
+            found[0] if found else "?",
+            trained,
+        )
+
+
 def _splits_help() -> str:
     return ", ".join(f"{name} {split}" for name, split in EVAL_SPLITS.items())
 
@@ -192,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", help=f"default: the paper's evaluation split ({_splits_help()})")
     p.add_argument("--limit", type=int, help="evaluate at most this many questions")
     p.add_argument("--cop-base", type=int, default=0)
+    add_prompt_flag(p)
     p.add_argument("--max-new-tokens", type=int, default=1024)
     p.add_argument("--temperature", type=float, default=0.2, help="paper: 0.1-0.3; 0 = greedy")
     p.add_argument("--top-p", type=float, default=0.95)
@@ -416,7 +434,7 @@ def decoding_settings(config: Any) -> dict[str, Any]:
 
 
 def generate_run(args: argparse.Namespace, examples: list[Example]) -> tuple[Run, Any]:
-    """Generate one completion per question with the multi-strategy prompt, decoded by
+    """Generate one completion per question with the ``--prompt`` system prompt, decoded by
     :func:`generation_config` alone (the checkpoint's own sampling settings never apply)."""
     import torch
     from tqdm.auto import tqdm
@@ -440,18 +458,19 @@ def generate_run(args: argparse.Namespace, examples: list[Example]) -> tuple[Run
     model.eval()
     torch.manual_seed(args.seed)
     chat = has_chat_template(tokenizer)
+    style = prompt_style(args)
     completions: list[str] = []
     for start in tqdm(range(0, len(examples), args.batch_size), desc="generating", unit="batch"):
         batch = examples[start : start + args.batch_size]
         if chat:
             texts = [
                 tokenizer.apply_chat_template(
-                    ex.record(True)["prompt"], add_generation_prompt=True, tokenize=False
+                    ex.record(True, style)["prompt"], add_generation_prompt=True, tokenize=False
                 )
                 for ex in batch
             ]
         else:
-            texts = [ex.record(False)["prompt"] for ex in batch]
+            texts = [ex.record(False, style)["prompt"] for ex in batch]
         enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not chat)
         enc = {k: v.to(model.device) for k, v in enc.items()}
         with torch.inference_mode():
@@ -594,6 +613,7 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             ModelRef.parse(args.tokenizer).check("--tokenizer")
         if args.model:
             base_quantization(args)  # a 4-bit base that cannot load stops here, not after
+            warn_prompt_mismatch(args)
     except ValueError as exc:
         parser.error(str(exc))
     outputs = {
@@ -645,6 +665,7 @@ def run_meta(
             data=args.data or DEFAULT_SOURCES[args.dataset],
             split=split,
             limit=args.limit,
+            prompt=args.prompt,
             temperature=args.temperature,
             top_p=args.top_p,
             max_new_tokens=args.max_new_tokens,

@@ -5,14 +5,15 @@ gradient clipping 0.1, G = 6 completions per prompt, LoRA r = 64, α = 32, dropo
 at most 2048 tokens, sampling at temperature 0.2 and top-p 0.95 (the paper's decoding: T in
 0.1-0.3, top-p 0.90-0.95), 4-bit weights and 8-bit AdamW on CUDA (bitsandbytes, the ``qlora``
 extra: without it the command refuses to start, ``--no-4bit`` opts out), and the multi-strategy
-prompt. What the run used (quantized or not, optimizer, precision, reward, decoding) is written
-to ``sde2_training.json`` in ``--output-dir`` and beside the final adapter, where ``sde2-eval``
-reads it. The GRPO advantages are the paper's (App. A.2: the group's population std): the
-reward returns the server's group advantages and TRL, with ``scale_rewards="none"``, keeps them
-(returning ``R_final``, TRL's sample std made them √((G−1)/G) of the paper's); ``sde2/reward``
-logs ``R_final``. The recipe (``--recipe``, any registered one) and ablations (``--weight
-sd=0``, a component of the recipe) only change the reward request. Everything can be shrunk for
-a CPU smoke run (``--max-steps 2 --num-generations 2 --max-new-tokens 16 --batch-size 2``).
+prompt (``--prompt single``: the paper's single-trace baseline). What the run used (quantized or
+not, optimizer, precision, reward, decoding, prompt) is written to ``sde2_training.json`` in
+``--output-dir`` and beside the final adapter, where ``sde2-eval`` reads it. The GRPO advantages
+are the paper's (App. A.2: the group's population std): the reward returns the server's group
+advantages and TRL, with ``scale_rewards="none"``, keeps them (returning ``R_final``, TRL's sample
+std made them √((G−1)/G) of the paper's); ``sde2/reward`` logs ``R_final``. The recipe
+(``--recipe``, any registered one) and ablations (``--weight sd=0``, a component of the recipe)
+only change the reward request. Everything can be shrunk for a CPU smoke run (``--max-steps 2
+--num-generations 2 --max-new-tokens 16 --batch-size 2``).
 
 Checkpoints go to ``--output-dir`` every ``--save-steps``; ``--resume`` continues from the latest
 one (or from the given checkpoint folder) with optimizer, scheduler and RNG state.
@@ -40,6 +41,7 @@ from trainer_client.datasets import (
     looks_like_path,
 )
 from trainer_client.modeling import ModelRef
+from trainer_client.prompts import add_prompt_flag, prompt_style
 from trainer_client.retry import RetryPolicy, RewardServiceError
 from trainer_client.sharding import check_weights
 
@@ -257,6 +259,7 @@ def training_record(
         "top_p": args.top_p,
         "max_new_tokens": args.max_new_tokens,
         "dataset": args.dataset,
+        "prompt": args.prompt,
         "seed": args.seed,
     }
 
@@ -321,6 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="use N questions drawn at random (by --seed), as the paper's 7,500 of MedMCQA",
     )
     g.add_argument("--cop-base", type=int, default=0, help="MedMCQA: index of option A in cop")
+    add_prompt_flag(g)
 
     g = p.add_argument_group("reward")
     g.add_argument(
@@ -383,7 +387,7 @@ def build_dataset(
     some: ``--max-length`` exceeds ``--max-new-tokens``)."""
     from datasets import Dataset
 
-    rows = [ex.record(conversational) for ex in examples]
+    rows = [ex.record(conversational, prompt_style(args)) for ex in examples]
     budget = args.max_length - args.max_new_tokens
 
     def prompt_tokens(row: dict[str, Any]) -> int:
