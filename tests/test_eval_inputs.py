@@ -52,6 +52,16 @@ def test_wrong_types_are_refused_naming_file_line_and_field(
         read_run(f"x={runfile}")
 
 
+def test_an_unknown_field_is_refused_naming_file_line_and_field(tmp_path: Path) -> None:
+    """A misspelt field was ignored: ``answer_typo`` left the line on --dataset's matcher.
+    ``sde2-reward score``'s own item fields (``prompt``, ``group``) are accepted."""
+    runfile = write_run(tmp_path / "r.jsonl", [GOOD, {**GOOD, "answer_typo": "choice"}])
+    with pytest.raises(ValueError, match=r"r\.jsonl: line 2: answer_typo: not a field of a run"):
+        read_run(f"x={runfile}")
+    scored_as_is = write_run(runfile, [{**GOOD, "prompt": "2 + 2?", "group": "q1"}])
+    assert read_run(f"x={scored_as_is}").answers == ["4"]
+
+
 def test_num_tokens_on_some_lines_only_is_refused_naming_the_lines(tmp_path: Path) -> None:
     rows = [{**GOOD, "num_tokens": 3}, GOOD, {**GOOD, "num_tokens": 0}, GOOD]
     runfile = write_run(tmp_path / "r.jsonl", rows)

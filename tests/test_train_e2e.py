@@ -1,11 +1,12 @@
 """End to end: a real reward server process, real TRL GRPOTrainer steps on SmolLM2-135M calling
 it through the adapter, then ``sde2-eval`` on GSM8K test questions.
 
-What is checked is the path of the numbers: every step's rewards are the server's (TRL's logged
-reward mean equals the mean of what the server returned), TRL's advantages — the only way
-rewards enter the GRPO loss — are the group z-scores of exactly those rewards, the adapter's
-metrics reach the trainer's logs, checkpoints are written, and the evaluation table is computed
-from the server's verdicts (checked on a hand-made run with known answers).
+What is checked is the path of the numbers: every step's rewards are the server's (the logged
+``sde2/reward`` equals the mean of what the server returned), TRL's advantages — the only way
+rewards enter the GRPO loss — are the paper's group z-scores (population std) of exactly those
+rewards (``sde2-train``'s reward returns them; TRL's ``scale_rewards="none"`` keeps them), the
+adapter's metrics reach the trainer's logs, checkpoints are written, and the evaluation table is
+computed from the server's verdicts (checked on a hand-made run with known answers).
 """
 
 from __future__ import annotations
@@ -61,13 +62,12 @@ def record_steps(trainer: Any, holder: Any) -> tuple[list[ScoreResult], list[tor
 
 
 def expected_advantages(rewards: list[float], g: int) -> torch.Tensor:
-    """TRL 1.16's group scaling (scale_rewards="group"), from the server's rewards."""
-    from trl.trainer.utils import nanstd
-
-    r = torch.tensor(rewards, dtype=torch.float32).view(-1, g)
+    """The paper's group advantages (App. A.2, SPEC §5: population std, eps 1e-6) of the
+    server's rewards, which ``sde2-train``'s reward returns and TRL keeps."""
+    r = torch.tensor(rewards, dtype=torch.float64).view(-1, g)
     mean = r.mean(dim=1, keepdim=True)
-    std = nanstd(r, dim=1).unsqueeze(1)
-    return ((r - mean) / (std + 1e-4)).view(-1)
+    std = r.std(dim=1, unbiased=False, keepdim=True)
+    return ((r - mean) / (std + 1e-6)).view(-1).float()
 
 
 def test_grpo_trains_on_server_rewards_then_evaluates(
@@ -92,8 +92,9 @@ def test_grpo_trains_on_server_rewards_then_evaluates(
     assert len(logs) == 2
     for result, adv, log in zip(results, advantages, logs, strict=True):
         assert len(result) == 4  # 2 prompts x 2 completions
-        assert log["rewards/sde2/mean"] == pytest.approx(sum(result.rewards) / 4, abs=1e-5)
-        assert torch.allclose(adv, expected_advantages(result.rewards, 2), atol=1e-4)
+        assert log["sde2/reward"] == pytest.approx(sum(result.rewards) / 4, abs=1e-5)
+        assert log["rewards/sde2/mean"] == pytest.approx(0.0, abs=1e-5)  # the advantages'
+        assert torch.allclose(adv, expected_advantages(result.rewards, 2), atol=1e-5)
         for key in ("oc", "re", "fa", "sd"):
             assert log[f"sde2/{key}"] == pytest.approx(sum(result.components[key]) / 4, abs=1e-6)
         assert log["sde2/s_acc"] == pytest.approx(result.strategy_accuracy, abs=1e-6)
@@ -119,7 +120,8 @@ def test_grpo_trains_on_server_rewards_then_evaluates(
         inputs, prompts, [[{"role": "assistant", "content": t}] for t in texts], ids
     )
     direct = results[-1]  # recorded by the same holder for this call
-    assert got[:, 0].tolist() == pytest.approx(direct.rewards, abs=1e-5)
+    assert direct.advantages is not None  # what the reward returns to TRL
+    assert got[:, 0].tolist() == pytest.approx(direct.advantages, abs=1e-5)
     assert len({round(r, 4) for r in direct.rewards}) == 4  # all distinct: not a degenerate check
     assert direct.items[0].correct and not direct.items[1].correct
     trainer.save_model(str(out / "final"))

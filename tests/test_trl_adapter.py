@@ -271,9 +271,11 @@ def test_log_metric_and_log_extra(reward_server: ServerProcess) -> None:  # noqa
     res = holder.last_result
     assert res is not None
     expected_keys = {
-        f"sde2/{k}" for k in ("oc", "re", "fa", "sd", "acc", "s_acc", "n_strat", "uniq")
+        f"sde2/{k}" for k in ("reward", "oc", "re", "fa", "sd", "acc", "s_acc", "n_strat", "uniq")
     }
     assert set(metrics) == expected_keys
+    assert metrics["sde2/reward"] == [pytest.approx(sum(res.rewards) / 4)]  # R_final's mean
+    assert extra["sde2/reward"] == pytest.approx(res.rewards)
     assert metrics["sde2/oc"] == [pytest.approx(1 / 4)]  # only GOOD is right (PLAIN: no tags)
     assert metrics["sde2/acc"] == [pytest.approx(1 / 4)]
     assert metrics["sde2/s_acc"] == [pytest.approx(1 / 4)]

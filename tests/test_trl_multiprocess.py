@@ -161,6 +161,64 @@ def test_two_processes_get_the_whole_step_rewards(
     assert reports[0]["warnings"] == reports[1]["warnings"] == whole.warnings
 
 
+def _advantages_worker(rank: int, url: str, store: str, out_dir: str) -> None:
+    """As :func:`_worker`, the reward returning the paper's group advantages (TRL's groups:
+    ``GENERATIONS`` consecutive completions), as ``sde2-train`` configures it."""
+    from trainer_client.trl import sde2_reward
+
+    with _process_group(rank, store, out_dir):
+        rows = step_rows()
+        half = len(rows) // WORLD
+        mine = rows[rank * half : (rank + 1) * half]
+        fn = sde2_reward(url, returns="advantages", num_generations=GENERATIONS)
+        metrics: dict[str, list[float]] = defaultdict(list)
+        returned = asyncio.run(
+            fn(
+                prompts=[r["prompt"] for r in mine],
+                completions=[r["completion"] for r in mine],
+                completion_ids=[r["ids"] for r in mine],
+                answer=[r["answer"] for r in mine],
+                trainer_state=None,
+                log_metric=lambda k, v: metrics[k].append(v),
+                log_extra=lambda k, v: None,
+            )
+        )
+        Path(out_dir, f"{rank}.json").write_text(json.dumps({"returned": returned, **metrics}))
+
+
+def test_two_processes_get_the_papers_group_advantages(
+    reward_server: ServerProcess,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Each process returns its completions' advantages over the whole step (prompt 1's group
+    spans both): SPEC §5's population std, which TRL's ``scale_rewards="none"`` (``A`` minus
+    its group mean) leaves as they are, to 1e-6."""
+    import torch
+    import torch.multiprocessing as mp
+
+    args = (reward_server.url, str(tmp_path / "store"), str(tmp_path))
+    mp.spawn(_advantages_worker, args=args, nprocs=WORLD)
+    reports = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(WORLD)]
+    _assert_groups_freed(tmp_path)
+
+    rows = step_rows()
+    items = [
+        {"completion": r["text"], "answer": r["answer"], "num_tokens": len(r["ids"])} for r in rows
+    ]
+    with RewardClient(reward_server.url) as rc:
+        whole = rc.score(items)  # R_final of the whole step
+    r = torch.tensor(whole.rewards, dtype=torch.float64).view(-1, GENERATIONS)
+    paper = (r - r.mean(1, keepdim=True)) / (r.std(1, unbiased=False, keepdim=True) + 1e-6)
+    got = torch.tensor([a for report in reports for a in report["returned"]], dtype=torch.float64)
+    grouped = got.view(-1, GENERATIONS)
+    trl_uses = (grouped - grouped.mean(1, keepdim=True)).view(-1)  # scale_rewards="none"
+    assert torch.allclose(trl_uses, paper.view(-1), atol=1e-6)
+    assert paper.abs().max() > 0.5  # the groups' rewards differ: not a check of zeros
+    # R_final's step mean is each process's metric (TRL's own reward is the advantages').
+    assert reports[0]["sde2/reward"] == reports[1]["sde2/reward"]
+    assert reports[0]["sde2/reward"] == [pytest.approx(sum(whole.rewards) / len(items))]
+
+
 def _failing_worker(rank: int, urls: list[str], store: str, out_dir: str, case: str) -> None:
     """A step that cannot be scored (``case``: rank 0's server is dead, the ranks' answer types
     differ, rank 1 has no gold for a row): both processes must stop with an error, neither may

@@ -5,8 +5,9 @@
 With ``--batch-size 3`` and 2 generations per prompt, TRL's ``RepeatSampler`` deals the step's 3
 prompts × 2 completions as ``[A, A, B | B, C, C]``: prompt B's group is split across the processes.
 Each process records what its reward function received and returned; the whole step is then sent
-as ONE ``/v1/score`` request, and every completion's reward — as returned by the reward function
-on its process and as TRL gathered it — must equal that request's.
+as ONE ``/v1/score`` request, and every completion's value — as returned by the reward function
+on its process and as TRL gathered it — must equal that request's group advantage (what
+``sde2-train``'s reward returns: the paper's, over TRL's groups).
 
 Why ``--multi_gpu`` on a CPU machine: ``accelerate launch --cpu --num_processes 2`` starts one
 process unless an MPI launcher is configured (``--mpirun_hostfile``); ``--multi_gpu`` is the
@@ -120,20 +121,23 @@ def test_grpo_trainer_on_two_processes_gets_the_one_request_rewards(
         options: dict[str, Any] = {"recipe": RECIPE, "answer_type": "numeric", "params": PARAMS}
         whole = rc.score(items, **options)
         alone = [rc.score(items[r * 3 : (r + 1) * 3], **options) for r in range(WORLD)]
+    # sde2-train's reward returns the paper's group advantages of the whole step (TRL's
+    # groups are the prompt groups here: [A, A, B | B, C, C]).
+    assert whole.advantages is not None
     returned = [r for c in step for r in c["rewards"]]
-    assert returned == pytest.approx(whole.rewards, abs=1e-6)
+    assert returned == pytest.approx(whole.advantages, abs=1e-6)
     for c in step:  # what TRL holds after gathering (float32), on every process
-        assert c["gathered"] == pytest.approx(whole.rewards, abs=1e-6)
+        assert c["gathered"] == pytest.approx(whole.advantages, abs=1e-6)
     history = json.loads((tmp_path / "log_history.json").read_text())
-    logged = [h[f"rewards/{RECIPE}/mean"] for h in history if f"rewards/{RECIPE}/mean" in h]
+    logged = [h[f"{RECIPE}/reward"] for h in history if f"{RECIPE}/reward" in h]
     assert logged == [pytest.approx(sum(whole.rewards) / len(items), abs=1e-5)]
 
     # The check has teeth: each process normalizing its own half gives other numbers.
     per_process = [r for res in alone for r in res.rewards]
     spread = max(abs(a - b) for a, b in zip(per_process, whole.rewards, strict=True))
-    diff = max(abs(a - b) for a, b in zip(returned, whole.rewards, strict=True))
+    diff = max(abs(a - b) for a, b in zip(returned, whole.advantages, strict=True))
     diff32 = max(
-        abs(a - b) for c in step for a, b in zip(c["gathered"], whole.rewards, strict=True)
+        abs(a - b) for c in step for a, b in zip(c["gathered"], whole.advantages, strict=True)
     )
     print(
         f"\n{len(items)} completions, {len(split)} group split across {WORLD} processes, "

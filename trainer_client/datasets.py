@@ -25,7 +25,7 @@ import pydantic_core
 
 from reward_server.encoders.model_store import names_a_path
 from reward_server.jsonl_files import jsonl_lines, parse_json_line
-from trainer_client.prompts import TaskKind, build_messages, build_text_prompt
+from trainer_client.prompts import PromptStyle, TaskKind, build_messages, build_text_prompt
 
 DatasetName = Literal["gsm8k", "medmcqa", "aime"]
 DATASETS: tuple[DatasetName, ...] = ("gsm8k", "medmcqa", "aime")
@@ -66,12 +66,13 @@ class Example:
         """The prompt's task kind."""
         return "choice" if self.answer_type == "choice" else "math"
 
-    def record(self, conversational: bool = True) -> dict[str, Any]:
-        """A row for TRL/``datasets``: ``prompt`` plus the columns the reward reads."""
+    def record(self, conversational: bool = True, style: PromptStyle = "multi") -> dict[str, Any]:
+        """A row for TRL/``datasets``: ``prompt`` (in the ``style`` of ``--prompt``) plus the
+        columns the reward reads."""
         prompt: Any = (
-            build_messages(self.question, self.kind)
+            build_messages(self.question, self.kind, style)
             if conversational
-            else build_text_prompt(self.question, self.kind)
+            else build_text_prompt(self.question, self.kind, style)
         )
         return {
             "prompt": prompt,

@@ -1,10 +1,12 @@
 """``sde2-eval``: the paper's Table 1 for one or several runs, scored through the reward server.
 
 A run is either generated here (``--model``, on ``--dataset`` questions, with the
-multi-strategy prompt) or read from a JSONL of completions (``--completions NAME=FILE``; each line
-has ``completion`` and ``answer``, optionally ``answer_type`` (else ``--dataset``'s matcher:
+multi-strategy prompt, or ``--prompt single``'s single trace) or read from a JSONL of
+completions (``--completions NAME=FILE``; each line has ``completion`` and ``answer``,
+optionally ``answer_type`` (else ``--dataset``'s matcher:
 numeric for gsm8k, the default, and aime, choice for medmcqa) and ``num_tokens`` — the latter on
-every line or on none; a wrong type is refused naming the file, line and field). Every
+every line or on none; a wrong type, or a field that is none of these nor ``sde2-reward
+score``'s ``prompt`` and ``group``, is refused naming the file, line and field). Every
 completion is scored by the server with ``diagnostics`` on — the same parser and matchers as the
 training reward, so ACC here is the reward's own notion of correct — and summarized as ACC with
 its 95% interval (normal, as the paper's tables; ``--ci wilson``), S-ACC, #STR, #TOK (policy
@@ -58,7 +60,14 @@ from trainer_client.datasets import (
 )
 from trainer_client.metrics import INTERVALS, RunMetrics, markdown_table, summarize
 from trainer_client.modeling import ModelRef
+from trainer_client.prompts import add_prompt_flag, prompt_style
 from trainer_client.retry import RetryPolicy, RewardRequestError, RewardServiceError
+from trainer_client.train import (
+    TRAINING_RECORD,
+    FlagError,
+    add_param_flag,
+    checked_reward_params,
+)
 
 log = logging.getLogger("sde2.eval")
 SCORE_CHUNK = 256  # items per scoring request: well under the server's default max_items
@@ -77,12 +86,80 @@ class Run:
     #: each: an error about one completion names them.
     source: Path | None = None
     lines: list[int] | None = None
+    #: How a generated run was decoded (:func:`decoding_settings`), for the run's metadata.
+    decoding: dict[str, Any] | None = None
 
     def where(self, index: int) -> str:
         """Where completion ``index`` is, for a message: its file and line when known."""
         if self.source is not None and self.lines is not None:
             return f"{self.source}: line {self.lines[index]}"
         return f"run {self.method}: completion {index + 1}"
+
+
+#: ``--base-quantization``'s choices; ``auto`` follows the adapter's training run.
+BASE_QUANTIZATIONS = ("auto", "4bit", "none")
+
+
+def training_record_of(adapter: str) -> tuple[Path, dict[str, Any]] | None:
+    """The training run's record of ``adapter`` (``sde2-train``'s ``final/`` holds one; a
+    ``checkpoint-N/`` folder's is in the folder above), or None; a record that cannot be read
+    is a :class:`ValueError` naming it."""
+    folder = Path(adapter)
+    for path in (folder / TRAINING_RECORD, folder.parent / TRAINING_RECORD):
+        if path.is_file():
+            try:
+                record = json.loads(path.read_text())
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"{path}: cannot be read: {exc}") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}: expected a JSON object, got {json_type(record)}")
+            return path, record
+    return None
+
+
+def base_quantization(args: argparse.Namespace) -> tuple[bool, str]:
+    """Whether the base model loads in 4-bit, and why (for the log and ``--json``).
+
+    An adapter trained on a 4-bit base (the paper's QLoRA) is evaluated on the same 4-bit base
+    unless ``--base-quantization`` says otherwise: a LoRA update learned against NF4 weights is
+    not the same model on bf16 ones. 4-bit that cannot load (no CUDA, no bitsandbytes, GGUF
+    weights) is a :class:`ValueError` naming the flag, never a silent full-precision run.
+    """
+    from trainer_client.modeling import QLORA_EXTRA, can_load_4bit
+
+    choice = args.base_quantization
+    if choice == "none":
+        return False, "--base-quantization none"
+    if choice == "4bit":
+        why = "--base-quantization 4bit"
+    else:
+        found = training_record_of(args.adapter) if args.adapter else None
+        if found is None or not found[1].get("load_in_4bit"):
+            source = "no training record" if found is None else f"{found[0]}"
+            return False, f"auto: full precision ({source})"
+        why = f"auto: {found[0]} says the adapter was trained on a 4-bit base"
+    if not can_load_4bit(ModelRef.parse(args.model, args.gguf_file)):
+        raise ValueError(
+            f"--base-quantization: {why}; 4-bit loading needs CUDA, bitsandbytes (pip install "
+            f"'{QLORA_EXTRA}') and non-GGUF weights; --base-quantization none evaluates on the "
+            "full-precision base instead"
+        )
+    return True, why
+
+
+def warn_prompt_mismatch(args: argparse.Namespace) -> None:
+    """A warning when ``--adapter``'s training run used another ``--prompt`` than this one:
+    the table would measure the adapter on a prompt it was not trained on (allowed: a
+    cross-prompt evaluation is a legitimate question, but never an unnoticed one)."""
+    found = training_record_of(args.adapter) if args.adapter else None
+    trained = None if found is None else found[1].get("prompt")
+    if trained is not None and trained != args.prompt:
+        log.warning(
+            "--prompt %s, but %s says the adapter was trained with --prompt %s",
+            args.prompt,
+            found[0] if found else "?",
+            trained,
+        )
 
 
 def _splits_help() -> str:
@@ -100,6 +177,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="policy to generate with: hub id, folder, or .gguf file")
     p.add_argument("--gguf-file", help="GGUF file inside --model")
     p.add_argument("--adapter", help="a LoRA adapter folder (e.g. sde2-train's output/final)")
+    p.add_argument(
+        "--base-quantization",
+        choices=BASE_QUANTIZATIONS,
+        default="auto",
+        help="the base model's weights under --adapter: auto = as its training run "
+        f"({TRAINING_RECORD} beside the adapter or in the folder above; 4bit needs CUDA and "
+        "bitsandbytes), else full precision",
+    )
     p.add_argument(
         "--method",
         help="label of the generated run (default: the model's hub id or folder name, "
@@ -124,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", help=f"default: the paper's evaluation split ({_splits_help()})")
     p.add_argument("--limit", type=int, help="evaluate at most this many questions")
     p.add_argument("--cop-base", type=int, default=0)
+    add_prompt_flag(p)
     p.add_argument("--max-new-tokens", type=int, default=1024)
     p.add_argument("--temperature", type=float, default=0.2, help="paper: 0.1-0.3; 0 = greedy")
     p.add_argument("--top-p", type=float, default=0.95)
@@ -135,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="sde2",
         help="recipe whose parameters score (ACC is the same)",
     )
+    add_param_flag(p)
     p.add_argument(
         "--ci",
         choices=list(INTERVALS),
@@ -162,13 +249,26 @@ class RunRow(NamedTuple):
     num_tokens: int | None
 
 
+#: The fields of a completions file's line; any other is refused (:func:`run_row`). ``prompt``
+#: and ``group`` are ``sde2-reward score``'s item fields, read there and not here (a run is
+#: scored without normalization, so no group matters): its input files are runs as they are.
+RUN_FIELDS = ("completion", "answer", "answer_type", "num_tokens", "prompt", "group")
+
+
 def run_row(path: Path, number: int, record: Any, answer_type: str = "numeric") -> RunRow:
     """The checked fields of line ``number``: a wrong type is a :class:`RunFileError` naming
-    the file, the line and the field (``null`` is no completion, 9.9 no token count).
+    the file, the line and the field (``null`` is no completion, 9.9 no token count), and so is
+    a field that is not one of :data:`RUN_FIELDS` — a misspelt ``answer_typo`` was ignored, the
+    line scored with another matcher than meant, as ``sde2-reward score`` refuses it.
     ``answer_type`` is the matcher of a line that names none (``--dataset``'s)."""
     where = f"{path}: line {number}"
     if not isinstance(record, dict):
         raise RunFileError(f"{where}: expected a JSON object, got {json_type(record)}")
+    unknown = next((key for key in record if key not in RUN_FIELDS), None)
+    if unknown is not None:
+        raise RunFileError(
+            f"{where}: {unknown}: not a field of a run line (the fields: {', '.join(RUN_FIELDS)})"
+        )
     completion = record.get("completion")
     if not isinstance(completion, str):
         got = "missing" if "completion" not in record else json_type(completion)
@@ -268,8 +368,74 @@ def count_tokens(tokenizer: Any, texts: Sequence[str]) -> list[int]:
     return [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
 
 
+def eos_token_ids(tokenizer: Any, checkpoint_eos: int | list[int] | None) -> list[int]:
+    """The tokens that end a completion, as TRL 1.16's ``GRPOTrainer`` gathers them: the
+    tokenizer's EOS first, then the checkpoint generation config's own (Qwen2.5-Instruct
+    ends turns with ``<|im_end|>`` and ``<|endoftext|>``).
+
+    >>> class Tok: eos_token_id = 2
+    >>> eos_token_ids(Tok(), [7, 2]), eos_token_ids(Tok(), None)
+    ([7, 2], [2])
+    """
+    ids = (
+        []
+        if checkpoint_eos is None
+        else [checkpoint_eos]
+        if isinstance(checkpoint_eos, int)
+        else list(checkpoint_eos)
+    )
+    return ids if tokenizer.eos_token_id in ids else [tokenizer.eos_token_id, *ids]
+
+
+def generation_config(args: argparse.Namespace, tokenizer: Any, checkpoint_eos: Any) -> Any:
+    """The complete decoding of ``sde2-eval``: the paper's temperature and top-p held fixed
+    (Sec. 4, "decoding uses temperature T∈[0.1,0.3] and top-p 0.90–0.95"), as ``sde2-train``
+    samples through TRL (``top_k=0``, ``min_p=None``, ``repetition_penalty=1.0``), greedy at
+    ``--temperature 0``.
+
+    Every setting is given, not left to the checkpoint: ``generate`` fills what a config leaves
+    unset from the model's own ``generation_config.json``, and Qwen2.5-3B-Instruct's carries
+    ``repetition_penalty=1.05`` and ``top_k=20`` — evaluation then decoded otherwise than
+    training sampled (the penalty applied even greedily). Only the end and pad tokens are kept
+    from the checkpoint (:func:`eos_token_ids`)."""
+    from transformers import GenerationConfig
+
+    sampled = args.temperature > 0
+    return GenerationConfig(
+        max_new_tokens=args.max_new_tokens,
+        do_sample=sampled,
+        temperature=args.temperature if sampled else 1.0,  # 1.0, 0 and 1.0: no processor
+        top_p=args.top_p if sampled else 1.0,
+        top_k=0,
+        min_p=None,
+        repetition_penalty=1.0,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=eos_token_ids(tokenizer, checkpoint_eos),
+    )
+
+
+#: The decoding settings a run's metadata records (:func:`decoding_settings`).
+DECODING_FIELDS = (
+    "do_sample",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "max_new_tokens",
+    "eos_token_id",
+    "pad_token_id",
+)
+
+
+def decoding_settings(config: Any) -> dict[str, Any]:
+    """Every setting of :func:`generation_config` that shapes a completion, for ``--json``."""
+    return {name: getattr(config, name) for name in DECODING_FIELDS}
+
+
 def generate_run(args: argparse.Namespace, examples: list[Example]) -> tuple[Run, Any]:
-    """Generate one completion per question with the multi-strategy prompt."""
+    """Generate one completion per question with the ``--prompt`` system prompt, decoded by
+    :func:`generation_config` alone (the checkpoint's own sampling settings never apply)."""
     import torch
     from tqdm.auto import tqdm
 
@@ -278,7 +444,13 @@ def generate_run(args: argparse.Namespace, examples: list[Example]) -> tuple[Run
     assert args.model is not None
     ref = ModelRef.parse(args.model, args.gguf_file)
     tokenizer = load_tokenizer(ref)
-    model = load_model(ref, for_training=False)
+    quantize, why = base_quantization(args)
+    log.info("base model in %s (%s)", "4-bit NF4" if quantize else "full precision", why)
+    model = load_model(ref, quantize_4bit=quantize, for_training=False)
+    decoding = generation_config(args, tokenizer, model.generation_config.eos_token_id)
+    # generate() fills a passed config's unset fields from the model's own: it is replaced
+    # too (on the base model, whose generate a PEFT model calls), so nothing of it remains.
+    model.generation_config = decoding
     if args.adapter:
         from peft import PeftModel
 
@@ -286,32 +458,23 @@ def generate_run(args: argparse.Namespace, examples: list[Example]) -> tuple[Run
     model.eval()
     torch.manual_seed(args.seed)
     chat = has_chat_template(tokenizer)
-    sampling: dict[str, Any] = (
-        {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p}
-        if args.temperature > 0
-        else {"do_sample": False}
-    )
+    style = prompt_style(args)
     completions: list[str] = []
     for start in tqdm(range(0, len(examples), args.batch_size), desc="generating", unit="batch"):
         batch = examples[start : start + args.batch_size]
         if chat:
             texts = [
                 tokenizer.apply_chat_template(
-                    ex.record(True)["prompt"], add_generation_prompt=True, tokenize=False
+                    ex.record(True, style)["prompt"], add_generation_prompt=True, tokenize=False
                 )
                 for ex in batch
             ]
         else:
-            texts = [ex.record(False)["prompt"] for ex in batch]
+            texts = [ex.record(False, style)["prompt"] for ex in batch]
         enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not chat)
         enc = {k: v.to(model.device) for k, v in enc.items()}
         with torch.inference_mode():
-            out = model.generate(
-                **enc,
-                max_new_tokens=args.max_new_tokens,
-                pad_token_id=tokenizer.pad_token_id,
-                **sampling,
-            )
+            out = model.generate(**enc, generation_config=decoding)
         new = out[:, enc["input_ids"].shape[1] :]
         completions.extend(tokenizer.batch_decode(new, skip_special_tokens=True))
     run = Run(
@@ -320,6 +483,7 @@ def generate_run(args: argparse.Namespace, examples: list[Example]) -> tuple[Run
         [ex.answer for ex in examples],
         examples[0].answer_type,
         count_tokens(tokenizer, completions),
+        decoding=decoding_settings(decoding),
     )
     return run, tokenizer
 
@@ -332,8 +496,15 @@ def generated_label(args: argparse.Namespace) -> str:
     return f"{label}+{args.adapter.rstrip('/')}" if args.adapter else label
 
 
-def score_run(client: RewardClient, run: Run, recipe: str, interval: str = "normal") -> RunMetrics:
-    """Score every completion (raw, with diagnostics, in chunks of :data:`SCORE_CHUNK`) and
+def score_run(
+    client: RewardClient,
+    run: Run,
+    recipe: str,
+    interval: str = "normal",
+    params: dict[str, Any] | None = None,
+) -> RunMetrics:
+    """Score every completion (raw, with diagnostics, in chunks of :data:`SCORE_CHUNK`) under
+    the SPEC §4 ``params`` (``--param``: Uniq is counted at their ``similarity_threshold``) and
     summarize. A completion that cannot be sent (:class:`RunFileError`) or that the server
     refused (:class:`RewardRequestError`) is named by its file and line, not by its index in
     the chunk sent."""
@@ -346,7 +517,12 @@ def score_run(client: RewardClient, run: Run, recipe: str, interval: str = "norm
         ]
         try:
             result = client.score(
-                items, recipe=recipe, answer_type=run.answer_type, normalize=False, diagnostics=True
+                items,
+                recipe=recipe,
+                answer_type=run.answer_type,
+                params=params or None,
+                normalize=False,
+                diagnostics=True,
             )
         except ItemError as exc:
             raise RunFileError(
@@ -415,6 +591,10 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     anything is read, generated or scored."""
     if not args.model and not args.completions:
         parser.error("give --model to generate, or --completions NAME=FILE to read runs")
+    try:
+        args.params = checked_reward_params(args)  # a typo fails now, not after generation
+    except FlagError as exc:
+        parser.error(str(exc))
     for flag, value in (
         ("--limit", args.limit),
         ("--batch-size", args.batch_size),
@@ -431,6 +611,9 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             ModelRef.parse(args.model, args.gguf_file).check()
         if args.tokenizer:
             ModelRef.parse(args.tokenizer).check("--tokenizer")
+        if args.model:
+            base_quantization(args)  # a 4-bit base that cannot load stops here, not after
+            warn_prompt_mismatch(args)
     except ValueError as exc:
         parser.error(str(exc))
     outputs = {
@@ -459,11 +642,15 @@ def unscored_path(run: Run) -> Path:
     return Path(tempfile.gettempdir()) / f"sde2-eval-{safe}-{os.getpid()}.jsonl"
 
 
-def run_meta(args: argparse.Namespace, split: str) -> dict[str, Any]:
+def run_meta(
+    args: argparse.Namespace, split: str, decoding: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """What the table was measured on, for ``--json``: the model and adapter, the data, the
-    decoding and the scoring (a row's label alone does not say it)."""
+    decoding (``decoding``: every setting the generated run used, :func:`decoding_settings`)
+    and the scoring (a row's label alone does not say it)."""
     meta: dict[str, Any] = {
         "recipe": args.recipe,
+        "params": getattr(args, "params", None) or {},
         "ci": args.ci,
         "reward_url": args.reward_url,
         "completions": args.completions,
@@ -473,14 +660,17 @@ def run_meta(args: argparse.Namespace, split: str) -> dict[str, Any]:
             model=args.model,
             gguf_file=args.gguf_file,
             adapter=args.adapter,
+            base_quantization=dict(zip(("4bit", "why"), base_quantization(args), strict=True)),
             dataset=args.dataset,
             data=args.data or DEFAULT_SOURCES[args.dataset],
             split=split,
             limit=args.limit,
+            prompt=args.prompt,
             temperature=args.temperature,
             top_p=args.top_p,
             max_new_tokens=args.max_new_tokens,
             seed=args.seed,
+            decoding=decoding,
         )
     return meta
 
@@ -543,7 +733,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with RewardClient(args.reward_url, retry=retry) as client:
             client.logs_warnings = False  # score_run names each one's file and line
-            rows = [score_run(client, r, args.recipe, args.ci) for r in runs]
+            rows = [score_run(client, r, args.recipe, args.ci, args.params) for r in runs]
     except (RewardServiceError, RunFileError, KeyboardInterrupt) as exc:  # with the reason
         stopped = isinstance(exc, KeyboardInterrupt)  # Ctrl-C while the retries wait
         print(f"sde2-eval: {'stopped while scoring' if stopped else exc}", file=sys.stderr)
@@ -558,7 +748,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.model and not args.save_completions:
         unscored_path(runs[0]).unlink(missing_ok=True)  # scored: no longer needed
     status = emit("sde2-eval", Path("-"), [markdown_table(rows) + "\n"])  # quiet on `| head`
-    payload = {"runs": [r.as_dict() for r in rows], "meta": run_meta(args, split)}
+    payload = {"runs": [r.as_dict() for r in rows], "meta": run_meta(args, split, runs[0].decoding)}
     if args.json:
         written = emit("sde2-eval", args.json, [json.dumps(payload, indent=1)])
         status = status or written

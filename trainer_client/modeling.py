@@ -3,8 +3,9 @@
 Shared by ``sde2-train`` and ``sde2-eval`` so that both count tokens with the same tokenizer
 (#TOK is measured with the policy's own tokenizer, paper Sec. 4.4). GGUF weights (e.g. the small
 SmolLM2 checkpoint used in CPU tests) are dequantized by ``transformers`` on load. 4-bit loading
-(the paper's QLoRA setting) is used only when CUDA and ``bitsandbytes`` are both present; on CPU
-it would fail, so it is skipped with a log line rather than an error.
+(the paper's QLoRA setting) needs CUDA and ``bitsandbytes`` (the ``qlora`` extra); the commands
+decide whether to use it and say so (``sde2-train`` refuses to start on CUDA without
+``bitsandbytes`` rather than train another setting than asked), and this module loads as told.
 """
 
 from __future__ import annotations
@@ -65,13 +66,18 @@ def cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+#: What to install for 4-bit QLoRA and 8-bit AdamW (pyproject's ``qlora`` extra).
+QLORA_EXTRA = "sde2[qlora]"
+
+
+def bitsandbytes_available() -> bool:
+    """Whether ``bitsandbytes`` (4-bit weights, 8-bit AdamW) can be imported."""
+    return importlib.util.find_spec("bitsandbytes") is not None
+
+
 def can_load_4bit(ref: ModelRef) -> bool:
     """4-bit needs CUDA and bitsandbytes, and GGUF weights cannot be re-quantized on load."""
-    return (
-        cuda_available()
-        and importlib.util.find_spec("bitsandbytes") is not None
-        and ref.gguf_file is None
-    )
+    return cuda_available() and bitsandbytes_available() and ref.gguf_file is None
 
 
 def load_tokenizer(ref: ModelRef) -> Any:

@@ -3,10 +3,17 @@
 Defaults are the paper's (Sec. 4.2 and App. F): lr 5e-6 with cosine decay, warmup ratio 0.1,
 gradient clipping 0.1, G = 6 completions per prompt, LoRA r = 64, α = 32, dropout 0, sequences of
 at most 2048 tokens, sampling at temperature 0.2 and top-p 0.95 (the paper's decoding: T in
-0.1-0.3, top-p 0.90-0.95), 4-bit weights when CUDA and bitsandbytes are present, and the
-multi-strategy prompt. The recipe (``--recipe``, any registered one) and ablations (``--weight
-sd=0``, a component of the recipe) only change the reward request. Everything can be shrunk for
-a CPU smoke run (``--max-steps 2 --num-generations 2 --max-new-tokens 16 --batch-size 2``).
+0.1-0.3, top-p 0.90-0.95), 4-bit weights and 8-bit AdamW on CUDA (bitsandbytes, the ``qlora``
+extra: without it the command refuses to start, ``--no-4bit`` opts out), and the multi-strategy
+prompt (``--prompt single``: the paper's single-trace baseline). What the run used (quantized or
+not, optimizer, precision, reward, decoding, prompt) is written to ``sde2_training.json`` in
+``--output-dir`` and beside the final adapter, where ``sde2-eval`` reads it. The GRPO advantages
+are the paper's (App. A.2: the group's population std): the reward returns the server's group
+advantages and TRL, with ``scale_rewards="none"``, keeps them (returning ``R_final``, TRL's sample
+std made them √((G−1)/G) of the paper's); ``sde2/reward`` logs ``R_final``. The recipe
+(``--recipe``, any registered one) and ablations (``--weight sd=0``, a component of the recipe)
+only change the reward request. Everything can be shrunk for a CPU smoke run (``--max-steps 2
+--num-generations 2 --max-new-tokens 16 --batch-size 2``).
 
 Checkpoints go to ``--output-dir`` every ``--save-steps``; ``--resume`` continues from the latest
 one (or from the given checkpoint folder) with optimizer, scheduler and RNG state.
@@ -34,6 +41,7 @@ from trainer_client.datasets import (
     looks_like_path,
 )
 from trainer_client.modeling import ModelRef
+from trainer_client.prompts import add_prompt_flag, prompt_style
 from trainer_client.retry import RetryPolicy, RewardServiceError
 from trainer_client.sharding import check_weights
 
@@ -59,10 +67,25 @@ class FlagError(ValueError):
     it as argparse does (usage, the message, exit status 2)."""
 
 
+def add_param_flag(group: Any) -> None:
+    """``--param key=value``, SPEC §4 reward parameters, on a parser or an argument group: one
+    definition for ``sde2-train`` and ``sde2-eval`` (a model trained at δ = 0.75 is evaluated at
+    δ = 0.75: the eval table's Uniq is counted at the server's similarity threshold). Read with
+    :func:`checked_reward_params`."""
+    group.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="reward parameter (SPEC §4), e.g. similarity_threshold=0.75; repeatable",
+    )
+
+
 def reward_params(args: argparse.Namespace) -> dict[str, Any]:
-    """SPEC §4 parameters from ``--param`` and ``--weight``, validated (a typo fails now)."""
+    """SPEC §4 parameters from ``--param`` and ``--weight`` (a command without ``--weight``:
+    none), validated (a typo fails now)."""
     params = parse_assignments(args.param, "--param")
-    weights = parse_assignments(args.weight, "--weight")
+    weights = parse_assignments(getattr(args, "weight", []), "--weight")
     if weights:
         given = params.get("weights", {})
         if not isinstance(given, dict):
@@ -86,7 +109,8 @@ def checked_reward_params(args: argparse.Namespace) -> dict[str, Any]:
         issues = "; ".join(
             f"{'.'.join(str(p) for p in e['loc']) or 'params'}: {e['msg']}" for e in exc.errors()
         )
-        raise FlagError(f"--param/--weight: {issues}") from None
+        flags = "--param/--weight" if hasattr(args, "weight") else "--param"
+        raise FlagError(f"{flags}: {issues}") from None
 
 
 def check_flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -174,6 +198,78 @@ def check_grpo_flags(args: argparse.Namespace) -> None:
         raise FlagError(f"--report-to: {exc}") from None
 
 
+def use_4bit(args: argparse.Namespace) -> bool:
+    """Whether the base model loads in 4-bit (the paper's QLoRA: NF4 weights, 8-bit AdamW).
+
+    On CUDA it is the default, and a missing ``bitsandbytes`` is a :class:`FlagError` naming
+    the extra and the opt-out: the run would otherwise train in bf16 with ``adamw_torch`` (not
+    the paper's setting, far more memory) without a word. Without CUDA 4-bit cannot load, and a
+    GGUF file cannot be re-quantized: both are said in the log, never left to be guessed.
+    """
+    from trainer_client.modeling import QLORA_EXTRA, bitsandbytes_available, cuda_available
+
+    if args.no_4bit:
+        log.info("--no-4bit: full-precision base weights, adamw_torch")
+        return False
+    if not cuda_available():
+        log.info(
+            "no CUDA device: 4-bit QLoRA and 8-bit AdamW are off (full precision, adamw_torch)"
+        )
+        return False
+    if args.gguf_file or ModelRef.parse(args.model, args.gguf_file).gguf_file:
+        log.warning("GGUF weights cannot load in 4-bit: full-precision base, adamw_torch")
+        return False
+    if not bitsandbytes_available():
+        raise FlagError(
+            "4-bit QLoRA and 8-bit AdamW (the paper's setting, the default on CUDA) need "
+            f"bitsandbytes, which is not installed: pip install '{QLORA_EXTRA}', or pass "
+            "--no-4bit to train the full-precision base with adamw_torch"
+        )
+    return True
+
+
+#: The run's settings, in ``--output-dir`` and beside the final adapter (``sde2-eval`` reads
+#: whether the base was 4-bit from it).
+TRAINING_RECORD = "sde2_training.json"
+
+
+def training_record(
+    args: argparse.Namespace, config: Any, quantize_4bit: bool, params: dict[str, Any]
+) -> dict[str, Any]:
+    """What the run trained with, beyond the flags' defaults: the precision of the base and the
+    optimizer as TRL received them, the reward, the decoding, the adapter's shape."""
+    return {
+        "model": args.model,
+        "gguf_file": args.gguf_file,
+        "load_in_4bit": quantize_4bit,
+        "quantization": "nf4, double quantization" if quantize_4bit else None,
+        "optimizer": str(getattr(config.optim, "value", config.optim)),
+        "bf16": bool(config.bf16),
+        "lora": {
+            "r": args.lora_r,
+            "alpha": args.lora_alpha,
+            "dropout": args.lora_dropout,
+            "target_modules": args.lora_target,
+        },
+        "recipe": args.recipe,
+        "params": params,
+        "num_generations": args.num_generations,
+        "advantages": "the reward server's group advantages (population std), scale_rewards=none",
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "max_new_tokens": args.max_new_tokens,
+        "dataset": args.dataset,
+        "prompt": args.prompt,
+        "seed": args.seed,
+    }
+
+
+def write_training_record(folder: Path, record: dict[str, Any]) -> None:
+    """``record`` as :data:`TRAINING_RECORD` in ``folder`` (made if missing)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / TRAINING_RECORD).write_text(json.dumps(record, indent=1) + "\n")
+
+
 def local_data(args: argparse.Namespace) -> bool:
     """Whether ``--data`` names a local file or folder (or was meant to): reading it costs
     milliseconds, so it is checked first; a hub dataset is fetched after the server probe."""
@@ -203,7 +299,12 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("model")
     g.add_argument("--model", required=True, help="hub id, local folder, or a .gguf file")
     g.add_argument("--gguf-file", help="GGUF file name inside --model (a folder or hub repo)")
-    g.add_argument("--no-4bit", action="store_true", help="never load 4-bit weights")
+    g.add_argument(
+        "--no-4bit",
+        action="store_true",
+        help="train the full-precision base with adamw_torch (on CUDA the default is the paper's "
+        "4-bit NF4 + 8-bit AdamW, which needs bitsandbytes: pip install 'sde2[qlora]')",
+    )
     g.add_argument("--lora-r", type=int, default=64)
     g.add_argument("--lora-alpha", type=int, default=32)
     g.add_argument("--lora-dropout", type=float, default=0.0)
@@ -223,6 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="use N questions drawn at random (by --seed), as the paper's 7,500 of MedMCQA",
     )
     g.add_argument("--cop-base", type=int, default=0, help="MedMCQA: index of option A in cop")
+    add_prompt_flag(g)
 
     g = p.add_argument_group("reward")
     g.add_argument(
@@ -233,12 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--recipe", choices=list(RECIPES), default="sde2")
     g.add_argument("--weight", action="append", default=[], help="ablation weight, e.g. sd=0")
-    g.add_argument(
-        "--param",
-        action="append",
-        default=[],
-        help="reward parameter, e.g. similarity_threshold=0.75",
-    )
+    add_param_flag(g)
     g.add_argument("--reward-timeout", type=float, default=180.0, help="seconds per request")
     g.add_argument(
         "--reward-retries",
@@ -290,7 +387,7 @@ def build_dataset(
     some: ``--max-length`` exceeds ``--max-new-tokens``)."""
     from datasets import Dataset
 
-    rows = [ex.record(conversational) for ex in examples]
+    rows = [ex.record(conversational, prompt_style(args)) for ex in examples]
     budget = args.max_length - args.max_new_tokens
 
     def prompt_tokens(row: dict[str, Any]) -> int:
@@ -314,6 +411,7 @@ def build_trainer(
     tokenizer: Any = None,
     examples: list[Example] | None = None,
     params: dict[str, Any] | None = None,
+    quantize: bool | None = None,
 ) -> tuple[Any, Any]:
     """The GRPOTrainer and the reward holder (:class:`~trainer_client.trl.SDE2Reward`).
 
@@ -321,14 +419,14 @@ def build_trainer(
     otherwise they are loaded from ``--model``, after the flags, the reward server and the
     data are checked (:class:`FlagError`, :class:`RewardServiceError`): a model takes minutes
     to load, and nothing is loaded or created to fail on one of those. ``examples`` and
-    ``params`` a caller already read and checked (:func:`main`) are not read or checked again.
+    ``params`` a caller already read and checked (:func:`main`) are not read or checked again,
+    nor ``quantize`` (:func:`use_4bit`) decided again.
     """
     from trl import GRPOTrainer
 
     from trainer_client.client import probe_each
     from trainer_client.modeling import (
         ModelRef,
-        can_load_4bit,
         cuda_available,
         has_chat_template,
         load_model,
@@ -337,6 +435,7 @@ def build_trainer(
     from trainer_client.trl import SDE2Reward
 
     params = params if params is not None else check_flags(args)
+    quantize = quantize if quantize is not None else use_4bit(args)
     retry = RetryPolicy(max_attempts=args.reward_retries, deadline=args.reward_deadline)
     info = probe_each(args.reward_url)[0]  # fail fast on a wrong URL
     log.info("reward server: %s (%d replica(s))", info.get("encoder"), len(args.reward_url))
@@ -344,7 +443,6 @@ def build_trainer(
 
     ref = ModelRef.parse(args.model, args.gguf_file)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(ref)
-    quantize = not args.no_4bit and can_load_4bit(ref)
     model = model if model is not None else load_model(ref, quantize_4bit=quantize)
     conversational = has_chat_template(tokenizer)
     dataset = build_dataset(args, tokenizer, conversational, examples)
@@ -357,6 +455,11 @@ def build_trainer(
         params=params,
         timeout=args.reward_timeout,
         retry=retry,
+        # The paper's advantages (population std), which TRL leaves as they are with
+        # scale_rewards="none" (grpo_config): returning R_final, TRL's sample std made them
+        # √((G−1)/G) times the paper's.
+        returns="advantages",
+        num_generations=args.num_generations,
     )
     trainer = GRPOTrainer(
         model=model,
@@ -366,6 +469,7 @@ def build_trainer(
         processing_class=tokenizer,
         peft_config=lora_config(args),
     )
+    holder.check_trainer_args(trainer.args)
     return trainer, holder
 
 
@@ -387,6 +491,8 @@ def grpo_config(args: argparse.Namespace, *, quantize_4bit: bool, cuda: bool) ->
         temperature=args.temperature,
         top_p=args.top_p,
         beta=args.beta,
+        # The reward returns the paper's group advantages: TRL only centres them (a no-op).
+        scale_rewards="none",
         max_steps=args.max_steps,
         num_train_epochs=args.epochs,
         save_steps=args.save_steps,
@@ -464,13 +570,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         params = check_flags(args)
         examples = training_examples(args) if local_data(args) else None
         check_grpo_flags(args)
+        quantize = use_4bit(args)
     except FlagError as exc:
         parser.error(str(exc))
     try:
-        trainer, _ = build_trainer(args, examples=examples, params=params)
+        trainer, _ = build_trainer(args, examples=examples, params=params, quantize=quantize)
     except (FlagError, RewardServiceError) as exc:
         print(f"sde2-train: {exc}", file=sys.stderr)
         return 2
+    out = Path(args.output_dir)
+    record = training_record(args, trainer.args, quantize, params)
+    write_training_record(out, record)  # the checkpoints' folder: a resumed run has it too
     try:
         trainer.train(resume_from_checkpoint=resume_target(args))
     except RewardServiceError as exc:
@@ -481,8 +591,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("training stopped at step %d: %s", trainer.state.global_step, exc)
         log.error("%s", how_to_continue(last))
         return 2
-    out = Path(args.output_dir)
     trainer.save_model(str(out / "final"))
+    write_training_record(out / "final", record)
     (out / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
     log.info("saved the LoRA adapter to %s", out / "final")
     return 0

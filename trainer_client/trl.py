@@ -17,8 +17,19 @@ processes, so each process scores its slice raw (``normalize=false``, one reques
 the raw components are all-gathered, and SPEC §5's normalization, aggregation and group advantages
 are redone over the gathered step with the core's own ``aggregate``
 (:func:`trainer_client.sharding.merge`, as for several replicas): every process gets exactly the
-rewards one request over the whole step returns. The rewards returned are ``R_final``, and TRL
-forms its group advantages from them.
+rewards one request over the whole step returns.
+
+What is returned: ``R_final`` by default, and TRL forms its group advantages from them — but
+TRL 1.16 divides by the group's *sample* standard deviation (``torch.std``, Bessel's ``n/(n-1)``)
+plus ``1e-4``, where the paper (App. A.2) and SPEC §5 divide by the *population* one plus
+``eps``: its advantages are ``√((G−1)/G)`` times the paper's (0.913 at G = 6, 0.707 at G = 2).
+``returns="advantages"`` (with ``num_generations=G``, TRL's) returns the server's paper-exact
+group advantages instead, each group being TRL's — the ``G`` consecutive completions of one
+prompt in the step — for a trainer configured with ``scale_rewards="none"`` (TRL then only
+subtracts the group mean, which is already 0: the advantages stay the paper's);
+:meth:`SDE2Reward.check_trainer_args` refuses any other configuration. ``sde2-train`` trains
+so. Either way ``R_final``'s step mean is logged as the metric ``<recipe>/reward`` (TRL's own
+``reward`` is then the mean advantage, 0).
 """
 
 from __future__ import annotations
@@ -33,7 +44,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from itertools import accumulate
 from types import MethodType
-from typing import Any
+from typing import Any, Literal
 
 from reward_server.core import ANSWER_TYPES, RECIPES, RewardParams
 from reward_server.core.answers import gold_text
@@ -55,6 +66,10 @@ EXPLAIN_RETRY = RetryPolicy(max_attempts=2, retry_after_max=2.0)
 EXPLAIN_TIMEOUT = 30.0
 
 RewardFunction = Callable[..., Any]
+
+#: What a reward function returns to TRL: ``R_final``, or the paper's group advantages.
+Returns = Literal["rewards", "advantages"]
+RETURNS: tuple[Returns, ...] = ("rewards", "advantages")
 
 #: Where a parsed assistant message holds the model's reasoning, first found first (the order of
 #: transformers' ``chat_template_utils._REASONING_FIELDS``).
@@ -207,7 +222,22 @@ class SDE2Reward:
         retry: RetryPolicy | None = None,
         api_key: str | None = None,
         explain_extremes: bool = False,
+        returns: Returns = "rewards",
+        num_generations: int | None = None,
     ) -> None:
+        if returns not in RETURNS:
+            raise ValueError(f"returns must be one of {list(RETURNS)}, got {returns!r}")
+        if returns == "advantages" and (
+            isinstance(num_generations, bool)
+            or not isinstance(num_generations, int)
+            or num_generations < 2
+        ):
+            raise ValueError(
+                "returns='advantages' needs num_generations, the trainer's G (an integer >= 2): "
+                f"TRL's groups are G consecutive completions, got {num_generations!r}"
+            )
+        if returns == "advantages" and not normalize:
+            raise ValueError("returns='advantages' needs normalize=True (SPEC §5's R_final)")
         if recipe not in RECIPES:
             raise ValueError(f"recipe must be one of {list(RECIPES)}, got {recipe!r}")
         if answer_type not in ANSWER_TYPES:
@@ -230,6 +260,10 @@ class SDE2Reward:
         #: Log why the best and the worst completion of each call got their reward (one more
         #: request per call, to ``/v1/explain``); off by default.
         self.explain_extremes = explain_extremes
+        #: ``"advantages"``: return the paper's group advantages over TRL's groups of
+        #: ``num_generations`` (see the module's docstring), else ``R_final``.
+        self.returns: Returns = returns
+        self.num_generations = num_generations
         self.last_result: ScoreResult | None = None
         self._client: tuple[asyncio.AbstractEventLoop, AsyncRewardClient] | None = None
         if recipe in vars(self) or hasattr(type(self), recipe):  # it would shadow the function
@@ -243,6 +277,31 @@ class SDE2Reward:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+
+    def check_trainer_args(self, args: Any) -> None:
+        """Refuse a ``GRPOConfig`` that would rescale what this returns (a ``ValueError``
+        naming the setting). With ``returns="advantages"`` TRL must leave them as they are:
+        ``scale_rewards="none"`` (else it divides them by their group's sample std again),
+        ``multi_objective_aggregation="sum_then_normalize"`` (the other normalizes each reward
+        function's output over the batch) and its ``num_generations`` equal to this one's
+        (else the groups differ). With ``returns="rewards"`` nothing is refused: TRL forms the
+        advantages, at ``√((G−1)/G)`` times the paper's (the module's docstring)."""
+        if self.returns != "advantages":
+            return
+        wrong = [
+            f"{name}={getattr(args, name, None)!r} (needs {need!r})"
+            for name, need in (
+                ("scale_rewards", "none"),
+                ("multi_objective_aggregation", "sum_then_normalize"),
+                ("num_generations", self.num_generations),
+            )
+            if getattr(args, name, need) != need
+        ]
+        if wrong:
+            raise ValueError(
+                "returns='advantages' gives TRL the paper's group advantages, which this "
+                f"trainer configuration would change: {', '.join(wrong)}"
+            )
 
     @property
     def reward_function(self) -> RewardFunction:
@@ -269,13 +328,16 @@ class SDE2Reward:
         """Score one TRL call; logs per-step metrics and per-completion columns when given."""
         if _process_group() is None:
             items, options = self._request(prompts, completions, completion_ids, kwargs)
+            if self.returns == "advantages":
+                groups = self._trl_groups([str(it["group"]) for it in items])
+                items = [{**it, "group": g} for it, g in zip(items, groups, strict=True)]
             result = await self._get_client().score(items, normalize=self.normalize, **options)
             self.last_result = result
             self._log(result, result, kwargs.get("log_metric"), kwargs.get("log_extra"))
             if self.explain_extremes and kwargs.get("log_extra") is not None:
                 answer_type = options["answer_type"]
                 await self._log_extremes(items, answer_type, result, kwargs["log_extra"])
-            return list(result.rewards)
+            return self._returned(result, 0, len(result))
         turns = _GatherTurns.of_loop()
         ticket = turns.take()  # before any await: in the order the calls begin
         try:
@@ -288,7 +350,36 @@ class SDE2Reward:
             turns.release(ticket)
         self.last_result = step
         self._log(step, local, kwargs.get("log_metric"), kwargs.get("log_extra"))
-        return list(step.rewards[offset : offset + len(local)])
+        return self._returned(step, offset, len(local))
+
+    def _returned(self, step: ScoreResult, start: int, count: int) -> list[float | None]:
+        """What TRL gets for completions ``start .. start + count`` of the step: ``R_final``,
+        or the group advantages (:attr:`returns`)."""
+        values = step.rewards if self.returns == "rewards" else step.advantages
+        if values is None:  # every item carried a group: the server computed them
+            raise RuntimeError("the reward service returned no group advantages")
+        return list(values[start : start + count])
+
+    def _trl_groups(self, prompt_keys: Sequence[str]) -> list[str]:
+        """TRL's groups of the step: completions ``kG .. kG + G − 1`` are the ``G`` of one
+        prompt (its ``RepeatSampler``), named by ``k`` (a prompt drawn twice in a step is two
+        groups, as in TRL). A step that is not so — a length not a multiple of ``G``, a block
+        holding two prompts — means ``num_generations`` is not the trainer's: a
+        ``ValueError``, never advantages over other groups than TRL's."""
+        g = self.num_generations
+        assert g is not None
+        if len(prompt_keys) % g:
+            raise ValueError(
+                f"a step of {len(prompt_keys)} completions is not groups of num_generations={g}: "
+                "give the reward the trainer's num_generations"
+            )
+        for start in range(0, len(prompt_keys), g):
+            if len(set(prompt_keys[start : start + g])) > 1:
+                raise ValueError(
+                    f"completions {start}..{start + g - 1} answer different prompts: TRL's groups "
+                    f"are not blocks of num_generations={g}; give the trainer's num_generations"
+                )
+        return [str(i // g) for i in range(len(prompt_keys))]
 
     def _request(
         self,
@@ -395,6 +486,8 @@ class SDE2Reward:
             for shard, start in zip(shards, starts, strict=False)
         ]
         all_groups = [g for _, gs, *_ in gathered for g in gs]
+        if self.returns == "advantages":  # TRL's groups over the gathered step, in rank order
+            all_groups = self._trl_groups(all_groups)
         step = merge(shards, normalize=self.normalize, groups=all_groups)
         offset = sum(len(shard) for shard in shards[: _rank()])
         assert local is not None
@@ -402,7 +495,9 @@ class SDE2Reward:
 
     def _identity(self) -> str:
         """What tells this reward function from another one of the trainer's."""
-        return f"{self.recipe}:{self.answer_column}:{self.answer_type}:{self.params!r}"
+        return (
+            f"{self.recipe}:{self.answer_column}:{self.answer_type}:{self.params!r}:{self.returns}"
+        )
 
     async def _log_extremes(
         self,
@@ -462,6 +557,9 @@ class SDE2Reward:
         name = self.recipe
         if log_metric is not None:
             n = len(step.items)
+            # R_final's mean: TRL's own reward curve is the mean advantage under
+            # returns="advantages" (0 by construction).
+            log_metric(f"{name}/reward", sum(step.rewards) / n)
             for key in RECIPES[self.recipe].components:
                 log_metric(f"{name}/{key}", sum(step.components[key]) / n)
             log_metric(f"{name}/acc", step.accuracy)
@@ -471,6 +569,7 @@ class SDE2Reward:
             if known:
                 log_metric(f"{name}/uniq", sum(known) / len(known))
         if log_extra is not None:
+            log_extra(f"{name}/reward", list(local.rewards))
             for key in RECIPES[self.recipe].components:
                 log_extra(f"{name}/{key}", list(local.components[key]))
             log_extra(f"{name}/n_strat", [it.n_strat for it in local.items])
@@ -625,6 +724,8 @@ def sde2_reward(
     retry: RetryPolicy | None = None,
     api_key: str | None = None,
     explain_extremes: bool = False,
+    returns: Returns = "rewards",
+    num_generations: int | None = None,
     **params: Any,
 ) -> RewardFunction:
     """A TRL ``GRPOTrainer`` reward function scoring through the reward server(s) at ``url``.
@@ -641,6 +742,9 @@ def sde2_reward(
     ``diagnostics=True`` computes ``Uniq`` for every multi-strategy completion (the ``uniq``
     metric over all of them) at extra encoder work; by default only what the reward needs is
     encoded.
+    ``returns="advantages"`` with ``num_generations=G`` returns the paper's group advantages
+    (population std) for a ``GRPOConfig(scale_rewards="none")``; by default ``R_final`` is
+    returned, and TRL's own group scaling makes advantages ``√((G−1)/G)`` times the paper's.
 
     Usage::
 
@@ -658,5 +762,7 @@ def sde2_reward(
         retry=retry,
         api_key=api_key,
         explain_extremes=explain_extremes,
+        returns=returns,
+        num_generations=num_generations,
     )
     return holder.reward_function

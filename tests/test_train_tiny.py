@@ -1,0 +1,138 @@
+"""``sde2-train`` end to end on a tiny Qwen2 checkpoint built in-process: a real reward server
+process, a real TRL ``GRPOTrainer`` step, in seconds (the SmolLM2 runs of
+``tests/test_train_e2e.py`` take minutes). What a run leaves behind is checked here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from reward_server.data import GSM8K_DIR
+from tests.client_fixtures import ServerProcess, reward_server  # noqa: F401 - fixture
+from tests.tiny_models import tiny_qwen2
+from trainer_client import train
+
+pytestmark = pytest.mark.train
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_qwen2(tmp_path_factory.mktemp("tiny"), chat=True)
+
+
+def tiny_argv(url: str, model: Path, out: Path, *extra: str) -> list[str]:
+    """One GRPO step: 1 prompt x 2 completions of 8 tokens."""
+    return [
+        "--model", str(model), "--reward-url", url,
+        "--data", str(GSM8K_DIR), "--limit", "2",
+        "--max-steps", "1", "--num-generations", "2", "--batch-size", "2",
+        "--max-new-tokens", "8", "--save-steps", "100", "--no-gradient-checkpointing",
+        "--output-dir", str(out), *extra,
+    ]  # fmt: skip
+
+
+def test_the_run_writes_what_it_trained_with(
+    reward_server: ServerProcess,  # noqa: F811
+    tiny_model: Path,
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "run"
+    assert (
+        train.main(tiny_argv(reward_server.url, tiny_model, out, "--param=explore_rate=0.2")) == 0
+    )
+    record = json.loads((out / "final" / train.TRAINING_RECORD).read_text())
+    assert json.loads((out / train.TRAINING_RECORD).read_text()) == record
+    assert record["load_in_4bit"] is False  # no CUDA here, and the record says so
+    assert record["optimizer"] == "adamw_torch" and record["bf16"] is False
+    assert record["params"] == {"explore_rate": 0.2} and record["recipe"] == "sde2"
+    assert (out / "final" / "adapter_config.json").is_file()
+
+
+def paper_advantages(rewards: list[float], g: int, eps: float = 1e-6) -> torch.Tensor:
+    """Paper App. A.2 / SPEC §5: ``(R − μ_b)/(σ_b + eps)`` over each prompt's ``g`` completions,
+    ``σ_b`` the population standard deviation, from the step's ``R_final`` (float64)."""
+    r = torch.tensor(rewards, dtype=torch.float64).view(-1, g)
+    mean = r.mean(dim=1, keepdim=True)
+    std = r.std(dim=1, unbiased=False, keepdim=True)
+    return ((r - mean) / (std + eps)).view(-1)
+
+
+def eos_prone(model: Any, tokenizer: Any) -> Any:
+    """The tiny model with its EOS logit scaled up: about half of the positions end the
+    completion, so completions differ in length and the length term (``cfl``) tells them
+    apart (an untrained model's completions are otherwise all alike to the reward)."""
+    with torch.no_grad():
+        row = model.lm_head.weight[tokenizer.eos_token_id]
+        row.mul_(12.0 / row.norm())
+    return model
+
+
+def test_trl_trains_on_the_papers_group_advantages(
+    reward_server: ServerProcess,  # noqa: F811
+    tiny_model: Path,
+    tmp_path: Path,
+) -> None:
+    """TRL's advantages — what enters the GRPO loss — equal the paper's to 1e-6: population std
+    (TRL's own scaling, from R_final, gave √((G−1)/G) = 0.866 of them at G = 4)."""
+    from trainer_client.modeling import ModelRef, load_model, load_tokenizer
+
+    g = 4
+    argv = tiny_argv(reward_server.url, tiny_model, tmp_path / "run", "--recipe", "cfl")
+    argv += ["--param=length_target=2", "--num-generations", str(g), "--batch-size", "8"]
+    argv += ["--temperature", "1.0", "--max-steps", "2"]
+    args = train.build_parser().parse_args(argv)
+    ref = ModelRef.parse(str(tiny_model))
+    tokenizer = load_tokenizer(ref)
+    model = eos_prone(load_model(ref), tokenizer)
+    trainer, holder = train.build_trainer(args, model=model, tokenizer=tokenizer)
+    assert trainer.args.scale_rewards == "none"
+    results: list[Any] = []
+    advantages: list[torch.Tensor] = []
+    generate = trainer._generate_and_score_completions
+
+    def recording(batch: Any) -> Any:  # what TRL hands its loss, and the reward behind it
+        out = generate(batch)
+        advantages.append(out["advantages"].detach().clone())
+        results.append(holder.last_result)
+        return out
+
+    trainer._generate_and_score_completions = recording
+    trainer.train()
+
+    assert len(results) == len(advantages) == 2
+    for result, adv in zip(results, advantages, strict=True):
+        expected = paper_advantages(result.rewards, g)
+        assert torch.allclose(adv.double(), expected, atol=1e-6)
+        assert result.advantages == pytest.approx(expected.tolist(), abs=1e-9)
+    spread = torch.cat(advantages).abs().max().item()
+    assert spread > 0.5  # rewards differed within groups: not a check of zeros
+    logs = [h for h in trainer.state.log_history if "cfl/reward" in h]
+    assert [h["cfl/reward"] for h in logs] == pytest.approx(
+        [sum(r.rewards) / len(r.rewards) for r in results], abs=1e-6
+    )  # R_final's curve, while TRL's own "reward" is the mean advantage
+    assert all(abs(h["reward"]) < 1e-6 for h in logs)
+
+
+def test_a_trainer_that_would_rescale_the_advantages_is_refused() -> None:
+    from trl import GRPOConfig
+
+    from trainer_client.trl import SDE2Reward
+
+    def config(**settings: Any) -> Any:
+        return GRPOConfig(output_dir="unused", use_cpu=True, bf16=False, **settings)
+
+    holder = SDE2Reward("http://127.0.0.1:19602", returns="advantages", num_generations=4)
+    with pytest.raises(ValueError, match=r"scale_rewards='group' \(needs 'none'\)"):
+        holder.check_trainer_args(config(num_generations=4))  # TRL's default
+    with pytest.raises(ValueError, match=r"num_generations=6 \(needs 4\)"):
+        holder.check_trainer_args(
+            config(num_generations=6, per_device_train_batch_size=6, scale_rewards="none")
+        )
+    holder.check_trainer_args(config(num_generations=4, scale_rewards="none"))
+    with pytest.raises(ValueError, match="needs num_generations"):
+        SDE2Reward("http://127.0.0.1:19602", returns="advantages")
