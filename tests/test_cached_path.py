@@ -91,12 +91,15 @@ def test_cached_request_errors_as_before() -> None:
 def test_where_a_request_is_prepared_depends_on_its_size_not_its_answer(
     monkeypatch: pytest.MonkeyPatch, cached: bool
 ) -> None:
-    """A body up to ``inline_bytes`` is parsed on the event loop's thread, a larger one in the
-    CPU pool; both answer as the reference does, on the encoder's path and on the cached one."""
+    """A body up to ``inline_bytes`` is parsed and rewarded on the event loop's thread, a larger
+    one in the CPU pool; both answer as the reference does, on the encoder's path and on the
+    cached one. (An uncached request's reward went to the pool whatever its size: two thread
+    wake-ups more for a small step.)"""
     body = {"items": step_items(seed=8)[:16], "diagnostics": True}
     raw = json.dumps(body).encode()
     want = reference_response(body, HashEncoder())
     threads = threads_running(monkeypatch, "prepare_batch")
+    rewarded = threads_running(monkeypatch, "finish_batch")
     places = {}
     for limit, place in ((len(raw), "loop"), (len(raw) - 1, "pool"), (0, "pool")):
         encoder = CachedEncoder(HashEncoder(), 1000) if cached else HashEncoder()
@@ -105,12 +108,13 @@ def test_where_a_request_is_prepared_depends_on_its_size_not_its_answer(
             with http_client(service) as c:
                 for _ in range(2 if cached else 1):  # the second one finds every text cached
                     threads.clear()
+                    rewarded.clear()
                     r = c.post(
                         "/v1/score", content=raw, headers={"content-type": "application/json"}
                     )
                     assert r.status_code == 200, r.text
                     assert_same_response(r.json(), want | {"encoder": encoder.name})
-                    assert len(threads) == 1
+                    assert len(threads) == 1 and rewarded == threads, (threads, rewarded)
                     places[limit] = threads[0]
                 bad = c.post("/v1/score", content=raw.replace(b'"answer"', b'"answr"', 1))
                 assert bad.status_code == 422 and bad.json()["detail"][0]["loc"][:2] == [
