@@ -360,6 +360,8 @@ def test_score_benchmark_runs_end_to_end(
     # Everything but the encoder: in process and through the server, with the same rewards.
     assert re.search(r"\(D\) in process.* [0-9.]+ +[0-9.]+ +<= 1\.5", out), out
     assert re.search(r"\(E\) through the server.* [0-9.]+ +[0-9.]+ +<= 3\.0", out), out
+    # ... and through the encoder's worker, as a step the cache does not hold goes.
+    assert re.search(r"\(E\) through the encoder's worker.* [0-9.]+ +[0-9.]+ +<= 3\.0", out), out
     assert "(D) and (E) rewards agree (<= 1e-9): yes" in out
     # (D) on the workload's other shapes; folded line breaks leave every reward as it was.
     assert re.search(r"\(D\), reasoning with line breaks +[0-9.]+ +[0-9.]+", out), out
