@@ -136,3 +136,37 @@ def test_a_trainer_that_would_rescale_the_advantages_is_refused() -> None:
     holder.check_trainer_args(config(num_generations=4, scale_rewards="none"))
     with pytest.raises(ValueError, match="needs num_generations"):
         SDE2Reward("http://127.0.0.1:19602", returns="advantages")
+
+
+def test_a_resumed_run_keeps_the_settings_it_was_trained_with(
+    reward_server: ServerProcess,  # noqa: F811
+    tiny_model: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A resume command without the run's ``--prompt single`` trained step 2 on the multi prompt
+    and rewrote the record to say multi: it is refused, naming the flag and the recorded value,
+    and each checkpoint carries the record of what it was trained with."""
+    out = tmp_path / "run"
+    first = tiny_argv(reward_server.url, tiny_model, out, "--save-steps", "1")
+    assert train.main([*first, "--prompt", "single", "--param=explore_rate=0.2"]) == 0
+    recorded = (out / train.TRAINING_RECORD).read_text()
+    assert json.loads((out / "checkpoint-1" / train.TRAINING_RECORD).read_text())["prompt"] == (
+        "single"
+    )
+    capsys.readouterr()
+    resume = [*first, "--max-steps", "2", "--resume"]
+    with pytest.raises(SystemExit) as refused:
+        train.main([*resume, "--temperature", "0.3"])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert '--prompt: the run has prompt="single", this command "multi"' in err
+    assert '--param/--weight: the run has params={"explore_rate": 0.2}, this command {}' in err
+    assert "--temperature: the run has temperature=0.2, this command 0.3" in err
+    assert (out / train.TRAINING_RECORD).read_text() == recorded  # left as it was
+    assert not (out / "checkpoint-2").exists()  # nothing trained
+
+    assert train.main([*resume, "--prompt", "single", "--param=explore_rate=0.2"]) == 0
+    for folder in (out, out / "checkpoint-2", out / "final"):
+        record = json.loads((folder / train.TRAINING_RECORD).read_text())
+        assert record["prompt"] == "single" and record["params"] == {"explore_rate": 0.2}

@@ -15,8 +15,12 @@ std made them √((G−1)/G) of the paper's); ``sde2/reward`` logs ``R_final``. 
 only change the reward request. Everything can be shrunk for a CPU smoke run (``--max-steps 2
 --num-generations 2 --max-new-tokens 16 --batch-size 2``).
 
-Checkpoints go to ``--output-dir`` every ``--save-steps``; ``--resume`` continues from the latest
-one (or from the given checkpoint folder) with optimizer, scheduler and RNG state.
+Checkpoints go to ``--output-dir`` every ``--save-steps``, each with the run's
+``sde2_training.json``; ``--resume`` continues from the latest one (or from the given checkpoint
+folder) with optimizer, scheduler and RNG state, and with the run's settings: a resume command
+whose prompt, reward, data, model, quantization, LoRA, decoding or GRPO settings differ from the
+run's record is refused (exit status 2, each differing flag named with its recorded value), and
+the record is never rewritten with other values.
 """
 
 from __future__ import annotations
@@ -259,9 +263,135 @@ def training_record(
         "top_p": args.top_p,
         "max_new_tokens": args.max_new_tokens,
         "dataset": args.dataset,
+        "data": args.data,
+        "split": args.split,
+        "limit": args.limit,
+        "sample": args.sample,
+        "cop_base": args.cop_base,
         "prompt": args.prompt,
         "seed": args.seed,
+        "lr": args.lr,
+        "beta": args.beta,
+        "warmup_ratio": args.warmup_ratio,
+        "max_grad_norm": args.max_grad_norm,
+        "batch_size": args.batch_size or args.num_generations,
+        "grad_accum": args.grad_accum,
+        "max_length": args.max_length,
     }
+
+
+#: The record's settings a resumed run must share with the run it continues, and the flag that
+#: sets each (``lora`` is compared field by field): the steps after ``--resume`` would
+#: otherwise train on another prompt, reward or data than the checkpoint's, and the record
+#: would say only one of them.
+RESUMED_SETTINGS: dict[str, str] = {
+    "model": "--model",
+    "gguf_file": "--gguf-file",
+    "load_in_4bit": "--no-4bit",
+    "optimizer": "--no-4bit",
+    "bf16": "the precision (bf16 on a CUDA device that has it)",
+    "lora.r": "--lora-r",
+    "lora.alpha": "--lora-alpha",
+    "lora.dropout": "--lora-dropout",
+    "lora.target_modules": "--lora-target",
+    "recipe": "--recipe",
+    "params": "--param/--weight",
+    "num_generations": "--num-generations",
+    "temperature": "--temperature",
+    "top_p": "--top-p",
+    "max_new_tokens": "--max-new-tokens",
+    "dataset": "--dataset",
+    "data": "--data",
+    "split": "--split",
+    "limit": "--limit",
+    "sample": "--sample",
+    "cop_base": "--cop-base",
+    "prompt": "--prompt",
+    "seed": "--seed",
+    "lr": "--lr",
+    "beta": "--beta",
+    "warmup_ratio": "--warmup-ratio",
+    "max_grad_norm": "--max-grad-norm",
+    "batch_size": "--batch-size",
+    "grad_accum": "--grad-accum",
+    "max_length": "--max-length",
+}
+
+
+def _setting(record: dict[str, Any], key: str) -> tuple[bool, Any]:
+    """(whether ``record`` holds ``key`` — ``lora.r`` is ``record["lora"]["r"]``, its value)."""
+    value: Any = record
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return False, None
+        value = value[part]
+    return True, value
+
+
+def record_differences(recorded: dict[str, Any], record: dict[str, Any]) -> list[str]:
+    """Each :data:`RESUMED_SETTINGS` entry ``recorded`` holds with another value than
+    ``record``, as ``flag: recorded key=value, this command value`` (a setting an older record
+    lacks is not compared: what it was is not known).
+
+    >>> record_differences({"prompt": "single", "lora": {"r": 8}}, {"prompt": "multi",
+    ...                     "lora": {"r": 8}})
+    ['--prompt: the run has prompt="single", this command "multi"']
+    """
+    out = []
+    for key, flag in RESUMED_SETTINGS.items():
+        held, was = _setting(recorded, key)
+        now = _setting(record, key)[1]
+        if held and was != now:
+            out.append(
+                f"{flag}: the run has {key}={json.dumps(was)}, this command {json.dumps(now)}"
+            )
+    return out
+
+
+def resumed_record(
+    args: argparse.Namespace, target: str | None, record: dict[str, Any]
+) -> dict[str, Any]:
+    """The record a run resumed from checkpoint ``target`` keeps: the one it was trained with
+    (in the checkpoint, else in ``--output-dir``), never one of other values. A command whose
+    settings differ from it is a :class:`FlagError` naming each flag and its recorded value;
+    a fresh run (no ``target``) or one without a record writes ``record``."""
+    if target is None:
+        return record
+    kept: dict[str, Any] = {}
+    for path in (Path(target) / TRAINING_RECORD, Path(args.output_dir) / TRAINING_RECORD):
+        if not path.is_file():
+            continue
+        try:
+            recorded = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise FlagError(f"--resume: {path} cannot be read: {exc}") from None
+        if not isinstance(recorded, dict):
+            raise FlagError(f"--resume: {path} is not a JSON object")
+        differences = record_differences(recorded, record)
+        if differences:
+            raise FlagError(
+                f"--resume continues a run trained with other settings ({path}): "
+                + "; ".join(differences)
+                + ". Give the run's settings, or train anew in another --output-dir"
+            )
+        kept = {**recorded, **kept}
+    return {**record, **kept}  # a value the run recorded is never replaced
+
+
+def record_checkpoints(record: dict[str, Any]) -> Any:
+    """A ``TrainerCallback`` that writes ``record`` into each ``checkpoint-N/`` as it is saved:
+    ``sde2-eval --adapter out/checkpoint-N`` reads what that checkpoint was trained with (the
+    folder above holds the latest run's record, which a later run may have written)."""
+    from transformers import TrainerCallback
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    class RecordCheckpoints(TrainerCallback):
+        def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+            if state.is_world_process_zero and folder.is_dir():
+                write_training_record(folder, record)
+
+    return RecordCheckpoints()
 
 
 def write_training_record(folder: Path, record: dict[str, Any]) -> None:
@@ -523,6 +653,12 @@ def lora_config(args: argparse.Namespace) -> Any:
     )
 
 
+def _cuda() -> bool:
+    from trainer_client.modeling import cuda_available
+
+    return cuda_available()
+
+
 def _bf16_ok() -> bool:
     import torch
 
@@ -571,6 +707,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         examples = training_examples(args) if local_data(args) else None
         check_grpo_flags(args)
         quantize = use_4bit(args)
+        target = resume_target(args)
+        config = grpo_config(args, quantize_4bit=quantize, cuda=_cuda())
+        record = resumed_record(args, target, training_record(args, config, quantize, params))
     except FlagError as exc:
         parser.error(str(exc))
     try:
@@ -579,10 +718,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"sde2-train: {exc}", file=sys.stderr)
         return 2
     out = Path(args.output_dir)
-    record = training_record(args, trainer.args, quantize, params)
     write_training_record(out, record)  # the checkpoints' folder: a resumed run has it too
+    trainer.add_callback(record_checkpoints(record))
     try:
-        trainer.train(resume_from_checkpoint=resume_target(args))
+        trainer.train(resume_from_checkpoint=target)
     except RewardServiceError as exc:
         # No step is ever taken on invented rewards: stop, say why, say how to continue.
         from transformers.trainer_utils import get_last_checkpoint
