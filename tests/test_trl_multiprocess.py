@@ -172,6 +172,7 @@ def _advantages_worker(rank: int, url: str, store: str, out_dir: str) -> None:
         mine = rows[rank * half : (rank + 1) * half]
         fn = sde2_reward(url, returns="advantages", num_generations=GENERATIONS)
         metrics: dict[str, list[float]] = defaultdict(list)
+        extra: dict[str, list[Any]] = defaultdict(list)
         returned = asyncio.run(
             fn(
                 prompts=[r["prompt"] for r in mine],
@@ -180,10 +181,11 @@ def _advantages_worker(rank: int, url: str, store: str, out_dir: str) -> None:
                 answer=[r["answer"] for r in mine],
                 trainer_state=None,
                 log_metric=lambda k, v: metrics[k].append(v),
-                log_extra=lambda k, v: None,
+                log_extra=lambda k, v: extra[k].extend(v),
             )
         )
-        Path(out_dir, f"{rank}.json").write_text(json.dumps({"returned": returned, **metrics}))
+        report = {"returned": returned, "extra": extra, **metrics}
+        Path(out_dir, f"{rank}.json").write_text(json.dumps(report))
 
 
 def test_two_processes_get_the_papers_group_advantages(
@@ -217,6 +219,12 @@ def test_two_processes_get_the_papers_group_advantages(
     # R_final's step mean is each process's metric (TRL's own reward is the advantages').
     assert reports[0]["sde2/reward"] == reports[1]["sde2/reward"]
     assert reports[0]["sde2/reward"] == [pytest.approx(sum(whole.rewards) / len(items))]
+    # The per-completion R_final column is the step's R_final, each process its own slice (it
+    # was the shard's raw weighted sum, scored without normalization).
+    column = [v for report in reports for v in report["extra"]["sde2/reward"]]
+    assert column == pytest.approx(whole.rewards, abs=1e-9)
+    raw = [sum(whole.components[k][i] for k in whole.components) for i in range(len(items))]
+    assert column != pytest.approx(raw, abs=1e-3)  # the raw sums differ: the check tells
 
 
 def _failing_worker(rank: int, urls: list[str], store: str, out_dir: str, case: str) -> None:

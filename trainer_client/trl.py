@@ -333,7 +333,7 @@ class SDE2Reward:
                 items = [{**it, "group": g} for it, g in zip(items, groups, strict=True)]
             result = await self._get_client().score(items, normalize=self.normalize, **options)
             self.last_result = result
-            self._log(result, result, kwargs.get("log_metric"), kwargs.get("log_extra"))
+            self._log(result, result, 0, kwargs.get("log_metric"), kwargs.get("log_extra"))
             if self.explain_extremes and kwargs.get("log_extra") is not None:
                 answer_type = options["answer_type"]
                 await self._log_extremes(items, answer_type, result, kwargs["log_extra"])
@@ -349,7 +349,7 @@ class SDE2Reward:
         finally:
             turns.release(ticket)
         self.last_result = step
-        self._log(step, local, kwargs.get("log_metric"), kwargs.get("log_extra"))
+        self._log(step, local, offset, kwargs.get("log_metric"), kwargs.get("log_extra"))
         return self._returned(step, offset, len(local))
 
     def _returned(self, step: ScoreResult, start: int, count: int) -> list[float | None]:
@@ -544,6 +544,7 @@ class SDE2Reward:
         self,
         step: ScoreResult,
         local: ScoreResult,
+        offset: int,
         log_metric: Callable[[str, float], None] | None,
         log_extra: Callable[[str, list[Any]], None] | None,
     ) -> None:
@@ -551,8 +552,10 @@ class SDE2Reward:
 
         Metrics describe the whole step (``step``: the same on every process, so TRL's average
         across processes is the step's value); keys depend on the recipe only, so every process
-        logs the same keys. Columns describe this process's completions (``local``: TRL gathers
-        them). No metric is ever NaN: a value that cannot be computed is left out.
+        logs the same keys. Columns describe this process's completions (``local``, completions
+        ``offset ..`` of the step: TRL gathers them); their ``R_final`` is the step's (``local``
+        was scored raw under several processes, its ``rewards`` the raw weighted sums). No
+        metric is ever NaN: a value that cannot be computed is left out.
         """
         name = self.recipe
         if log_metric is not None:
@@ -569,7 +572,7 @@ class SDE2Reward:
             if known:
                 log_metric(f"{name}/uniq", sum(known) / len(known))
         if log_extra is not None:
-            log_extra(f"{name}/reward", list(local.rewards))
+            log_extra(f"{name}/reward", list(step.rewards[offset : offset + len(local)]))
             for key in RECIPES[self.recipe].components:
                 log_extra(f"{name}/{key}", list(local.components[key]))
             log_extra(f"{name}/n_strat", [it.n_strat for it in local.items])
