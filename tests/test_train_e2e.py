@@ -2,11 +2,12 @@
 it through the adapter, then ``sde2-eval`` on GSM8K test questions.
 
 What is checked is the path of the numbers: every step's rewards are the server's (the logged
-``sde2/reward`` equals the mean of what the server returned), TRL's advantages — the only way
-rewards enter the GRPO loss — are the paper's group z-scores (population std) of exactly those
-rewards (``sde2-train``'s reward returns them; TRL's ``scale_rewards="none"`` keeps them), the
-adapter's metrics reach the trainer's logs, checkpoints are written, and the evaluation table is
-computed from the server's verdicts (checked on a hand-made run with known answers).
+``sde2/raw_reward`` equals the weighted mean of the raw components the server returned), TRL's
+advantages — the only way rewards enter the GRPO loss — are the paper's group z-scores
+(population std) of exactly those rewards (``sde2-train``'s reward returns them; TRL's
+``scale_rewards="none"`` keeps them), the adapter's metrics reach the trainer's logs,
+checkpoints are written, and the evaluation table is computed from the server's verdicts
+(checked on a hand-made run with known answers).
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ def test_grpo_trains_on_server_rewards_then_evaluates(
     assert len(logs) == 2
     for result, adv, log in zip(results, advantages, logs, strict=True):
         assert len(result) == 4  # 2 prompts x 2 completions
-        assert log["sde2/reward"] == pytest.approx(sum(result.rewards) / 4, abs=1e-5)
+        raw = sum(sum(v) for v in result.components.values()) / 4  # sde2's weights: 1
+        assert log["sde2/raw_reward"] == pytest.approx(raw, abs=1e-5)
         assert log["rewards/sde2/mean"] == pytest.approx(0.0, abs=1e-5)  # the advantages'
         assert torch.allclose(adv, expected_advantages(result.rewards, 2), atol=1e-5)
         for key in ("oc", "re", "fa", "sd"):

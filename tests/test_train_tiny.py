@@ -111,10 +111,13 @@ def test_trl_trains_on_the_papers_group_advantages(
         assert result.advantages == pytest.approx(expected.tolist(), abs=1e-9)
     spread = torch.cat(advantages).abs().max().item()
     assert spread > 0.5  # rewards differed within groups: not a check of zeros
-    logs = [h for h in trainer.state.log_history if "cfl/reward" in h]
-    assert [h["cfl/reward"] for h in logs] == pytest.approx(
-        [sum(r.rewards) / len(r.rewards) for r in results], abs=1e-6
-    )  # R_final's curve, while TRL's own "reward" is the mean advantage
+    logs = [h for h in trainer.state.log_history if "cfl/raw_reward" in h]
+    # The step's Σ_k w_k · mean(R_k) (cfl's weights: 1), while R_final's mean and TRL's own
+    # "reward" (the mean advantage) are 0 by construction.
+    raw = [sum(sum(v) for v in r.components.values()) / len(r) for r in results]
+    assert all(abs(x) > 1e-3 for x in raw)
+    assert all(abs(sum(r.rewards)) < 1e-6 for r in results)
+    assert [h["cfl/raw_reward"] for h in logs] == pytest.approx(raw, abs=1e-6)
     assert all(abs(h["reward"]) < 1e-6 for h in logs)
 
 

@@ -262,7 +262,8 @@ def test_groups_follow_identical_prompts(reward_server: ServerProcess) -> None: 
 def test_log_metric_and_log_extra(reward_server: ServerProcess) -> None:  # noqa: F811
     metrics: dict[str, list[float]] = defaultdict(list)
     extra: dict[str, list[Any]] = defaultdict(list)
-    holder = SDE2Reward(reward_server.url, diagnostics=True)  # Uniq of every completion
+    # Uniq of every completion; a weight other than 1 shows in the raw reward
+    holder = SDE2Reward(reward_server.url, diagnostics=True, params={"weights": {"sd": 0.5}})
     texts = [GOOD, PARTIAL, PLAIN, ""]
     kw = call_kwargs(texts, ["p"] * 4)
     kw["log_metric"] = lambda name, value: metrics[name].append(value)
@@ -271,10 +272,15 @@ def test_log_metric_and_log_extra(reward_server: ServerProcess) -> None:  # noqa
     res = holder.last_result
     assert res is not None
     expected_keys = {
-        f"sde2/{k}" for k in ("reward", "oc", "re", "fa", "sd", "acc", "s_acc", "n_strat", "uniq")
+        f"sde2/{k}"
+        for k in ("raw_reward", "oc", "re", "fa", "sd", "acc", "s_acc", "n_strat", "uniq")
     }
     assert set(metrics) == expected_keys
-    assert metrics["sde2/reward"] == [pytest.approx(sum(res.rewards) / 4)]  # R_final's mean
+    # Σ_k w_k · mean(R_k), not R_final's mean (0 by construction: each R̃_k is zero-mean)
+    c = res.components
+    raw = sum(sum(c[k]) / 4 for k in ("oc", "re", "fa")) + 0.5 * sum(c["sd"]) / 4
+    assert raw > 0.1 and abs(sum(res.rewards) / 4) < 1e-9
+    assert metrics["sde2/raw_reward"] == [pytest.approx(raw)]
     assert extra["sde2/reward"] == pytest.approx(res.rewards)
     assert metrics["sde2/oc"] == [pytest.approx(1 / 4)]  # only GOOD is right (PLAIN: no tags)
     assert metrics["sde2/acc"] == [pytest.approx(1 / 4)]

@@ -216,9 +216,12 @@ def test_two_processes_get_the_papers_group_advantages(
     trl_uses = (grouped - grouped.mean(1, keepdim=True)).view(-1)  # scale_rewards="none"
     assert torch.allclose(trl_uses, paper.view(-1), atol=1e-6)
     assert paper.abs().max() > 0.5  # the groups' rewards differ: not a check of zeros
-    # R_final's step mean is each process's metric (TRL's own reward is the advantages').
-    assert reports[0]["sde2/reward"] == reports[1]["sde2/reward"]
-    assert reports[0]["sde2/reward"] == [pytest.approx(sum(whole.rewards) / len(items))]
+    # The step's raw weighted mean (weights 1) is each process's metric: R_final's mean is 0 by
+    # construction, and TRL's own reward is the advantages' (0 too).
+    raw = sum(sum(v) for v in whole.components.values()) / len(items)
+    assert abs(raw) > 0.1 and abs(sum(whole.rewards)) < 1e-9
+    assert reports[0]["sde2/raw_reward"] == reports[1]["sde2/raw_reward"]
+    assert reports[0]["sde2/raw_reward"] == [pytest.approx(raw)]
     # The per-completion R_final column is the step's R_final, each process its own slice (it
     # was the shard's raw weighted sum, scored without normalization).
     column = [v for report in reports for v in report["extra"]["sde2/reward"]]

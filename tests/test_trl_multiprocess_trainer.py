@@ -129,8 +129,10 @@ def test_grpo_trainer_on_two_processes_gets_the_one_request_rewards(
     for c in step:  # what TRL holds after gathering (float32), on every process
         assert c["gathered"] == pytest.approx(whole.advantages, abs=1e-6)
     history = json.loads((tmp_path / "log_history.json").read_text())
-    logged = [h[f"{RECIPE}/reward"] for h in history if f"{RECIPE}/reward" in h]
-    assert logged == [pytest.approx(sum(whole.rewards) / len(items), abs=1e-5)]
+    logged = [h[f"{RECIPE}/raw_reward"] for h in history if f"{RECIPE}/raw_reward" in h]
+    raw = sum(sum(v) for v in whole.components.values()) / len(items)  # cfl's weights: 1
+    assert abs(raw) > 1e-3  # R_final's mean is 0 by construction: not what is logged
+    assert logged == [pytest.approx(raw, abs=1e-5)]
 
     # The check has teeth: each process normalizing its own half gives other numbers.
     per_process = [r for res in alone for r in res.rewards]

@@ -10,7 +10,8 @@ not, optimizer, precision, reward, decoding, prompt) is written to ``sde2_traini
 ``--output-dir`` and beside the final adapter, where ``sde2-eval`` reads it. The GRPO advantages
 are the paper's (App. A.2: the group's population std): the reward returns the server's group
 advantages and TRL, with ``scale_rewards="none"``, keeps them (returning ``R_final``, TRL's sample
-std made them √((G−1)/G) of the paper's); ``sde2/reward`` logs ``R_final``. The recipe
+std made them √((G−1)/G) of the paper's); ``sde2/raw_reward`` logs the step's un-normalized
+reward ``Σ_k w_k · mean(R_k)`` (``R_final``'s mean is 0 by construction). The recipe
 (``--recipe``, any registered one) and ablations (``--weight sd=0``, a component of the recipe)
 only change the reward request. Everything can be shrunk for a CPU smoke run (``--max-steps 2
 --num-generations 2 --max-new-tokens 16 --batch-size 2``).

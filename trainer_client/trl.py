@@ -28,8 +28,9 @@ group advantages instead, each group being TRL's — the ``G`` consecutive compl
 prompt in the step — for a trainer configured with ``scale_rewards="none"`` (TRL then only
 subtracts the group mean, which is already 0: the advantages stay the paper's);
 :meth:`SDE2Reward.check_trainer_args` refuses any other configuration. ``sde2-train`` trains
-so. Either way ``R_final``'s step mean is logged as the metric ``<recipe>/reward`` (TRL's own
-``reward`` is then the mean advantage, 0).
+so. Either way the step's un-normalized reward ``Σ_k w_k · mean(R_k)`` is logged as the metric
+``<recipe>/raw_reward``: ``R_final``'s step mean is 0 by construction (each normalized component
+is zero-mean over the request, SPEC §5), and TRL's own ``reward`` is then the mean advantage, 0.
 """
 
 from __future__ import annotations
@@ -560,9 +561,10 @@ class SDE2Reward:
         name = self.recipe
         if log_metric is not None:
             n = len(step.items)
-            # R_final's mean: TRL's own reward curve is the mean advantage under
-            # returns="advantages" (0 by construction).
-            log_metric(f"{name}/reward", sum(step.rewards) / n)
+            # Not R_final's mean: each normalized component is zero-mean over the step (SPEC
+            # §5), so that mean is 0 by construction, and so is TRL's own reward curve under
+            # returns="advantages". The raw weighted mean moves as the policy learns.
+            log_metric(f"{name}/raw_reward", raw_reward(step))
             for key in RECIPES[self.recipe].components:
                 log_metric(f"{name}/{key}", sum(step.components[key]) / n)
             log_metric(f"{name}/acc", step.accuracy)
@@ -602,6 +604,20 @@ def _recipe_function(recipe: str) -> Callable[..., Any]:
     reward.__name__ = reward.__qualname__ = recipe
     reward.__doc__ = f"{spec.description} ({', '.join(spec.components)})."
     return reward
+
+
+def raw_reward(result: ScoreResult) -> float:
+    """``Σ_k w_k · mean(R_k)``: the recipe's weights (the effective ones the server answered
+    with) over the batch means of its raw components — the un-normalized reward of the batch.
+    ``R_final``'s batch mean is no curve: with ``normalize`` each ``R̃_k`` is zero-mean over
+    the request (SPEC §5), so that mean is 0 whatever the completions."""
+    fields = RewardParams.model_fields
+    params = RewardParams.model_validate({k: v for k, v in result.params.items() if k in fields})
+    n = max(1, len(result))
+    return sum(
+        params.weights.of(key) * sum(result.components[key]) / n
+        for key in RECIPES[result.recipe].components
+    )
 
 
 def _uniq(result: ScoreResult) -> list[int | None]:
