@@ -137,6 +137,18 @@ def test_a_trainer_that_would_rescale_the_advantages_is_refused() -> None:
             config(num_generations=6, per_device_train_batch_size=6, scale_rewards="none")
         )
     holder.check_trainer_args(config(num_generations=4, scale_rewards="none"))
+    ok = {"num_generations": 4, "scale_rewards": "none"}
+    with pytest.raises(ValueError, match=r"reward_weights=\[0.5\] \(needs \[1.0\]"):
+        holder.check_trainer_args(config(**ok, reward_weights=[0.5]))  # halves the advantages
+    with pytest.raises(ValueError, match=r"reward_weights=\[1.0, 1.0\]"):
+        holder.check_trainer_args(config(**ok, reward_weights=[1, 1]))  # another function
+    with pytest.raises(ValueError, match=r"num_generations_eval=1 \(needs None or 4"):
+        holder.check_trainer_args(config(**ok, num_generations_eval=1))
+    with pytest.raises(ValueError, match=r"num_generations_eval=8 \(needs None or 4"):
+        holder.check_trainer_args(
+            config(**ok, num_generations_eval=8, per_device_eval_batch_size=8)
+        )
+    holder.check_trainer_args(config(**ok, num_generations_eval=4, reward_weights=[1]))
     with pytest.raises(ValueError, match="needs num_generations"):
         SDE2Reward("http://127.0.0.1:19602", returns="advantages")
 
@@ -173,3 +185,56 @@ def test_a_resumed_run_keeps_the_settings_it_was_trained_with(
     for folder in (out, out / "checkpoint-2", out / "final"):
         record = json.loads((folder / train.TRAINING_RECORD).read_text())
         assert record["prompt"] == "single" and record["params"] == {"explore_rate": 0.2}
+
+
+def test_the_reward_checks_the_trainer_that_calls_it(
+    reward_server: ServerProcess,  # noqa: F811
+    tiny_model: Path,
+    tmp_path: Path,
+) -> None:
+    """A holder told G = 2 inside TRL groups of 4 scored half-groups without an error (2
+    divides 4), unless the user called ``check_trainer_args``: the function now checks the
+    trainer behind TRL's ``log_metric`` at its first call; and a trainer summing another
+    reward function with the advantages, or weighting them, is refused given the trainer."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trainer_client.modeling import ModelRef, load_model, load_tokenizer
+    from trainer_client.trl import SDE2Reward
+
+    ref = ModelRef.parse(str(tiny_model))
+    tokenizer = load_tokenizer(ref)
+    data = Dataset.from_list(
+        [{"prompt": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(4)]
+    )
+
+    def trainer(holder: SDE2Reward, *funcs: Any, **settings: Any) -> Any:
+        config = GRPOConfig(
+            output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, report_to="none",
+            num_generations=4, per_device_train_batch_size=4, max_completion_length=4,
+            scale_rewards="none", max_steps=1, save_strategy="no", **settings,
+        )  # fmt: skip
+        return GRPOTrainer(
+            model=load_model(ref),
+            reward_funcs=[holder.reward_function, *funcs],
+            args=config,
+            train_dataset=data,
+            processing_class=tokenizer,
+        )
+
+    wrong_g = SDE2Reward(reward_server.url, returns="advantages", num_generations=2)
+    with pytest.raises(ValueError, match=r"num_generations=4 \(needs 2\)"):
+        trainer(wrong_g).train()  # at the first reward call, before any request
+
+    holder = SDE2Reward(reward_server.url, returns="advantages", num_generations=4)
+
+    def length(completions: list[str], **kwargs: Any) -> list[float]:
+        return [float(len(c)) for c in completions]
+
+    summed = trainer(holder, length)
+    with pytest.raises(ValueError, match=r"other reward functions \['length'\]"):
+        summed.train()
+    weighted = trainer(holder, length, reward_weights=[0.5, 0.0])  # length adds nothing
+    with pytest.raises(ValueError, match=r"reward_weights=\[0.5, 0.0\] \(needs 1 for this"):
+        holder.check_trainer_args(weighted)
+    holder.check_trainer_args(trainer(holder, length, reward_weights=[1.0, 0.0]))

@@ -600,7 +600,7 @@ def build_trainer(
         processing_class=tokenizer,
         peft_config=lora_config(args),
     )
-    holder.check_trainer_args(trainer.args)
+    holder.check_trainer_args(trainer)  # its config, reward functions and weights
     return trainer, holder
 
 

@@ -27,10 +27,14 @@ plus ``1e-4``, where the paper (App. A.2) and SPEC §5 divide by the *population
 group advantages instead, each group being TRL's — the ``G`` consecutive completions of one
 prompt in the step — for a trainer configured with ``scale_rewards="none"`` (TRL then only
 subtracts the group mean, which is already 0: the advantages stay the paper's);
-:meth:`SDE2Reward.check_trainer_args` refuses any other configuration. ``sde2-train`` trains
-so. Either way the step's un-normalized reward ``Σ_k w_k · mean(R_k)`` is logged as the metric
-``<recipe>/raw_reward``: ``R_final``'s step mean is 0 by construction (each normalized component
-is zero-mean over the request, SPEC §5), and TRL's own ``reward`` is then the mean advantage, 0.
+:meth:`SDE2Reward.check_trainer_args` refuses any other configuration (a ``num_generations``
+that divides TRL's, reward weights other than 1, another reward function summed with this one,
+another ``num_generations_eval``), and the function runs it at every call on the trainer behind
+TRL's ``log_metric``; called without a trainer behind it, call it yourself. ``sde2-train``
+trains so. Either way the step's un-normalized reward ``Σ_k w_k · mean(R_k)`` is logged as the
+metric ``<recipe>/raw_reward``: ``R_final``'s step mean is 0 by construction (each normalized
+component is zero-mean over the request, SPEC §5), and TRL's own ``reward`` is then the mean
+advantage, 0.
 """
 
 from __future__ import annotations
@@ -280,29 +284,89 @@ class SDE2Reward:
         self.__dict__.update(state)
 
     def check_trainer_args(self, args: Any) -> None:
-        """Refuse a ``GRPOConfig`` that would rescale what this returns (a ``ValueError``
-        naming the setting). With ``returns="advantages"`` TRL must leave them as they are:
-        ``scale_rewards="none"`` (else it divides them by their group's sample std again),
+        """Refuse a trainer configuration that would change what this returns (a
+        ``ValueError`` naming each setting). ``args`` is the ``GRPOTrainer`` itself (its
+        ``args``, reward functions and reward weights are checked) or its ``GRPOConfig`` alone.
+
+        With ``returns="advantages"`` TRL must leave them as they are: ``scale_rewards="none"``
+        (else it divides them by their group's sample std again),
         ``multi_objective_aggregation="sum_then_normalize"`` (the other normalizes each reward
-        function's output over the batch) and its ``num_generations`` equal to this one's
-        (else the groups differ). With ``returns="rewards"`` nothing is refused: TRL forms the
-        advantages, at ``√((G−1)/G)`` times the paper's (the module's docstring)."""
+        function's output over the batch), its ``num_generations`` equal to this one's (else
+        the groups differ: a G that divides TRL's would give advantages over parts of its
+        groups, with no error at the call), ``num_generations_eval`` None or the same (eval
+        groups are that size), a reward weight of 1 for this function (TRL multiplies by it:
+        0.5 halves the advantages) and no other reward function summed with it (its rewards
+        would be added to the advantages; one of weight 0 adds nothing). Given a config alone,
+        ``reward_weights`` must be all 1 and name one function. With ``returns="rewards"``
+        nothing is refused: TRL forms the advantages, at ``√((G−1)/G)`` times the paper's.
+
+        The reward function runs this check itself at each call TRL makes (TRL 1.16 passes its
+        bound ``_log_metric``, whose trainer it reads); called any other way (no trainer
+        behind ``log_metric``), nothing can check the trainer's G: call this with the trainer.
+        """
         if self.returns != "advantages":
             return
+        trainer = args if hasattr(args, "reward_funcs") and hasattr(args, "args") else None
+        config = args if trainer is None else trainer.args
+        g = self.num_generations
         wrong = [
-            f"{name}={getattr(args, name, None)!r} (needs {need!r})"
+            f"{name}={getattr(config, name, None)!r} (needs {need!r})"
             for name, need in (
                 ("scale_rewards", "none"),
                 ("multi_objective_aggregation", "sum_then_normalize"),
-                ("num_generations", self.num_generations),
+                ("num_generations", g),
             )
-            if getattr(args, name, need) != need
+            if getattr(config, name, need) != need
         ]
+        g_eval = getattr(config, "num_generations_eval", None)
+        if g_eval not in (None, g):
+            wrong.append(
+                f"num_generations_eval={g_eval!r} (needs None or {g}: the eval groups are that "
+                "size)"
+            )
+        weights = getattr(trainer, "reward_weights", None) if trainer is not None else None
+        if weights is None:
+            weights = getattr(config, "reward_weights", None)
+        weights = None if weights is None else [float(w) for w in weights]
+        if trainer is None:
+            if weights is not None and (len(weights) != 1 or weights[0] != 1):
+                wrong.append(
+                    f"reward_weights={weights!r} (needs [1.0]: TRL multiplies the advantages by "
+                    "it, and another function's rewards would be added to them)"
+                )
+        else:
+            funcs = list(trainer.reward_funcs)
+            weights = weights if weights is not None else [1.0] * len(funcs)
+            ours = [i for i, f in enumerate(funcs) if getattr(f, "__self__", None) is self]
+            if not ours:
+                wrong.append("reward_funcs (this reward function is not among them)")
+            if any(weights[i] != 1 for i in ours):
+                wrong.append(
+                    f"reward_weights={weights!r} (needs 1 for this function: TRL multiplies the "
+                    "advantages by it)"
+                )
+            others = [
+                getattr(f, "__name__", type(f).__name__)
+                for i, f in enumerate(funcs)
+                if i not in ours and weights[i] != 0
+            ]
+            if others:
+                wrong.append(
+                    f"other reward functions {others} (TRL adds their weighted rewards to these "
+                    "advantages; give them weight 0, or return rewards)"
+                )
         if wrong:
             raise ValueError(
                 "returns='advantages' gives TRL the paper's group advantages, which this "
                 f"trainer configuration would change: {', '.join(wrong)}"
             )
+
+    def _check_caller(self, log_metric: Any) -> None:
+        """:meth:`check_trainer_args` on the trainer that called (TRL 1.16 passes its bound
+        ``_log_metric``); nothing when no trainer is behind ``log_metric``."""
+        trainer = getattr(log_metric, "__self__", None)
+        if hasattr(trainer, "args") and hasattr(trainer, "reward_funcs"):
+            self.check_trainer_args(trainer)
 
     @property
     def reward_function(self) -> RewardFunction:
@@ -327,6 +391,7 @@ class SDE2Reward:
         **kwargs: Any,
     ) -> list[float | None]:
         """Score one TRL call; logs per-step metrics and per-completion columns when given."""
+        self._check_caller(kwargs.get("log_metric"))  # the same on every process: all raise
         if _process_group() is None:
             items, options = self._request(prompts, completions, completion_ids, kwargs)
             if self.returns == "advantages":
