@@ -58,3 +58,52 @@ def test_one_definition_for_both_commands() -> None:
 
     ours, theirs = param_action(evaluate.build_parser()), param_action(train.build_parser())
     assert (ours.help, ours.metavar, ours.default) == (theirs.help, theirs.metavar, theirs.default)
+
+
+def test_an_adapter_is_scored_as_its_training_run(
+    reward_server: ServerProcess,  # noqa: F811
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An adapter trained at δ = 0.75 with cfl was scored with sde2 at the server's 0.80,
+    silently: without --recipe and --param the record's are used, and said so (log, meta); a
+    user's other ones are used with a warning."""
+    import logging
+
+    from peft import LoraConfig, get_peft_model
+
+    from reward_server.data import GSM8K_DIR
+    from tests.tiny_models import tiny_qwen2
+    from trainer_client.modeling import ModelRef, load_model
+
+    model = tiny_qwen2(tmp_path / "tiny", chat=True)
+    adapter = tmp_path / "run" / "final"
+    lora = LoraConfig(r=2, lora_alpha=4, target_modules="all-linear", task_type="CAUSAL_LM")
+    get_peft_model(load_model(ModelRef.parse(str(model))), lora).save_pretrained(adapter)
+    trained = {"similarity_threshold": 0.75, "weights": {"len": 0.5}}
+    record = {"recipe": "cfl", "params": trained, "prompt": "multi", "load_in_4bit": False}
+    (adapter / train.TRAINING_RECORD).write_text(json.dumps(record))
+    out = tmp_path / "eval.json"
+    argv = [
+        "--reward-url", reward_server.url, "--model", str(model), "--adapter", str(adapter),
+        "--data", str(GSM8K_DIR), "--limit", "1", "--max-new-tokens", "4", "--json", str(out),
+    ]  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="sde2.eval"):
+        assert evaluate.main(argv) == 0
+    meta = json.loads(out.read_text())["meta"]
+    assert meta["recipe"] == "cfl" and meta["params"] == trained
+    where = str(adapter / train.TRAINING_RECORD)
+    assert meta["scoring_from"] == {"recipe": where, "params": where}
+    assert f"--recipe cfl: as the adapter's training run ({where})" in caplog.text
+    assert "reward parameters" in caplog.text and "as the adapter's training run" in caplog.text
+
+    caplog.clear()
+    mine = ["--recipe", "sde2", "--param", "similarity_threshold=0.8"]
+    with caplog.at_level(logging.INFO, logger="sde2.eval"):
+        assert evaluate.main([*argv, *mine]) == 0
+    meta = json.loads(out.read_text())["meta"]
+    assert meta["recipe"] == "sde2" and meta["params"] == {"similarity_threshold": 0.8}
+    assert meta["scoring_from"] == {"recipe": "--recipe", "params": "--param"}
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("trained with --recipe cfl" in w for w in warned)
+    assert any("--param {'similarity_threshold': 0.8}" in w and "0.75" in w for w in warned)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from reward_server.core import ANSWER_TYPES, RECIPES
+from reward_server.core import ANSWER_TYPES, RECIPES, RewardParams
 from reward_server.core.answers import gold_text
 from reward_server.jsonl_files import (
     InputError,
@@ -62,9 +62,9 @@ from trainer_client.metrics import INTERVALS, RunMetrics, markdown_table, summar
 from trainer_client.modeling import ModelRef
 from trainer_client.prompts import add_prompt_flag, prompt_style
 from trainer_client.retry import RetryPolicy, RewardRequestError, RewardServiceError
+from trainer_client.sharding import check_weights
 from trainer_client.train import (
     TRAINING_RECORD,
-    FlagError,
     add_param_flag,
     checked_reward_params,
 )
@@ -162,6 +162,57 @@ def warn_prompt_mismatch(args: argparse.Namespace) -> None:
         )
 
 
+def follow_training_record(args: argparse.Namespace) -> None:
+    """``args.recipe`` and ``args.params`` (the checked ``--param``) as the scoring uses them:
+    what the user gave, else what ``--adapter``'s training run used (an adapter trained at
+    δ = 0.75 has its Uniq counted at 0.75, not at the server's 0.80), else ``sde2`` and the
+    server's defaults; said in the log, and where each came from in ``args.scoring_from``
+    (``--json``'s meta). A user's recipe or parameters other than the run's are a warning: a
+    legitimate question, never an unnoticed one. A record whose parameters do not validate is
+    a :class:`ValueError` naming it."""
+    found = training_record_of(args.adapter) if args.adapter else None
+    recipe_from = "--recipe" if args.recipe is not None else "default"
+    params_from = "--param" if args.param else "default"
+    record: dict[str, Any] = {} if found is None else found[1]
+    trained_recipe, trained_params = record.get("recipe"), record.get("params")
+    if found is not None and args.recipe is None and trained_recipe in RECIPES:
+        args.recipe, recipe_from = trained_recipe, str(found[0])
+        log.info("--recipe %s: as the adapter's training run (%s)", args.recipe, found[0])
+    elif found is not None and trained_recipe is not None and args.recipe != trained_recipe:
+        log.warning(
+            "--recipe %s, but %s says the adapter was trained with --recipe %s",
+            args.recipe or "sde2",
+            found[0],
+            trained_recipe,
+        )
+    if args.recipe is None:
+        args.recipe = "sde2"
+    args.params = checked_reward_params(args)  # --param's weights: of the recipe's components
+    if found is not None:
+        path = found[0]
+        if not args.param and isinstance(trained_params, dict):
+            args.params, params_from = dict(trained_params), str(path)
+            log.info("reward parameters %s: as the adapter's training run (%s)", args.params, path)
+        elif isinstance(trained_params, dict) and args.params != trained_params:
+            log.warning(
+                "--param %s, but %s says the adapter was trained with %s: the table's Uniq "
+                "and the scoring use this command's",
+                args.params,
+                path,
+                trained_params,
+            )
+    if params_from not in ("--param", "default"):  # the record's, checked as --param is
+        try:
+            RewardParams(**args.params)
+            check_weights(args.recipe, args.params, "params.weights.{}")
+        except ValueError as exc:  # pydantic's ValidationError included
+            raise ValueError(
+                f"{params_from}: its params cannot score with --recipe {args.recipe}: "
+                f"{str(exc).splitlines()[0]}; give --param"
+            ) from None
+    args.scoring_from = {"recipe": recipe_from, "params": params_from}
+
+
 def _splits_help() -> str:
     return ", ".join(f"{name} {split}" for name, split in EVAL_SPLITS.items())
 
@@ -218,8 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--recipe",
         choices=list(RECIPES),
-        default="sde2",
-        help="recipe whose parameters score (ACC is the same)",
+        default=None,
+        help="recipe whose parameters score (default: the --adapter's training run's, as its "
+        "--param; else sde2)",
     )
     add_param_flag(p)
     p.add_argument(
@@ -591,9 +643,9 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     anything is read, generated or scored."""
     if not args.model and not args.completions:
         parser.error("give --model to generate, or --completions NAME=FILE to read runs")
-    try:
-        args.params = checked_reward_params(args)  # a typo fails now, not after generation
-    except FlagError as exc:
+    try:  # a --param typo fails now, not after generation
+        follow_training_record(args)
+    except ValueError as exc:  # FlagError included
         parser.error(str(exc))
     for flag, value in (
         ("--limit", args.limit),
@@ -651,6 +703,9 @@ def run_meta(
     meta: dict[str, Any] = {
         "recipe": args.recipe,
         "params": getattr(args, "params", None) or {},
+        # where the recipe and the params came from: the flag, the adapter's training record,
+        # or the defaults (sde2, the server's)
+        "scoring_from": getattr(args, "scoring_from", None),
         "ci": args.ci,
         "reward_url": args.reward_url,
         "completions": args.completions,
