@@ -121,3 +121,34 @@ def test_eval_follows_the_record_unless_told(
         f"auto: {quantized / train.TRAINING_RECORD} says the adapter was trained on a 4-bit base",
     )
     assert decided("--adapter", str(checkpoint))[0] is True
+
+
+def test_the_refusal_names_the_extra_only_where_it_installs_bitsandbytes(
+    cuda_without_bitsandbytes: None,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The extra's marker installs bitsandbytes on Linux and Windows (PyPI has its CUDA wheels
+    for both); the refusal told every CUDA user to install it, and the marker left Windows
+    out. Elsewhere the extra installs nothing: the refusal says --no-4bit alone."""
+    import tomllib
+
+    from packaging.markers import Marker
+    from packaging.requirements import Requirement
+
+    monkeypatch.setattr(modeling, "platform", lambda: "darwin")
+    with pytest.raises(SystemExit) as stop:
+        train.main(train_argv(tmp_path))
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "pass --no-4bit" in err and "not on darwin" in err and "pip install" not in err
+
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    (spec,) = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]["qlora"]
+    marker = Requirement(spec).marker
+    assert isinstance(marker, Marker)
+    for platform in ("linux", "win32", "darwin"):
+        installs = marker.evaluate({"sys_platform": platform})
+        assert installs == (platform in modeling.QLORA_PLATFORMS), platform
+    assert set(modeling.QLORA_PLATFORMS) == {"linux", "win32"}

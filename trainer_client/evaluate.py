@@ -125,7 +125,7 @@ def base_quantization(args: argparse.Namespace) -> tuple[bool, str]:
     not the same model on bf16 ones. 4-bit that cannot load (no CUDA, no bitsandbytes, GGUF
     weights) is a :class:`ValueError` naming the flag, never a silent full-precision run.
     """
-    from trainer_client.modeling import QLORA_EXTRA, can_load_4bit
+    from trainer_client.modeling import can_load_4bit, qlora_install_hint
 
     choice = args.base_quantization
     if choice == "none":
@@ -140,9 +140,9 @@ def base_quantization(args: argparse.Namespace) -> tuple[bool, str]:
         why = f"auto: {found[0]} says the adapter was trained on a 4-bit base"
     if not can_load_4bit(ModelRef.parse(args.model, args.gguf_file)):
         raise ValueError(
-            f"--base-quantization: {why}; 4-bit loading needs CUDA, bitsandbytes (pip install "
-            f"'{QLORA_EXTRA}') and non-GGUF weights; --base-quantization none evaluates on the "
-            "full-precision base instead"
+            f"--base-quantization: {why}; 4-bit loading needs CUDA, bitsandbytes and non-GGUF "
+            "weights; "
+            + qlora_install_hint("--base-quantization none to evaluate on the full-precision base")
         )
     return True, why
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,31 @@ def cuda_available() -> bool:
 
 #: What to install for 4-bit QLoRA and 8-bit AdamW (pyproject's ``qlora`` extra).
 QLORA_EXTRA = "sde2[qlora]"
+
+#: Where the ``qlora`` extra installs bitsandbytes (its marker): PyPI has CUDA wheels of
+#: bitsandbytes >= 0.46.1 for Linux and Windows (``win_amd64``); elsewhere there is no CUDA.
+QLORA_PLATFORMS = ("linux", "win32")
+
+
+def platform() -> str:
+    """``sys.platform`` (a function: the tests pretend another one here only)."""
+    return sys.platform
+
+
+def qlora_install_hint(opt_out: str) -> str:
+    """What to do without bitsandbytes on this platform: install the extra where it installs
+    bitsandbytes, else (the extra installs nothing here) the ``opt_out`` flag alone.
+
+    >>> import sys; hint = qlora_install_hint("--no-4bit")
+    >>> hint.startswith("pip install") == (sys.platform in QLORA_PLATFORMS)
+    True
+    """
+    if platform() in QLORA_PLATFORMS:
+        return f"pip install '{QLORA_EXTRA}', or pass {opt_out}"
+    return (
+        f"the {QLORA_EXTRA} extra installs bitsandbytes on Linux and Windows only, not on "
+        f"{platform()}: pass {opt_out}"
+    )
 
 
 def bitsandbytes_available() -> bool:

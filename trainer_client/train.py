@@ -211,7 +211,7 @@ def use_4bit(args: argparse.Namespace) -> bool:
     the paper's setting, far more memory) without a word. Without CUDA 4-bit cannot load, and a
     GGUF file cannot be re-quantized: both are said in the log, never left to be guessed.
     """
-    from trainer_client.modeling import QLORA_EXTRA, bitsandbytes_available, cuda_available
+    from trainer_client.modeling import bitsandbytes_available, cuda_available, qlora_install_hint
 
     if args.no_4bit:
         log.info("--no-4bit: full-precision base weights, adamw_torch")
@@ -227,8 +227,8 @@ def use_4bit(args: argparse.Namespace) -> bool:
     if not bitsandbytes_available():
         raise FlagError(
             "4-bit QLoRA and 8-bit AdamW (the paper's setting, the default on CUDA) need "
-            f"bitsandbytes, which is not installed: pip install '{QLORA_EXTRA}', or pass "
-            "--no-4bit to train the full-precision base with adamw_torch"
+            "bitsandbytes, which is not installed: "
+            + qlora_install_hint("--no-4bit to train the full-precision base with adamw_torch")
         )
     return True
 
@@ -434,7 +434,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-4bit",
         action="store_true",
         help="train the full-precision base with adamw_torch (on CUDA the default is the paper's "
-        "4-bit NF4 + 8-bit AdamW, which needs bitsandbytes: pip install 'sde2[qlora]')",
+        "4-bit NF4 + 8-bit AdamW, which needs bitsandbytes: pip install 'sde2[qlora]', Linux "
+        "and Windows)",
     )
     g.add_argument("--lora-r", type=int, default=64)
     g.add_argument("--lora-alpha", type=int, default=32)
