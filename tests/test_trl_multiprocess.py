@@ -90,28 +90,37 @@ def _assert_groups_freed(out_dir: Path) -> None:
     assert held == ["False"] * WORLD, "the process group outlived destroy_process_group"
 
 
+def _score_half(
+    rank: int, fn: Any
+) -> tuple[list[float], dict[str, list[float]], dict[str, list[Any]]]:
+    """This process's half of the step scored by ``fn`` as TRL calls it: what it returns, and
+    what it logged (``log_metric``, ``log_extra``)."""
+    rows = step_rows()
+    half = len(rows) // WORLD
+    mine = rows[rank * half : (rank + 1) * half]
+    metrics: dict[str, list[float]] = defaultdict(list)
+    extra: dict[str, list[Any]] = defaultdict(list)
+    returned = asyncio.run(
+        fn(
+            prompts=[r["prompt"] for r in mine],
+            completions=[r["completion"] for r in mine],
+            completion_ids=[r["ids"] for r in mine],
+            answer=[r["answer"] for r in mine],
+            trainer_state=None,
+            log_metric=lambda k, v: metrics[k].append(v),
+            log_extra=lambda k, v: extra[k].extend(v),
+        )
+    )
+    return returned, metrics, extra
+
+
 def _worker(rank: int, url: str, store: str, out_dir: str) -> None:
     """One training process: joins the gloo group, scores its half as TRL would, reports."""
     from trainer_client.trl import sde2_reward
 
     with _process_group(rank, store, out_dir):
-        rows = step_rows()
-        half = len(rows) // WORLD
-        mine = rows[rank * half : (rank + 1) * half]
-        metrics: dict[str, list[float]] = defaultdict(list)
-        extra: dict[str, list[Any]] = defaultdict(list)
         fn = sde2_reward(url)
-        rewards = asyncio.run(
-            fn(
-                prompts=[r["prompt"] for r in mine],
-                completions=[r["completion"] for r in mine],
-                completion_ids=[r["ids"] for r in mine],
-                answer=[r["answer"] for r in mine],
-                trainer_state=None,
-                log_metric=lambda k, v: metrics[k].append(v),
-                log_extra=lambda k, v: extra[k].extend(v),
-            )
-        )
+        rewards, metrics, extra = _score_half(rank, fn)
         warnings = fn.__self__.last_result.warnings  # type: ignore[attr-defined]
         report = {"rewards": rewards, "metrics": metrics, "extra": extra, "warnings": warnings}
         Path(out_dir, f"{rank}.json").write_text(json.dumps(report))
@@ -167,23 +176,8 @@ def _advantages_worker(rank: int, url: str, store: str, out_dir: str) -> None:
     from trainer_client.trl import sde2_reward
 
     with _process_group(rank, store, out_dir):
-        rows = step_rows()
-        half = len(rows) // WORLD
-        mine = rows[rank * half : (rank + 1) * half]
         fn = sde2_reward(url, returns="advantages", num_generations=GENERATIONS)
-        metrics: dict[str, list[float]] = defaultdict(list)
-        extra: dict[str, list[Any]] = defaultdict(list)
-        returned = asyncio.run(
-            fn(
-                prompts=[r["prompt"] for r in mine],
-                completions=[r["completion"] for r in mine],
-                completion_ids=[r["ids"] for r in mine],
-                answer=[r["answer"] for r in mine],
-                trainer_state=None,
-                log_metric=lambda k, v: metrics[k].append(v),
-                log_extra=lambda k, v: extra[k].extend(v),
-            )
-        )
+        returned, metrics, extra = _score_half(rank, fn)
         report = {"returned": returned, "extra": extra, **metrics}
         Path(out_dir, f"{rank}.json").write_text(json.dumps(report))
 

@@ -67,6 +67,7 @@ from trainer_client.train import (
     TRAINING_RECORD,
     add_param_flag,
     checked_reward_params,
+    read_training_record,
 )
 
 log = logging.getLogger("sde2.eval")
@@ -107,13 +108,7 @@ def training_record_of(adapter: str) -> tuple[Path, dict[str, Any]] | None:
     folder = Path(adapter)
     for path in (folder / TRAINING_RECORD, folder.parent / TRAINING_RECORD):
         if path.is_file():
-            try:
-                record = json.loads(path.read_text())
-            except (OSError, ValueError) as exc:
-                raise ValueError(f"{path}: cannot be read: {exc}") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}: expected a JSON object, got {json_type(record)}")
-            return path, record
+            return path, read_training_record(path)
     return None
 
 

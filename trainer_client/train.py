@@ -38,6 +38,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from reward_server.core import RECIPES, RewardParams
+from reward_server.jsonl_files import json_type
 from trainer_client.datasets import (
     DATASETS,
     DEFAULT_SOURCES,
@@ -363,11 +364,9 @@ def resumed_record(
         if not path.is_file():
             continue
         try:
-            recorded = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise FlagError(f"--resume: {path} cannot be read: {exc}") from None
-        if not isinstance(recorded, dict):
-            raise FlagError(f"--resume: {path} is not a JSON object")
+            recorded = read_training_record(path)
+        except ValueError as exc:
+            raise FlagError(f"--resume: {exc}") from None
         differences = record_differences(recorded, record)
         if differences:
             raise FlagError(
@@ -393,6 +392,18 @@ def record_checkpoints(record: dict[str, Any]) -> Any:
                 write_training_record(folder, record)
 
     return RecordCheckpoints()
+
+
+def read_training_record(path: Path) -> dict[str, Any]:
+    """The record written by :func:`write_training_record` at ``path``; a :class:`ValueError`
+    naming the file when it cannot be read or is not a JSON object."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: cannot be read: {exc}") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {json_type(record)}")
+    return record
 
 
 def write_training_record(folder: Path, record: dict[str, Any]) -> None:
