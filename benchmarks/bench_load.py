@@ -11,12 +11,21 @@ text's embedding moves by ~1e-7 with the batch it is padded in). The expected an
 computed *before* the timed runs so checking costs no server CPU, and the server runs with its
 embedding cache off (``--cache-size 0``) so the pool of bodies, which is cycled, is re-encoded
 every time. Any non-2xx answer or mismatch makes the exit status 1.
+
+Each client holds one keep-alive connection. With ``--workers N`` the kernel hands each new
+connection to a worker by a hash of its addresses (``SO_REUSEPORT``): with few connections the
+split is often uneven (4 connections over 2 workers: 3-1 or 4-0 in 10 of 16 cases), and a
+level then measures that split rather than the workers. When the benchmark starts the server
+itself it finds which worker holds each connection (the socket's inode in ``/proc``, Linux),
+reconnects until the clients are spread evenly (``--spread even``, the default; ``kernel``
+keeps the kernel's split) and prints each level's requests per worker.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import threading
@@ -44,6 +53,8 @@ class LevelResult:
     statuses: dict[int, int] = field(default_factory=dict)
     mismatches: int = 0
     completions: int = 0
+    #: Requests answered per worker process (pid), when the workers are known.
+    per_worker: dict[int, int] = field(default_factory=dict)
 
     def row(self) -> str:
         n = len(self.latencies)
@@ -97,25 +108,24 @@ def expected_answers(bodies: list[dict[str, Any]], model: str | None) -> list[di
 
 
 def run_level(
-    client: httpx.Client,
-    url: str,
+    clients: list[Client],
     bodies: list[dict[str, Any]],
     expected: list[dict[str, Any]],
-    concurrency: int,
     duration: float,
 ) -> LevelResult:
-    """``concurrency`` closed-loop clients for ``duration`` seconds."""
-    result = LevelResult(concurrency, duration)
+    """One closed-loop client a connection of ``clients`` for ``duration`` seconds."""
+    result = LevelResult(len(clients), duration)
     lock = threading.Lock()
     counter = iter(range(10**9))
     stop_at = time.monotonic() + duration
 
-    def client_loop() -> None:
+    def client_loop(held: Client) -> None:
+        client = held.http
         while time.monotonic() < stop_at:
             with lock:
                 i = next(counter) % len(bodies)
             t0 = time.monotonic()
-            r = client.post(url + "/v1/score", json=bodies[i])
+            r = client.post("/v1/score", json=bodies[i])
             elapsed = time.monotonic() - t0
             ok = r.is_success
             same = ok and close(r.json(), expected[i])
@@ -126,10 +136,12 @@ def run_level(
                     continue
                 result.latencies.append(elapsed)
                 result.completions += len(bodies[i]["items"])
+                if held.worker is not None:
+                    result.per_worker[held.worker] = result.per_worker.get(held.worker, 0) + 1
                 if not same:
                     result.mismatches += 1
 
-    threads = [threading.Thread(target=client_loop) for _ in range(concurrency)]
+    threads = [threading.Thread(target=client_loop, args=(held,)) for held in clients]
     t0 = time.monotonic()
     for t in threads:
         t.start()
@@ -137,6 +149,104 @@ def run_level(
         t.join()
     result.seconds = time.monotonic() - t0  # includes the last requests' tails
     return result
+
+
+@dataclass
+class Client:
+    """One closed-loop client: its own keep-alive connection, and the worker process holding
+    the connection's server end (None when not known)."""
+
+    http: httpx.Client
+    worker: int | None = None
+
+
+def open_clients(
+    url: str, count: int, workers: list[int], even: bool, tries: int = 50
+) -> list[Client]:
+    """``count`` clients, each with its connection open. With several ``workers`` (pids), each
+    connection's worker is found, and with ``even`` a client on a worker already holding its
+    share reconnects (up to ``tries`` times each) until the split is as even as it can be."""
+    share = -(-count // len(workers)) if workers else count  # the most any worker should hold
+    held: dict[int, int] = dict.fromkeys(workers, 0)
+    clients = []
+    for _ in range(count):
+        for _attempt in range(tries):
+            client = Client(httpx.Client(base_url=url, timeout=300.0))
+            answer = client.http.get("/healthz")
+            answer.raise_for_status()
+            if len(workers) < 2:
+                break
+            client.worker = worker_of(answer, workers)
+            if not even or client.worker is None or held[client.worker] < share:
+                break
+            client.http.close()
+        else:
+            raise RuntimeError(f"no connection reached a worker with room in {tries} tries")
+        if client.worker is not None:
+            held[client.worker] = held.get(client.worker, 0) + 1
+        clients.append(client)
+    return clients
+
+
+def worker_of(answer: httpx.Response, workers: list[int]) -> int | None:
+    """The pid among ``workers`` holding the server end of ``answer``'s connection: the
+    server-side socket (the one whose remote port is this connection's local port) in
+    ``/proc/net/tcp``, then the worker with that socket's inode among its descriptors."""
+    sock = answer.extensions["network_stream"].get_extra_info("socket")
+    local_port = sock.getsockname()[1]
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if int(fields[2].rsplit(":", 1)[1], 16) == local_port:
+                inodes.add(f"socket:[{fields[9]}]")
+    for pid in workers:
+        try:
+            descriptors = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in descriptors:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                    return pid
+            except OSError:
+                continue
+    return None
+
+
+def worker_pids(supervisor: int) -> list[int]:
+    """The server's worker processes: the supervisor's children holding a listening socket
+    (``--workers N``), or the server itself when it has none (one worker)."""
+    try:
+        children = Path(f"/proc/{supervisor}/task/{supervisor}/children").read_text().split()
+    except OSError:
+        return [supervisor]
+    serving = [int(pid) for pid in children if _listens(int(pid))]
+    return serving or [supervisor]
+
+
+def _listens(pid: int) -> bool:
+    """Whether process ``pid`` holds a socket (a worker; not multiprocessing's helpers)."""
+    try:
+        return any(
+            os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+            for fd in os.listdir(f"/proc/{pid}/fd")
+        )
+    except OSError:
+        return False
+
+
+def split_text(result: LevelResult, workers: list[int]) -> str:
+    """``requests per worker 120/118`` (each of several ``workers``' count, largest first),
+    or ""."""
+    if len(workers) < 2:
+        return ""
+    counts = sorted((result.per_worker.get(pid, 0) for pid in workers), reverse=True)
+    return "  requests per worker " + "/".join(map(str, counts))
 
 
 def batch_stats(client: httpx.Client, url: str) -> str:
@@ -171,6 +281,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--server-args", default="", help="extra flags for the server it starts, e.g. '--workers 2'"
     )
+    parser.add_argument(
+        "--spread",
+        choices=("even", "kernel"),
+        default="even",
+        help="several workers: spread the clients' connections evenly (reconnecting), or keep "
+        "the split the kernel's SO_REUSEPORT hash gives",
+    )
     args = parser.parse_args(argv)
     levels = [int(x) for x in args.levels.split(",")]
 
@@ -188,22 +305,33 @@ def main(argv: list[str] | None = None) -> int:
         # Closed-loop clients queue by design (latency ~ concurrency x service time); on a
         # small shared CPU 32 of them can outlast the default 120 s deadline, which would
         # measure the deadline rather than the server.
-        extra = ("--cache-size", "0", "--queue-capacity", str(max(levels) * 2))
+        extra: tuple[str, ...] = ("--cache-size", "0", "--queue-capacity", str(max(levels) * 2))
         extra += ("--request-timeout", "900")
         extra += tuple(args.server_args.split())
         server = ServerProcess(model_dir, *extra, grpc=False).start()
         url = server.url
     results = []
+    workers: list[int] = []
+    if server is not None and server.proc is not None:
+        workers = worker_pids(server.proc.pid)
+        if len(workers) > 1:
+            print(f"{len(workers)} workers; connections spread: {args.spread}")
     try:
-        with httpx.Client(timeout=300.0, limits=httpx.Limits(max_connections=128)) as client:
-            run_level(client, url, bodies[:2], expected[:2], 1, 0.1)  # warm the connection
+        with httpx.Client(timeout=300.0) as client:
+            warm = open_clients(url, 1, [], even=False)  # warm the server
+            run_level(warm, bodies[:2], expected[:2], 0.1)
+            warm[0].http.close()
             print(HEADER)
             for level in levels:
-                res = run_level(client, url, bodies, expected, level, args.duration)
+                clients = open_clients(url, level, workers, even=args.spread == "even")
+                try:
+                    res = run_level(clients, bodies, expected, args.duration)
+                finally:
+                    for held in clients:
+                        held.http.close()
                 results.append(res)
-                print(
-                    res.row() + (f"  statuses {res.statuses}" if res.statuses else ""), flush=True
-                )
+                statuses = f"  statuses {res.statuses}" if res.statuses else ""
+                print(res.row() + statuses + split_text(res, workers), flush=True)
             print(batch_stats(client, url))
     finally:
         if server is not None:

@@ -442,3 +442,22 @@ def test_servers_benchmark_hands_a_side_its_variables(onnx_model_dir: Path) -> N
     argv = ["--steps", "1", "--port", "18871", "--model", str(onnx_model_dir), "onnx"]
     with pytest.raises(RuntimeError, match="server exited"):
         ab_servers.main([*argv, "onnx env=SDE2_LOG_LEVEL=nonsense"])
+
+
+def test_load_benchmark_spreads_connections_over_workers(
+    onnx_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With ``--workers 2`` the benchmark finds which worker holds each client's connection and
+    spreads them evenly: at 2 and 4 clients both workers answer, half the connections each
+    (the kernel's hash alone puts 2 connections on one worker half the time)."""
+    from benchmarks import bench_load
+
+    argv = ["--duration", "2", "--levels", "2,4", "--pool", "3", "--completions", "2"]
+    status = bench_load.main(
+        [*argv, "--model", str(onnx_model_dir), "--server-args", "--workers 2"]
+    )
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "2 workers; connections spread: even" in out
+    splits = re.findall(r"requests per worker (\d+)/(\d+)", out)
+    assert len(splits) == 2 and all(int(a) > 0 and int(b) > 0 for a, b in splits), out
