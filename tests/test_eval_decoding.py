@@ -62,7 +62,9 @@ def test_only_temperature_and_top_p_shape_the_tokens(
     qwenlike: Path, processors: list[list[str]], temperature: str, expected: list[str]
 ) -> None:
     argv = ["--reward-url", URL, "--model", str(qwenlike), "--max-new-tokens", "3"]
-    args = evaluate.build_parser().parse_args([*argv, "--temperature", temperature])
+    parser = evaluate.build_parser()
+    args = parser.parse_args([*argv, "--temperature", temperature])
+    evaluate.check_arguments(parser, args)  # decides the base quantization, as main does
     run, _ = evaluate.generate_run(args, [Example("2 + 2?", "4", "numeric")] * 2)
     assert processors == [expected]  # no RepetitionPenalty, no TopK from the checkpoint
     assert run.decoding is not None

@@ -88,7 +88,7 @@ def test_sde2_eval_generates_with_the_chosen_prompt_and_records_it(
     argv += ["--limit", "2", "--max-new-tokens", "2", "--json", str(out), "--prompt", "single"]
     args = evaluate.build_parser().parse_args([*argv, "--adapter", str(adapter)])
     with caplog.at_level(logging.WARNING, logger="sde2.eval"):
-        evaluate.warn_prompt_mismatch(args)
+        evaluate.warn_prompt_mismatch(args, evaluate.adapter_record(args))
     assert "says the adapter was trained with --prompt multi" in caplog.text
     assert evaluate.main(argv) == 0
     assert systems == [system_prompt("math", "single")] * 2

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from reward_server.data import GSM8K_DIR
-from tests.test_eval_inputs import URL, FakeClient, fake_client  # noqa: F401 - fixture
+from tests.test_eval_inputs import URL, FakeClient, _generated, fake_client  # noqa: F401
 from trainer_client import evaluate, modeling, train
 
 
@@ -110,7 +110,8 @@ def test_eval_follows_the_record_unless_told(
 
     def decided(*flags: str) -> tuple[bool, str]:
         argv = ["--reward-url", URL, "--model", "org/model", *flags]
-        return evaluate.base_quantization(evaluate.build_parser().parse_args(argv))
+        args = evaluate.build_parser().parse_args(argv)
+        return evaluate.base_quantization(args, evaluate.adapter_record(args))
 
     assert decided("--adapter", str(full))[0] is False
     assert decided("--adapter", str(quantized), "--base-quantization", "none")[0] is False
@@ -121,6 +122,42 @@ def test_eval_follows_the_record_unless_told(
         f"auto: {quantized / train.TRAINING_RECORD} says the adapter was trained on a 4-bit base",
     )
     assert decided("--adapter", str(checkpoint))[0] is True
+
+
+def test_eval_reads_the_record_once_per_run(
+    tmp_path: Path,
+    fake_client: type[FakeClient],  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The scoring, the prompt warning and the base quantization (decided before the
+    generation, again at it and again for ``--json``) each read the record anew: it is read
+    once, and every one of them follows that reading."""
+    adapter = tmp_path / "final"
+    adapter.mkdir()
+    path = adapter / train.TRAINING_RECORD
+    path.write_text(json.dumps({"recipe": "cfl", "prompt": "single", "load_in_4bit": False}))
+    reads: list[Path] = []
+    read = evaluate.read_training_record
+
+    def counted(record: Path) -> dict[str, Any]:
+        reads.append(record)
+        return read(record)
+
+    monkeypatch.setattr(evaluate, "read_training_record", counted)
+    monkeypatch.setattr(evaluate, "generate_run", _generated)
+    out = tmp_path / "eval.json"
+    argv = ["--reward-url", URL, "--model", "org/model", "--adapter", str(adapter)]
+    argv += ["--data", str(GSM8K_DIR), "--limit", "1", "--json", str(out)]
+    with caplog.at_level(logging.INFO, logger="sde2.eval"):
+        assert evaluate.main(argv) == 0
+    assert reads == [path]
+    meta = json.loads(out.read_text())["meta"]
+    assert meta["base_quantization"] == {"4bit": False, "why": f"auto: full precision ({path})"}
+    assert meta["recipe"] == "cfl" and meta["scoring_from"]["recipe"] == str(path)
+    assert f"--prompt multi, but {path} says the adapter was trained with --prompt single" in (
+        caplog.text
+    )
 
 
 def test_the_refusal_names_the_extra_only_where_it_installs_bitsandbytes(

@@ -112,8 +112,24 @@ def training_record_of(adapter: str) -> tuple[Path, dict[str, Any]] | None:
     return None
 
 
-def base_quantization(args: argparse.Namespace) -> tuple[bool, str]:
-    """Whether the base model loads in 4-bit, and why (for the log and ``--json``).
+def adapter_record(args: argparse.Namespace) -> tuple[Path, dict[str, Any]] | None:
+    """``--adapter``'s training record (:func:`training_record_of`), or None without an adapter.
+
+    :func:`check_arguments` reads it once and hands it to each decision it shapes (the scoring,
+    the base quantization, the prompt warning): they all follow one reading of the file, not
+    each its own.
+
+    >>> adapter_record(argparse.Namespace(adapter=None)) is None
+    True
+    """
+    return training_record_of(args.adapter) if args.adapter else None
+
+
+def base_quantization(
+    args: argparse.Namespace, found: tuple[Path, dict[str, Any]] | None
+) -> tuple[bool, str]:
+    """Whether the base model loads in 4-bit, and why (for the log and ``--json``); ``found``
+    is :func:`adapter_record`'s.
 
     An adapter trained on a 4-bit base (the paper's QLoRA) is evaluated on the same 4-bit base
     unless ``--base-quantization`` says otherwise: a LoRA update learned against NF4 weights is
@@ -128,7 +144,6 @@ def base_quantization(args: argparse.Namespace) -> tuple[bool, str]:
     if choice == "4bit":
         why = "--base-quantization 4bit"
     else:
-        found = training_record_of(args.adapter) if args.adapter else None
         if found is None or not found[1].get("load_in_4bit"):
             source = "no training record" if found is None else f"{found[0]}"
             return False, f"auto: full precision ({source})"
@@ -142,11 +157,13 @@ def base_quantization(args: argparse.Namespace) -> tuple[bool, str]:
     return True, why
 
 
-def warn_prompt_mismatch(args: argparse.Namespace) -> None:
-    """A warning when ``--adapter``'s training run used another ``--prompt`` than this one:
-    the table would measure the adapter on a prompt it was not trained on (allowed: a
-    cross-prompt evaluation is a legitimate question, but never an unnoticed one)."""
-    found = training_record_of(args.adapter) if args.adapter else None
+def warn_prompt_mismatch(
+    args: argparse.Namespace, found: tuple[Path, dict[str, Any]] | None
+) -> None:
+    """A warning when ``--adapter``'s training run (``found``, :func:`adapter_record`'s) used
+    another ``--prompt`` than this one: the table would measure the adapter on a prompt it was
+    not trained on (allowed: a cross-prompt evaluation is a legitimate question, but never an
+    unnoticed one)."""
     trained = None if found is None else found[1].get("prompt")
     if trained is not None and trained != args.prompt:
         log.warning(
@@ -157,15 +174,16 @@ def warn_prompt_mismatch(args: argparse.Namespace) -> None:
         )
 
 
-def follow_training_record(args: argparse.Namespace) -> None:
+def follow_training_record(
+    args: argparse.Namespace, found: tuple[Path, dict[str, Any]] | None
+) -> None:
     """``args.recipe`` and ``args.params`` (the checked ``--param``) as the scoring uses them:
-    what the user gave, else what ``--adapter``'s training run used (an adapter trained at
-    δ = 0.75 has its Uniq counted at 0.75, not at the server's 0.80), else ``sde2`` and the
-    server's defaults; said in the log, and where each came from in ``args.scoring_from``
-    (``--json``'s meta). A user's recipe or parameters other than the run's are a warning: a
-    legitimate question, never an unnoticed one. A record whose parameters do not validate is
-    a :class:`ValueError` naming it."""
-    found = training_record_of(args.adapter) if args.adapter else None
+    what the user gave, else what ``--adapter``'s training run (``found``,
+    :func:`adapter_record`'s) used (an adapter trained at δ = 0.75 has its Uniq counted at
+    0.75, not at the server's 0.80), else ``sde2`` and the server's defaults; said in the log,
+    and where each came from in ``args.scoring_from`` (``--json``'s meta). A user's recipe or
+    parameters other than the run's are a warning: a legitimate question, never an unnoticed
+    one. A record whose parameters do not validate is a :class:`ValueError` naming it."""
     recipe_from = "--recipe" if args.recipe is not None else "default"
     params_from = "--param" if args.param else "default"
     record: dict[str, Any] = {} if found is None else found[1]
@@ -491,7 +509,7 @@ def generate_run(args: argparse.Namespace, examples: list[Example]) -> tuple[Run
     assert args.model is not None
     ref = ModelRef.parse(args.model, args.gguf_file)
     tokenizer = load_tokenizer(ref)
-    quantize, why = base_quantization(args)
+    quantize, why = args.base_4bit  # base_quantization's, decided by check_arguments
     log.info("base model in %s (%s)", "4-bit NF4" if quantize else "full precision", why)
     model = load_model(ref, quantize_4bit=quantize, for_training=False)
     decoding = generation_config(args, tokenizer, model.generation_config.eos_token_id)
@@ -635,11 +653,14 @@ def plot_runs(rows: Sequence[RunMetrics], path: Path) -> bool:
 
 def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse arguments that cannot work (``parser.error``: usage, exit status 2) before
-    anything is read, generated or scored."""
+    anything is read, generated or scored. What ``--adapter``'s training record decides is
+    kept in ``args`` for the run: the scoring (:func:`follow_training_record`) and, with
+    ``--model``, ``args.base_4bit`` (:func:`base_quantization`), so the record is read once."""
     if not args.model and not args.completions:
         parser.error("give --model to generate, or --completions NAME=FILE to read runs")
     try:  # a --param typo fails now, not after generation
-        follow_training_record(args)
+        found = adapter_record(args)
+        follow_training_record(args, found)
     except ValueError as exc:  # FlagError included
         parser.error(str(exc))
     for flag, value in (
@@ -659,8 +680,9 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         if args.tokenizer:
             ModelRef.parse(args.tokenizer).check("--tokenizer")
         if args.model:
-            base_quantization(args)  # a 4-bit base that cannot load stops here, not after
-            warn_prompt_mismatch(args)
+            # a 4-bit base that cannot load stops here, not after
+            args.base_4bit = base_quantization(args, found)
+            warn_prompt_mismatch(args, found)
     except ValueError as exc:
         parser.error(str(exc))
     outputs = {
@@ -710,7 +732,7 @@ def run_meta(
             model=args.model,
             gguf_file=args.gguf_file,
             adapter=args.adapter,
-            base_quantization=dict(zip(("4bit", "why"), base_quantization(args), strict=True)),
+            base_quantization=dict(zip(("4bit", "why"), args.base_4bit, strict=True)),
             dataset=args.dataset,
             data=args.data or DEFAULT_SOURCES[args.dataset],
             split=split,
