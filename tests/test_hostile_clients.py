@@ -381,7 +381,10 @@ def test_a_request_past_its_deadline_stops_using_the_encoder(strict_server: Serv
     served_after = time.monotonic() - after_503
     print(f"deadline: the next request was served {served_after:.2f} s after the 503")
     assert small.status_code == 200, small.text[:300]
-    assert served_after < 1.5
+    # The dropped request had some 10 s of encoding left (768 x 256 tokens at ~15,000 tokens
+    # a second on 2 cores, less the 3 s deadline); the next one waits at most for the chunk in
+    # progress (~0.5 s idle, 1.8 s measured while the full suite loaded the machine).
+    assert served_after < 5
     settled = encoder_texts(url)
     time.sleep(2)
     assert encoder_texts(url) == settled  # nothing more was encoded for the dropped request
