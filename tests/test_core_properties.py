@@ -33,9 +33,14 @@ def test_parser_and_matchers_never_raise(text: str) -> None:
 
 
 def _parse_seconds(text: str) -> float:
-    start = time.perf_counter()
-    parse_completion(preprocess(text), 32)
-    return time.perf_counter() - start
+    """The best of three runs: a run the scheduler paused (a loaded 2-core machine) is not
+    what the parser costs; a quadratic parser is slow on every run."""
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        parse_completion(preprocess(text), 32)
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 @pytest.mark.parametrize(

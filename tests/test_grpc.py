@@ -300,8 +300,10 @@ async def test_calls_in_progress_are_bounded_past_the_queue(
     from reward_server.service import grpc_server
 
     release = asyncio.Event()
+    in_progress: list[object] = []
 
     async def held_info(self: Any, request: Any, context: Any) -> Any:
+        in_progress.append(request)
         await release.wait()  # a call in progress that does not end yet
         return pb.InfoResponse()
 
@@ -309,7 +311,10 @@ async def test_calls_in_progress_are_bounded_past_the_queue(
     bound = 2 + grpc_server.GRPC_HEADROOM
     async with Running(make_service(queue_capacity=2)) as running:
         held = [asyncio.ensure_future(running.stub.Info(pb.InfoRequest())) for _ in range(bound)]
-        await asyncio.sleep(0.5)
+        deadline = time.monotonic() + 10
+        while len(in_progress) < bound and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)  # until every held call is in its handler
+        assert len(in_progress) == bound
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await running.stub.Info(pb.InfoRequest(), timeout=5)
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -356,15 +361,22 @@ def _needs_encoder(seed: int) -> Any:
 
 
 async def test_resource_exhausted_with_retry_after() -> None:
-    encoder = SlowEncoder(delay=0.5)
+    """The first call holds the only place (its encode waits at the encoder's gate until the
+    test opens it); the second is refused at once, while the first is still held, instead of
+    queueing (a queued call would wait for the gate, then for the request timeout)."""
+    encoder = SlowEncoder(delay=0.0)
+    encoder.gate.clear()
     async with Running(make_service(encoder, queue_capacity=1)) as running:
         first = asyncio.ensure_future(running.stub.Score(_needs_encoder(1)))
-        await asyncio.sleep(0.2)  # the first is admitted and encoding
-        t0 = time.monotonic()
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            await running.stub.Score(_needs_encoder(2))
-        assert time.monotonic() - t0 < 0.3  # rejected at once, not queued
-        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        try:
+            # The first is admitted and inside the encoder (an event, not a sleep).
+            assert await asyncio.to_thread(encoder.entered.wait, 10)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await running.stub.Score(_needs_encoder(2), timeout=10)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert not first.done()  # refused while the first still held its place
+        finally:
+            encoder.gate.set()
         trailers = dict(err.value.trailing_metadata() or ())
         assert int(trailers["retry-after"]) >= 1
         assert len((await first).rewards) == 1
@@ -464,22 +476,34 @@ def _count(running: Running, metric: str, **labels: str) -> float:
 async def test_calls_the_client_ends_are_counted() -> None:
     """A call cancelled by its client, or ended by the client's deadline, while its texts wait
     for the encoder was counted nowhere (HTTP counts a client gone as 499)."""
-    encoder = SlowEncoder(delay=1.0)
+    encoder = SlowEncoder(delay=0.0)
+    encoder.gate.clear()  # the encoder holds the first call's texts until the test opens it
+    requests = "sde2_requests_total"
+
+    def counts(running: Running) -> list[float]:
+        return [
+            _count(running, requests, route="grpc:Score", status="CANCELLED"),
+            _count(running, requests, route="grpc:Score", status="DEADLINE_EXCEEDED"),
+            _count(running, "sde2_failures_total", reason="client_disconnect"),
+            _count(running, "sde2_failures_total", reason="deadline"),
+        ]
+
     async with Running(make_service(encoder)) as running:
-        call = running.stub.Score(_needs_encoder(5))
-        await asyncio.sleep(0.3)
-        call.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await call
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            await running.stub.Score(_needs_encoder(6), timeout=0.3)
-        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        await asyncio.sleep(1.5)  # the handlers see their cancellation
-        requests = "sde2_requests_total"
-        assert _count(running, requests, route="grpc:Score", status="CANCELLED") == 1
-        assert _count(running, requests, route="grpc:Score", status="DEADLINE_EXCEEDED") == 1
-        assert _count(running, "sde2_failures_total", reason="client_disconnect") == 1
-        assert _count(running, "sde2_failures_total", reason="deadline") == 1
+        try:
+            call = running.stub.Score(_needs_encoder(5))
+            assert await asyncio.to_thread(encoder.entered.wait, 10)  # its texts are encoding
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            with pytest.raises(grpc.aio.AioRpcError) as err:  # queued behind the held encode
+                await running.stub.Score(_needs_encoder(6), timeout=0.3)
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            deadline = time.monotonic() + 10
+            while counts(running) != [1, 1, 1, 1] and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)  # the handlers see their cancellation
+            assert counts(running) == [1, 1, 1, 1]
+        finally:
+            encoder.gate.set()
 
 
 @pytest.mark.parametrize(

@@ -76,7 +76,7 @@ def test_pathological_answer_costs_the_time_limit_and_not_the_process(
     assert request(evil, "$5$") is False
     t0 = time.monotonic()
     assert request(evil, "$5$") is False  # within one request, a repeat costs nothing...
-    assert time.monotonic() - t0 < 0.1
+    assert time.monotonic() - t0 < 1.0  # a check again would cost the 1.5 s time limit
     assert judge.timeouts == 2  # ...but a timeout is never cached across requests
     assert judge("$\\sqrt{9}$", "$3$") is True  # a fresh child took over
 

