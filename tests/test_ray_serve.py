@@ -350,25 +350,33 @@ def test_ingress_refuses_before_reading_the_body(cluster: Cluster) -> None:
     length (413) they are answered at once, unread; with the key, each holds an ingress slot
     until the body timeout (408); beyond ``ingress_max_bodies`` held, 429 with Retry-After."""
     post = f"POST {PREFIX}/v1/score HTTP/1.1".encode()
-    t0 = time.monotonic()
-    status, head = _status_of(_raw(cluster.port, post + b"\r\nContent-Length: 1000", b'{"items": '))
+
+    def answered_at_once(
+        head: bytes, body: bytes = b"", media: bytes = b"application/json"
+    ) -> tuple[int, bytes]:
+        # Each answer comes before the 3 s body timeout: an answer that waited for the upload
+        # to give up would take at least that long.
+        t0 = time.monotonic()
+        status, answer = _status_of(_raw(cluster.port, head, body, media))
+        assert time.monotonic() - t0 < 2.5, f"{head!r}: answered only once the upload gave up"
+        return status, answer
+
+    status, head = answered_at_once(post + b"\r\nContent-Length: 1000", b'{"items": ')
     assert status == 401 and b"connection: close" in head.lower()  # the rest is never read
     key = b"\r\nAuthorization: Bearer " + API_KEY.encode()
-    status, head = _status_of(_raw(cluster.port, post + key + b"\r\nContent-Length: 99999999"))
+    status, head = answered_at_once(post + key + b"\r\nContent-Length: 99999999")
     assert status == 413 and b"connection: close" in head.lower()
-    plain = _raw(cluster.port, post + key + b"\r\nContent-Length: 1000", b"{", b"text/plain")
-    status, head = _status_of(plain)
+    status, head = answered_at_once(post + key + b"\r\nContent-Length: 1000", b"{", b"text/plain")
     assert status == 415 and b"connection: close" in head.lower()
     # A route that reads no body (a wrong path, another method): answered unread, as the plain
     # server does, never holding a slot (they were read, keyless, until the body timeout).
-    for head, want in (
+    for line, want in (
         (f"POST {PREFIX}/nope HTTP/1.1", 404),
         (f"PUT {PREFIX}/v1/score HTTP/1.1", 405),
         (f"POST {PREFIX}/healthz HTTP/1.1", 405),
     ):
-        status, _ = _status_of(_raw(cluster.port, head.encode() + b"\r\nContent-Length: 9", b"{"))
-        assert status == want, head
-    assert time.monotonic() - t0 < 2.5, "answered only once the upload gave up"
+        status, _ = answered_at_once(line.encode() + b"\r\nContent-Length: 9", b"{")
+        assert status == want, line
     head = httpx.head(cluster.ray_url + "/healthz")  # GET only, as sde2-reward serve
     assert head.status_code == 405
 
@@ -379,8 +387,12 @@ def test_ingress_refuses_before_reading_the_body(cluster: Cluster) -> None:
         _raw(cluster.port, stalled_head, b'{"items": ')
         for _ in range(RAY_ARGS["ingress_max_bodies"])
     ]
-    time.sleep(0.5)  # the proxy has handed them to the ingress
-    over = _post(cluster.ray_url, "/v1/score", diagnostic_request())
+    # Once the proxy has handed them all to the ingress (polled: a loaded machine takes longer
+    # than an idle one), the next request is refused; until then it may still get a slot.
+    deadline = time.monotonic() + 2
+    while (over := _post(cluster.ray_url, "/v1/score", diagnostic_request())).status_code == 200:
+        assert time.monotonic() < deadline, "the stalled uploads never held every slot"
+        time.sleep(0.05)
     assert over.status_code == 429 and over.headers["retry-after"] == "1", over.text
     t1 = time.monotonic()
     answers = [_status_of(conn) for conn in stalled]
