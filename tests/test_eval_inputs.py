@@ -233,6 +233,36 @@ def _no_generation(*args: object) -> None:
     raise AssertionError("generated before the server was known to answer")
 
 
+@pytest.mark.parametrize("given", ["{tmp}/runs/no-adapter", "./no-adapter", "{tmp}/r.jsonl"])
+def test_an_adapter_that_is_not_there_stops_before_anything_runs(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    fake_client: type[FakeClient],
+    capsys: pytest.CaptureFixture[str],
+    given: str,
+) -> None:
+    """A misspelt ``--adapter`` was taken for a hub id: the base model loaded and generated
+    (minutes), then PEFT failed in a traceback; with ``--completions`` alone its training
+    record was silently not read, the runs scored with the defaults instead of its recipe."""
+    monkeypatch.setattr(evaluate, "generate_run", _no_generation)
+    runfile = write_run(tmp_path / "r.jsonl", [GOOD])
+    adapter = given.format(tmp=tmp_path)
+    message = (
+        f"--adapter {adapter}: is a file"
+        if adapter == str(runfile)
+        else f"--adapter: no such file or folder: {adapter}"
+    )
+    for source in (
+        ["--model", "org/model", "--data", str(GSM8K_DIR)],
+        ["--completions", f"x={runfile}"],
+    ):
+        with pytest.raises(SystemExit) as exc:
+            main(["--reward-url", URL, *source, "--adapter", adapter])
+        assert exc.value.code == 2
+        assert message in capsys.readouterr().err
+    assert fake_client.requests == []
+
+
 def test_the_server_is_asked_before_generating(
     monkeypatch: pytest.MonkeyPatch,
     fake_client: type[FakeClient],
