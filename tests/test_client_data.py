@@ -318,6 +318,10 @@ def dead_url() -> str:
         (["--data", "{tmp}/bad.jsonl"], "--data: {tmp}/bad.jsonl: line 2: question"),
         (["--reward-url", "localhost:1"], "--reward-url: reward server URL must start with"),
         (["--output-dir", "{tmp}/bad.jsonl"], "--output-dir {tmp}/bad.jsonl: is a file"),
+        (
+            ["--output-dir", "{tmp}/bad.jsonl/run/out"],
+            "--output-dir {tmp}/bad.jsonl/run/out: {tmp}/bad.jsonl is a file, not a folder",
+        ),
         (["--limit", "0"], "--limit must be >= 1"),
         (["--sample", "0"], "--sample must be >= 1"),
         (["--sample", "2", "--limit", "2"], "--limit and --sample: give one"),

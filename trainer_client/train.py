@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import random
 import sys
 from collections.abc import Sequence
@@ -160,6 +161,7 @@ def check_flags(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.output_dir)
     if out.exists() and not out.is_dir():
         raise FlagError(f"--output-dir {out}: is a file, not a folder")
+    check_creatable(out, "--output-dir")
     earlier = sorted(p.name for p in out.glob("checkpoint-*")) if out.is_dir() else []
     if earlier and not args.resume:  # a later --resume would take the newest, maybe not ours
         raise FlagError(
@@ -168,6 +170,23 @@ def check_flags(args: argparse.Namespace) -> dict[str, Any]:
             "another --output-dir"
         )
     return checked_reward_params(args)
+
+
+def check_creatable(folder: Path, flag: str) -> None:
+    """A :class:`FlagError` naming ``flag`` when ``folder`` cannot be made or written: a file
+    on its path, or a nearest existing folder without write permission. The run wrote there
+    first once the model had loaded (minutes), and failed in a traceback."""
+    if folder.is_dir():
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise FlagError(f"{flag} {folder}: not writable")
+        return
+    existing = next((p for p in folder.absolute().parents if p.exists()), None)
+    if existing is None:
+        return
+    if not existing.is_dir():
+        raise FlagError(f"{flag} {folder}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise FlagError(f"{flag} {folder}: cannot be made: {existing} is not writable")
 
 
 def check_reward_flags(args: argparse.Namespace) -> None:
