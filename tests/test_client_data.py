@@ -342,6 +342,13 @@ def dead_url() -> str:
         (["--reward-retries", "0"], "--reward-retries: max_attempts must be >= 1"),
         (["--reward-deadline", "-5"], "--reward-deadline: deadline must be a finite number"),
         (["--lora-alpha", "0"], "--lora-alpha must be >= 1, got 0"),
+        (["--temperature", "-1"], "--temperature must be a finite number > 0, got -1.0"),
+        (["--temperature", "0"], "--temperature must be a finite number > 0, got 0.0"),
+        (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
+        (["--top-p", "nan"], "--top-p must be in (0, 1], got nan"),
+        (["--lr=-1e-5"], "--lr must be a finite number > 0, got -1e-05"),
+        (["--max-grad-norm", "nan"], "--max-grad-norm must be a finite number >= 0, got nan"),
+        (["--beta", "-0.1"], "--beta must be a finite number >= 0, got -0.1"),
         (["--output-dir", "{tmp}/run"], "--output-dir {tmp}/run holds checkpoints of an earlier"),
     ],
 )

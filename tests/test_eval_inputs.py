@@ -210,6 +210,9 @@ def test_unusable_paths_stop_the_command_before_scoring(
         (["--model", "./no-model"], "--model: no such file or folder: ./no-model"),
         (["--tokenizer", "/no/tokenizer"], "--tokenizer: no such file or folder: /no/tokenizer"),
         (["--ci", "exact"], "argument --ci: invalid choice: 'exact'"),
+        (["--temperature", "-1"], "--temperature must be a finite number >= 0 (0: greedy), got"),
+        (["--temperature", "nan"], "--temperature must be a finite number >= 0 (0: greedy), got"),
+        (["--top-p", "2"], "--top-p must be in (0, 1], got 2.0"),
     ],
 )
 def test_arguments_that_cannot_work_stop_before_anything_runs(

@@ -65,7 +65,9 @@ from trainer_client.retry import RetryPolicy, RewardRequestError, RewardServiceE
 from trainer_client.sharding import check_weights
 from trainer_client.train import (
     TRAINING_RECORD,
+    FlagError,
     add_param_flag,
+    check_sampling,
     checked_reward_params,
     read_training_record,
 )
@@ -691,6 +693,10 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     ):
         if value is not None and value < 1:
             parser.error(f"{flag} must be >= 1, got {value}")
+    try:
+        check_sampling(args.temperature, args.top_p, greedy_allowed=True)
+    except FlagError as exc:
+        parser.error(str(exc))
     try:
         RewardClient(args.reward_url).close()  # checks the URLs' form; connects to nothing
     except ValueError as exc:
