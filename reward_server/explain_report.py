@@ -25,6 +25,7 @@ from reward_server.offline import (
     add_encoder_arguments,
     add_math_timeout_argument,
     add_recipe_arguments,
+    check_input,
     check_model,
     embed_with_progress,
     prepare_input,
@@ -241,6 +242,7 @@ def run(args: argparse.Namespace) -> int:
     command = "sde2-reward explain"
     judge = IsolatedMathJudge(time_limit=args.math_timeout)  # starts a process only if used
     try:
+        check_input(args.input)
         check_model(args.backend, args.model)
         inputs, prepared = prepare_input(args, judge, diagnostics=True)
         items = inputs.items

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -154,6 +155,23 @@ def math_timeout(text: str) -> float:
     return value
 
 
+def check_input(path: Path, flag: str = "--in") -> None:
+    """Refuse an input path (given as ``flag``) that is no readable file, naming the flag:
+    it was the OS's ``[Errno 21] Is a directory: 'x'``.
+
+    >>> check_input(Path("/"))
+    Traceback (most recent call last):
+    ...
+    reward_server.jsonl_files.InputError: --in /: is a folder; name a JSONL file
+    """
+    if path.is_dir():
+        raise InputError(f"{flag} {path}: is a folder; name a JSONL file")
+    if not path.exists():
+        raise InputError(f"{flag} {path}: no such file")
+    if not os.access(path, os.R_OK):
+        raise InputError(f"{flag} {path}: not readable")
+
+
 def check_model(backend: Backend, model: str | None) -> None:
     """Refuse a ``--model`` that names no usable folder before the parse (the encoder loads only
     after it, which may be minutes later). A name that is no local path is a hub id, tried when
@@ -285,6 +303,7 @@ def run(args: argparse.Namespace) -> int:
     cannot be written."""
     command = "sde2-reward score"
     try:
+        check_input(args.input)
         check_output(args.out, inputs=[("--in", args.input)])
         check_model(args.backend, args.model)
     except (OutputError, InputError) as exc:

@@ -210,6 +210,9 @@ def test_unusable_paths_stop_the_command_before_scoring(
         (["--model", "./no-model"], "--model: no such file or folder: ./no-model"),
         (["--tokenizer", "/no/tokenizer"], "--tokenizer: no such file or folder: /no/tokenizer"),
         (["--ci", "exact"], "argument --ci: invalid choice: 'exact'"),
+        (["--temperature", "-1"], "--temperature must be a finite number >= 0 (0: greedy), got"),
+        (["--temperature", "nan"], "--temperature must be a finite number >= 0 (0: greedy), got"),
+        (["--top-p", "2"], "--top-p must be in (0, 1], got 2.0"),
     ],
 )
 def test_arguments_that_cannot_work_stop_before_anything_runs(
@@ -231,6 +234,36 @@ def test_arguments_that_cannot_work_stop_before_anything_runs(
 
 def _no_generation(*args: object) -> None:
     raise AssertionError("generated before the server was known to answer")
+
+
+@pytest.mark.parametrize("given", ["{tmp}/runs/no-adapter", "./no-adapter", "{tmp}/r.jsonl"])
+def test_an_adapter_that_is_not_there_stops_before_anything_runs(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    fake_client: type[FakeClient],
+    capsys: pytest.CaptureFixture[str],
+    given: str,
+) -> None:
+    """A misspelt ``--adapter`` was taken for a hub id: the base model loaded and generated
+    (minutes), then PEFT failed in a traceback; with ``--completions`` alone its training
+    record was silently not read, the runs scored with the defaults instead of its recipe."""
+    monkeypatch.setattr(evaluate, "generate_run", _no_generation)
+    runfile = write_run(tmp_path / "r.jsonl", [GOOD])
+    adapter = given.format(tmp=tmp_path)
+    message = (
+        f"--adapter {adapter}: is a file"
+        if adapter == str(runfile)
+        else f"--adapter: no such file or folder: {adapter}"
+    )
+    for source in (
+        ["--model", "org/model", "--data", str(GSM8K_DIR)],
+        ["--completions", f"x={runfile}"],
+    ):
+        with pytest.raises(SystemExit) as exc:
+            main(["--reward-url", URL, *source, "--adapter", adapter])
+        assert exc.value.code == 2
+        assert message in capsys.readouterr().err
+    assert fake_client.requests == []
 
 
 def test_the_server_is_asked_before_generating(

@@ -562,6 +562,7 @@ def test_fp16_export_for_cuda(tmp_path: Path) -> None:
         ("--gate-completions", "-3", "must be at least 1, got -3"),
         ("--fidelity-texts", "many", "expected a whole number"),
         ("--int8-min-agreement", "1.5", "must be in (0, 1]"),
+        ("--opset", "0", "must be at least 1, got 0"),
     ],
 )
 def test_export_counts_are_checked_before_any_work(
@@ -574,6 +575,63 @@ def test_export_counts_are_checked_before_any_work(
     with pytest.raises(SystemExit):
         parser.parse_args(["--out", str(tmp_path / "x"), flag, value])
     assert f"argument {flag}: {message}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"", "no GSM8K rows (question, answer)"),
+        (b'{"question": "q"}\n', "line 1: answer: must be a non-empty string, got missing"),
+        (b'{"question": "q", "answer": "#### 1"}\nnope\n', "line 2: not JSON"),
+        (b"[1]\n", "line 1: expected a JSON object, got array"),
+        (b'{"question": 5, "answer": "#### 1"}\n', "line 1: question: must be a non-empty"),
+        (b'{"question": "q\xff", "answer": "#### 1"}\n', "line 1: not UTF-8 (byte 0xff"),
+    ],
+)
+def test_a_gsm8k_file_that_cannot_be_read_stops_the_export_before_the_model_loads(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    content: bytes,
+    message: str,
+) -> None:
+    """A ``--gsm8k`` file without rows was a ``ZeroDivisionError`` traceback and one without
+    an ``answer`` a ``KeyError``, each after the model had been loaded and traced."""
+
+    def no_load(*_a: object, **_k: object) -> None:
+        raise AssertionError("the model was loaded before --gsm8k was read")
+
+    monkeypatch.setattr(onnx_export, "load_reference", no_load)
+    gsm8k = tmp_path / "train.jsonl"
+    gsm8k.write_bytes(content)
+    out = tmp_path / "x"
+    assert onnx_export.main(["--out", str(out), "--gsm8k", str(gsm8k)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"sde2-reward export: --gsm8k: {gsm8k}: {message}" + err.split(message, 1)[1]
+    assert "\n" not in err.strip() and not out.exists()
+    assert onnx_export.main(["--out", str(out), "--gsm8k", str(tmp_path)]) == 2
+    assert f"--gsm8k: GSM8K file {tmp_path} is a folder" in capsys.readouterr().err
+
+
+def test_an_opset_torch_cannot_export_is_one_line_naming_the_flag(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``--opset 99`` (or 7) was torch's traceback after the model loaded: one line naming
+    the flag and torch's reason now. At the recipe's own opset a failure is a real one, and
+    keeps its traceback."""
+    import torch
+
+    def unsupported(*_a: object, opset_version: int, **_k: object) -> None:
+        raise RuntimeError(f"Unsupported onnx_opset_version: {opset_version}\ndetails")
+
+    monkeypatch.setattr(torch.onnx, "export", unsupported)
+    model = [argparse.Namespace(auto_model=torch.nn.Identity())]
+    message = "--opset 99: torch cannot export the encoder at this opset (Unsupported "
+    with pytest.raises(onnx_export.ExportArgumentError, match=re.escape(message)):
+        onnx_export._export_graph(model, Path("unused.onnx"), 99)
+    with pytest.raises(RuntimeError, match="Unsupported onnx_opset_version: 17") as exc:
+        onnx_export._export_graph(model, Path("unused.onnx"), onnx_export.DEFAULT_OPSET)
+    assert not isinstance(exc.value, onnx_export.ExportArgumentError)
 
 
 def _model_of_width(folder: Path, hidden: int) -> Path:

@@ -154,6 +154,25 @@ def test_an_unwritable_out_is_refused_before_the_input_is_read(
 
 
 @pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ("adir", "--in {tmp}/adir: is a folder; name a JSONL file"),
+        ("none.jsonl", "--in {tmp}/none.jsonl: no such file"),
+    ],
+)
+@pytest.mark.parametrize("command", ["score", "explain"])
+def test_an_input_that_is_no_file_is_named_by_its_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str, given: str, message: str
+) -> None:
+    """It was the OS's words, ``[Errno 21] Is a directory: '...'``, naming no flag."""
+    (tmp_path / "adir").mkdir()
+    argv = ["--in", str(tmp_path / given)] + (["--out", "-"] if command == "score" else [])
+    assert main([command, *argv]) == 2
+    err = capsys.readouterr().err
+    assert err == f"sde2-reward {command}: {message.format(tmp=tmp_path)}\n"
+
+
+@pytest.mark.parametrize(
     ("model", "message"),
     [
         ("/nonexistent/model", "--model: model '/nonexistent/model': no such folder"),

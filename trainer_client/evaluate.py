@@ -65,7 +65,9 @@ from trainer_client.retry import RetryPolicy, RewardRequestError, RewardServiceE
 from trainer_client.sharding import check_weights
 from trainer_client.train import (
     TRAINING_RECORD,
+    FlagError,
     add_param_flag,
+    check_sampling,
     checked_reward_params,
     read_training_record,
 )
@@ -110,6 +112,26 @@ def training_record_of(adapter: str) -> tuple[Path, dict[str, Any]] | None:
         if path.is_file():
             return path, read_training_record(path)
     return None
+
+
+def check_adapter(adapter: str | None) -> None:
+    """A :class:`ValueError` naming ``--adapter`` when it names a local path that does not
+    exist, or a file: a typo was taken for a hub id, found only once the base model had loaded
+    (minutes, then PEFT's traceback), and its training record was silently not read.
+
+    >>> check_adapter("./no-such-adapter")
+    Traceback (most recent call last):
+    ...
+    ValueError: --adapter: no such file or folder: ./no-such-adapter
+    """
+    if adapter is None:
+        return
+    if Path(adapter).is_file():
+        raise ValueError(
+            f"--adapter {adapter}: is a file; name the adapter's folder (e.g. sde2-train's "
+            "output/final)"
+        )
+    ModelRef(adapter).check("--adapter")
 
 
 def adapter_record(args: argparse.Namespace) -> tuple[Path, dict[str, Any]] | None:
@@ -659,6 +681,7 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     if not args.model and not args.completions:
         parser.error("give --model to generate, or --completions NAME=FILE to read runs")
     try:  # a --param typo fails now, not after generation
+        check_adapter(args.adapter)
         found = adapter_record(args)
         follow_training_record(args, found)
     except ValueError as exc:  # FlagError included
@@ -670,6 +693,10 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     ):
         if value is not None and value < 1:
             parser.error(f"{flag} must be >= 1, got {value}")
+    try:
+        check_sampling(args.temperature, args.top_p, greedy_allowed=True)
+    except FlagError as exc:
+        parser.error(str(exc))
     try:
         RewardClient(args.reward_url).close()  # checks the URLs' form; connects to nothing
     except ValueError as exc:

@@ -29,6 +29,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
+import os
 import random
 import sys
 from collections.abc import Sequence
@@ -157,9 +159,20 @@ def check_flags(args: argparse.Namespace) -> dict[str, Any]:
         raise FlagError(f"--warmup-ratio must be in [0, 1), got {args.warmup_ratio}")
     if not 0 <= args.lora_dropout < 1:  # PEFT accepts it; torch's Dropout fails once loaded
         raise FlagError(f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")
+    check_sampling(args.temperature, args.top_p, greedy_allowed=False)
+    # TRL takes each of these as given: a negative --lr trained away from the reward, and a
+    # nan --max-grad-norm turned the clipping off (nan > 0 is false), both without a word.
+    for flag, value, low in (
+        ("--lr", args.lr, "> 0"),
+        ("--beta", args.beta, ">= 0"),
+        ("--max-grad-norm", args.max_grad_norm, ">= 0"),
+    ):
+        if not math.isfinite(value) or value < 0 or (low == "> 0" and value == 0):
+            raise FlagError(f"{flag} must be a finite number {low}, got {value}")
     out = Path(args.output_dir)
     if out.exists() and not out.is_dir():
         raise FlagError(f"--output-dir {out}: is a file, not a folder")
+    check_creatable(out, "--output-dir")
     earlier = sorted(p.name for p in out.glob("checkpoint-*")) if out.is_dir() else []
     if earlier and not args.resume:  # a later --resume would take the newest, maybe not ours
         raise FlagError(
@@ -168,6 +181,46 @@ def check_flags(args: argparse.Namespace) -> dict[str, Any]:
             "another --output-dir"
         )
     return checked_reward_params(args)
+
+
+def check_sampling(temperature: float, top_p: float, *, greedy_allowed: bool) -> None:
+    """A :class:`FlagError` for a ``--temperature`` that is not a finite number > 0 (>= 0
+    where 0 means greedy decoding) or a ``--top-p`` outside (0, 1]: ``sde2-eval`` decoded a
+    negative or nan temperature greedily, without a word, and a top-p of 2 failed only once
+    the model had loaded.
+
+    >>> check_sampling(0.2, 0.95, greedy_allowed=False)
+    >>> check_sampling(float("nan"), 0.95, greedy_allowed=True)
+    Traceback (most recent call last):
+    ...
+    trainer_client.train.FlagError: --temperature must be a finite number >= 0 (0: greedy), got nan
+    """
+    low = ">= 0 (0: greedy)" if greedy_allowed else "> 0"
+    if (
+        not math.isfinite(temperature)
+        or temperature < 0
+        or (temperature == 0 and not greedy_allowed)
+    ):
+        raise FlagError(f"--temperature must be a finite number {low}, got {temperature}")
+    if not 0 < top_p <= 1:  # nan fails too
+        raise FlagError(f"--top-p must be in (0, 1], got {top_p}")
+
+
+def check_creatable(folder: Path, flag: str) -> None:
+    """A :class:`FlagError` naming ``flag`` when ``folder`` cannot be made or written: a file
+    on its path, or a nearest existing folder without write permission. The run wrote there
+    first once the model had loaded (minutes), and failed in a traceback."""
+    if folder.is_dir():
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise FlagError(f"{flag} {folder}: not writable")
+        return
+    existing = next((p for p in folder.absolute().parents if p.exists()), None)
+    if existing is None:
+        return
+    if not existing.is_dir():
+        raise FlagError(f"{flag} {folder}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise FlagError(f"{flag} {folder}: cannot be made: {existing} is not writable")
 
 
 def check_reward_flags(args: argparse.Namespace) -> None:

@@ -16,7 +16,6 @@ file was used).
 
 from __future__ import annotations
 
-import json
 import random
 import re
 from collections.abc import Sequence
@@ -31,6 +30,7 @@ from reward_server.core.components import semantic_exploration
 from reward_server.core.geometry import cosine_matrix, kept_mask, semantic_gain
 from reward_server.core.params import RewardParams
 from reward_server.data import GSM8K_TRAIN
+from reward_server.jsonl_files import InputError, json_type, jsonl_lines, parse_json_line
 
 #: The similarity thresholds the int8 gate checks (the default δ is 0.80).
 GATE_DELTAS: tuple[float, ...] = (0.70, 0.75, 0.80, 0.85, 0.90)
@@ -44,6 +44,8 @@ def find_gsm8k(path: str | Path | None = None) -> Path:
     """The GSM8K train file to use: ``path`` when given, else the subset shipped in the package."""
     if not path:
         return GSM8K_TRAIN
+    if Path(path).is_dir():
+        raise FileNotFoundError(f"GSM8K file {path} is a folder; name its train.jsonl")
     if not Path(path).is_file():
         raise FileNotFoundError(f"GSM8K file {path} not found")
     return Path(path)
@@ -62,14 +64,36 @@ def _clean_solution(answer: str, keep_calc: bool) -> list[str]:
     return lines
 
 
+def read_gsm8k(path: Path) -> list[dict[str, str]]:
+    """The rows of a GSM8K JSONL file, each a ``question`` and an ``answer`` string; a file
+    that holds none, or a line that is no such row, is an :class:`InputError` naming the file,
+    the line and the field (it was a ``KeyError`` or ``ZeroDivisionError`` traceback, after
+    the export had loaded and traced the model)."""
+    rows = []
+    for number, text in jsonl_lines(path):
+        row = parse_json_line(path, number, text)
+        if not isinstance(row, dict):
+            raise InputError(f"{path}: line {number}: expected a JSON object, got {json_type(row)}")
+        for name in ("question", "answer"):
+            if not isinstance(row.get(name), str) or not row[name].strip():
+                got = json_type(row[name]) if name in row else "missing"
+                raise InputError(
+                    f"{path}: line {number}: {name}: must be a non-empty string, got {got}"
+                )
+        rows.append(row)
+    if not rows:
+        raise InputError(f"{path}: no GSM8K rows (question, answer)")
+    return rows
+
+
 def load_problems(
     gsm8k: str | Path | None = None, n: int = 400, seed: int = 0
 ) -> tuple[list[tuple[str, list[str]]], str]:
-    """``n`` (question, solution lines) pairs and a description of where they came from."""
+    """``n`` (question, solution lines) pairs and a description of where they came from; a
+    file that holds no such pairs is an :class:`InputError` (:func:`read_gsm8k`)."""
     rng = random.Random(seed)
     path = find_gsm8k(gsm8k)
-    with path.open(encoding="utf-8") as fh:
-        rows = [json.loads(line) for line in fh if line.strip()]
+    rows = read_gsm8k(path)
     picked = rng.sample(rows, min(n, len(rows)))
     problems = [
         (r["question"], _clean_solution(r["answer"], keep_calc=(i % 5 == 0)))

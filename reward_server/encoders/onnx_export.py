@@ -85,6 +85,15 @@ class ExportRefused(RuntimeError):
     """The requested variant does not meet its fidelity bar; nothing was written."""
 
 
+class ExportArgumentError(ValueError):
+    """An argument the export cannot work with (``--gsm8k``, ``--opset``), named in the
+    message; found before the model loads where it can be."""
+
+
+#: ``--opset``'s default: the opset the graph recipe is made and tested at.
+DEFAULT_OPSET = 17
+
+
 @dataclass(frozen=True)
 class SourceModel:
     """A resolved local model folder plus how the user named it."""
@@ -174,18 +183,27 @@ def _export_graph(st_model: Any, path: Path, opset: int) -> None:
     mask = (ids != 0).to(torch.int64)
     types = torch.zeros_like(ids)
     dyn = {0: "batch", 1: "sequence"}
-    with torch.no_grad():
-        torch.onnx.export(
-            wrapper,
-            (ids, mask, types),
-            str(path),
-            input_names=list(INPUT_NAMES),
-            output_names=[OUTPUT_NAME],
-            dynamic_axes={**{n: dyn for n in INPUT_NAMES}, OUTPUT_NAME: {0: "batch"}},
-            opset_version=opset,
-            do_constant_folding=True,
-            dynamo=False,
-        )
+    try:
+        with torch.no_grad():
+            torch.onnx.export(
+                wrapper,
+                (ids, mask, types),
+                str(path),
+                input_names=list(INPUT_NAMES),
+                output_names=[OUTPUT_NAME],
+                dynamic_axes={**{n: dyn for n in INPUT_NAMES}, OUTPUT_NAME: {0: "batch"}},
+                opset_version=opset,
+                do_constant_folding=True,
+                dynamo=False,
+            )
+    except RuntimeError as exc:  # torch's OnnxExporterError included
+        if opset == DEFAULT_OPSET:
+            raise  # the recipe's own opset: a real failure, its traceback shown
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ExportArgumentError(
+            f"--opset {opset}: torch cannot export the encoder at this opset ({reason[:300]}); "
+            f"the default is {DEFAULT_OPSET}"
+        ) from None
 
 
 def fusion_options(*, gpu: bool) -> FusionOptions:
@@ -327,7 +345,7 @@ def export_model(
     out_dir: Path,
     variant: str = "fp32",
     *,
-    opset: int = 17,
+    opset: int = DEFAULT_OPSET,
     gsm8k: str | Path | None = None,
     n_texts: int = 300,
     n_completions: int = 400,
@@ -344,6 +362,7 @@ def export_model(
         raise ValueError(f"variant must be one of {VARIANTS}, not {variant!r}")
     out_dir = Path(out_dir).expanduser().resolve()
     _check_target(out_dir, overwrite)
+    problems = _fidelity_problems(gsm8k)  # read now: a bad file fails before the model loads
     require_torch_stack(
         "exporting the encoder to ONNX",
         "or serve an existing export: --model / SDE2_MODEL naming its folder",
@@ -368,7 +387,7 @@ def export_model(
             shutil.copytree(stage, fp32_dir)
         fused = _optimize(raw, fp32_dir / MODEL_FILE, fp16=False)
         _write_manifest(fp32_dir, src, "fp32", max_len, {}, fused)
-        measured = _measure_fp32(st_model, fp32_dir, gsm8k, n_texts)
+        measured = _measure_fp32(st_model, fp32_dir, problems, n_texts)
         if variant == "fp16":
             fused = _optimize(raw, stage / MODEL_FILE, fp16=True)
             measured.report["fp16"] = "not measured at export: the fp16 graph runs on CUDA only"
@@ -474,12 +493,27 @@ class _Measured:
     report: dict[str, Any]
 
 
+def _fidelity_problems(gsm8k: str | Path | None) -> tuple[list[tuple[str, list[str]]], str]:
+    """:func:`fidelity.load_problems` of ``--gsm8k``, a file it cannot read an
+    :class:`ExportArgumentError` naming the flag (the file, the line and the field)."""
+    try:
+        return fidelity.load_problems(gsm8k)
+    except (OSError, ValueError) as exc:  # InputError is a ValueError
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        where = f"{exc.filename}: " if isinstance(exc, OSError) and exc.filename else ""
+        raise ExportArgumentError(f"--gsm8k: {where}{reason}") from None
+
+
 def _measure_fp32(
-    st_model: Any, fp32_dir: Path, gsm8k: str | Path | None, n_texts: int
+    st_model: Any,
+    fp32_dir: Path,
+    fidelity_problems: tuple[list[tuple[str, list[str]]], str],
+    n_texts: int,
 ) -> _Measured:
-    """Compare the fp32 graph with sentence-transformers; :class:`ExportRefused` below
-    :data:`FP32_MIN_COSINE` on any text."""
-    problems, text_source = fidelity.load_problems(gsm8k)
+    """Compare the fp32 graph with sentence-transformers on the texts of ``fidelity_problems``
+    (:func:`_fidelity_problems`); :class:`ExportRefused` below :data:`FP32_MIN_COSINE` on any
+    text."""
+    problems, text_source = fidelity_problems
     log.info("measuring fp32 fidelity on %d texts (%s)", n_texts, text_source)
     texts = fidelity.build_texts(problems, n_texts)
     reference = np.asarray(
@@ -613,7 +647,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="GSM8K train.jsonl for the fidelity text set (default: the subset in the package)",
     )
-    parser.add_argument("--opset", type=int, default=17)
+    parser.add_argument(
+        "--opset",
+        type=_count,
+        default=DEFAULT_OPSET,
+        help="ONNX opset of the traced graph",
+    )
     parser.add_argument(
         "--fidelity-texts",
         type=_count,
@@ -657,7 +696,8 @@ def _share(text: str) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the export; 0 on success, 2 when refused, 1 on other errors."""
+    """Run the export; 0 on success, 2 when refused or an argument cannot work (``--gsm8k``,
+    ``--opset``), 1 on other errors."""
     # WARNING for the libraries (the quantizer logs every tensor at INFO), INFO for our steps.
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     log.setLevel(logging.INFO)
@@ -675,6 +715,9 @@ def run(args: argparse.Namespace) -> int:
         )
     except ExportRefused as exc:
         print(f"export refused: {exc}", file=sys.stderr)
+        return 2
+    except ExportArgumentError as exc:
+        print(f"sde2-reward export: {exc}", file=sys.stderr)
         return 2
     except (FileExistsError, FileNotFoundError, ValueError, ModelExportError) as exc:
         print(f"export failed: {exc}", file=sys.stderr)
