@@ -502,6 +502,36 @@ def test_a_drain_that_overruns_its_timeout_answers_503_and_unavailable(
 # -- low items ----------------------------------------------------------------------------------
 
 
+def test_an_http_port_in_use_or_a_host_not_here_exits_3_naming_the_flags(
+    onnx_model_dir: Path,
+) -> None:
+    """One process, as the workers' supervisor: the port or host it cannot bind is said in one
+    line naming the flags (uvicorn's own error named neither), before the encoder loads."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        server = ServerProcess(onnx_model_dir, port=port).start(wait=False)
+        try:
+            code = server.wait(120)
+        finally:
+            server.kill()
+    assert code == 3, server.log_tail()
+    assert f"cannot bind HTTP to 127.0.0.1:{port}: Address already in use (--host, --port)" in (
+        server.log()
+    )
+    nowhere = ServerProcess(onnx_model_dir, "--host", "999.1.1.1").start(wait=False)
+    try:
+        code = nowhere.wait(120)
+    finally:
+        nowhere.kill()
+    assert code == 3, nowhere.log_tail()
+    assert "cannot bind HTTP to 999.1.1.1:" in nowhere.log() and "(--host, --port)" in nowhere.log()
+    assert "Traceback" not in server.log() + nowhere.log()
+    # refused before the encoder loaded ("encoder ... ready in 0.9 s")
+    assert not re.search(r"ready in [0-9.]+ s", server.log() + nowhere.log())
+
+
 def test_grpc_port_in_use_exits_3_with_a_message(onnx_model_dir: Path) -> None:
     server = ServerProcess(onnx_model_dir, grpc=True)
     with socket.socket() as taken:

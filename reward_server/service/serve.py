@@ -384,7 +384,10 @@ def _taken_port(settings: Settings) -> str | None:
     """Why the HTTP or gRPC port cannot be had, if it cannot: bound without ``SO_REUSEPORT``,
     the probe fails while any socket holds the port, so another server (even one whose
     workers would share it with these) is found here, before any worker starts."""
-    for what, port in (("HTTP", settings.port), ("gRPC", settings.grpc_port)):
+    for what, port, flag in (
+        ("HTTP", settings.port, "--port"),
+        ("gRPC", settings.grpc_port, "--grpc-port"),
+    ):
         if not port:  # none, or "any free port"
             continue
         family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
@@ -394,7 +397,7 @@ def _taken_port(settings: Settings) -> str | None:
                 probe.bind((settings.host, port))
             except OSError as exc:
                 where = host_port(settings.host, port)
-                return f"cannot bind {what} to {where}: {exc.strerror or exc}"
+                return f"cannot bind {what} to {where}: {exc.strerror or exc} (--host, {flag})"
     return None
 
 
@@ -468,4 +471,8 @@ def run(args: argparse.Namespace) -> int:
     )
     if settings.workers > 1:
         return _run_workers(settings)
+    taken = _taken_port(settings)  # as the workers' supervisor does: the flags named
+    if taken is not None:
+        log.error("%s", taken)
+        return 3
     return asyncio.run(serve_async(settings))
