@@ -18,7 +18,9 @@ split is often uneven (4 connections over 2 workers: 3-1 or 4-0 in 10 of 16 case
 level then measures that split rather than the workers. When the benchmark starts the server
 itself it finds which worker holds each connection (the socket's inode in ``/proc``, Linux),
 reconnects until the clients are spread evenly (``--spread even``, the default; ``kernel``
-keeps the kernel's split) and prints each level's requests per worker.
+keeps the kernel's split) and prints each level's requests per worker, each answer credited to
+the worker holding the connection it came on (looked up again when httpx reconnects). A
+connection whose worker it cannot find stops the benchmark.
 """
 
 from __future__ import annotations
@@ -53,8 +55,9 @@ class LevelResult:
     statuses: dict[int, int] = field(default_factory=dict)
     mismatches: int = 0
     completions: int = 0
-    #: Requests answered per worker process (pid), when the workers are known.
-    per_worker: dict[int, int] = field(default_factory=dict)
+    #: Requests answered per worker process (pid), when the workers are known; None counts
+    #: those on a connection whose worker could not be found.
+    per_worker: dict[int | None, int] = field(default_factory=dict)
 
     def row(self) -> str:
         n = len(self.latencies)
@@ -136,7 +139,7 @@ def run_level(
                     continue
                 result.latencies.append(elapsed)
                 result.completions += len(bodies[i]["items"])
-                if held.worker is not None:
+                if len(held.workers) > 1:  # held.worker: the one that sent r
                     result.per_worker[held.worker] = result.per_worker.get(held.worker, 0) + 1
                 if not same:
                     result.mismatches += 1
@@ -153,11 +156,31 @@ def run_level(
 
 @dataclass
 class Client:
-    """One closed-loop client: its own keep-alive connection, and the worker process holding
-    the connection's server end (None when not known)."""
+    """One closed-loop client of the server at ``url``: its own keep-alive connection, and,
+    among ``workers``, the process holding the connection's server end (None when not known).
 
-    http: httpx.Client
+    httpx opens a new connection, without a word, when the server has closed the old one (its
+    keep-alive timeout while other clients connect, a refusal), and the kernel may hand the new
+    one to another worker; so every answer's connection is checked as its head arrives (the
+    connection is still open then, even one the answer closes) and a new one's worker found."""
+
+    url: str
+    workers: list[int] = field(default_factory=list)
     worker: int | None = None
+    #: The local port of the connection ``worker`` was found for.
+    port: int | None = None
+    http: httpx.Client = field(init=False)
+
+    def __post_init__(self) -> None:
+        hooks = {"response": [self._note]} if len(self.workers) > 1 else {}
+        self.http = httpx.Client(base_url=self.url, timeout=300.0, event_hooks=hooks)
+
+    def _note(self, answer: httpx.Response) -> None:
+        ports = _ports(answer)
+        if ports is None:
+            self.port = self.worker = None
+        elif ports[0] != self.port:
+            self.port, self.worker = ports[0], worker_of(answer, self.workers)
 
 
 def open_clients(
@@ -171,13 +194,18 @@ def open_clients(
     clients = []
     for _ in range(count):
         for _attempt in range(tries):
-            client = Client(httpx.Client(base_url=url, timeout=300.0))
-            answer = client.http.get("/healthz")
-            answer.raise_for_status()
+            client = Client(url, workers)
+            client.http.get("/healthz").raise_for_status()
             if len(workers) < 2:
                 break
-            client.worker = worker_of(answer, workers)
-            if not even or client.worker is None or held[client.worker] < share:
+            worker = client.worker
+            if worker is None:  # its requests would be counted on no worker
+                client.http.close()
+                raise RuntimeError(
+                    f"cannot tell which of the workers {workers} holds the connection from "
+                    f"local port {client.port} (/proc/net/tcp, /proc/PID/fd)"
+                )
+            if not even or held[worker] < share:
                 break
             client.http.close()
         else:
@@ -188,12 +216,25 @@ def open_clients(
     return clients
 
 
+def _ports(answer: httpx.Response) -> tuple[int, int] | None:
+    """The local and the server's port of the connection ``answer`` came on, or None when
+    that connection is closed already."""
+    sock = answer.extensions["network_stream"].get_extra_info("socket")
+    try:
+        return int(sock.getsockname()[1]), int(sock.getpeername()[1])
+    except OSError:
+        return None
+
+
 def worker_of(answer: httpx.Response, workers: list[int]) -> int | None:
     """The pid among ``workers`` holding the server end of ``answer``'s connection: the
-    server-side socket (the one whose remote port is this connection's local port) in
-    ``/proc/net/tcp``, then the worker with that socket's inode among its descriptors."""
-    sock = answer.extensions["network_stream"].get_extra_info("socket")
-    local_port = sock.getsockname()[1]
+    server-side socket (local port the server's, remote port this connection's local port)
+    in ``/proc/net/tcp`` or ``tcp6``, then the worker with that socket's inode among its
+    descriptors."""
+    ports = _ports(answer)
+    if ports is None:
+        return None
+    local_port, server_port = ports
     inodes = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
@@ -202,7 +243,8 @@ def worker_of(answer: httpx.Response, workers: list[int]) -> int | None:
             continue
         for line in lines:
             fields = line.split()
-            if int(fields[2].rsplit(":", 1)[1], 16) == local_port:
+            pair = tuple(int(end.rsplit(":", 1)[1], 16) for end in fields[1:3])
+            if pair == (server_port, local_port):
                 inodes.add(f"socket:[{fields[9]}]")
     for pid in workers:
         try:
@@ -242,11 +284,13 @@ def _listens(pid: int) -> bool:
 
 def split_text(result: LevelResult, workers: list[int]) -> str:
     """``requests per worker 120/118`` (each of several ``workers``' count, largest first),
-    or ""."""
+    and how many answers came on a connection whose worker was not found; or ""."""
     if len(workers) < 2:
         return ""
     counts = sorted((result.per_worker.get(pid, 0) for pid in workers), reverse=True)
-    return "  requests per worker " + "/".join(map(str, counts))
+    unknown = result.per_worker.get(None, 0)
+    lost = f" (+{unknown} on a connection of no known worker)" if unknown else ""
+    return "  requests per worker " + "/".join(map(str, counts)) + lost
 
 
 def batch_stats(client: httpx.Client, url: str) -> str:

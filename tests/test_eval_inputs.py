@@ -266,6 +266,23 @@ def test_an_adapter_that_is_not_there_stops_before_anything_runs(
     assert fake_client.requests == []
 
 
+def test_an_adapter_under_home_given_with_a_tilde_is_found(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--adapter=~/run/final`` (no shell expands that "~"): the folder is there, and was
+    refused as "no such file or folder"; its training record is read."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    adapter = tmp_path / "run" / "final"
+    adapter.mkdir(parents=True)
+    (adapter / evaluate.TRAINING_RECORD).write_text(json.dumps({"recipe": "cfl"}))
+    runfile = write_run(tmp_path / "r.jsonl", [GOOD])
+    parser = evaluate.build_parser()
+    argv = ["--reward-url", URL, "--completions", f"x={runfile}", "--adapter=~/run/final"]
+    args = parser.parse_args(argv)
+    evaluate.check_arguments(parser, args)
+    assert args.adapter == str(adapter) and args.recipe == "cfl"
+
+
 def test_the_server_is_asked_before_generating(
     monkeypatch: pytest.MonkeyPatch,
     fake_client: type[FakeClient],

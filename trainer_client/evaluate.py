@@ -262,7 +262,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reward-url", action="append", required=True, help="reward server URL(s)")
     p.add_argument("--model", help="policy to generate with: hub id, folder, or .gguf file")
     p.add_argument("--gguf-file", help="GGUF file inside --model")
-    p.add_argument("--adapter", help="a LoRA adapter folder (e.g. sde2-train's output/final)")
+    p.add_argument(
+        "--adapter",
+        # "~" expanded as --model's is: the shell leaves it in --adapter=~/run/final, and the
+        # folder was then refused as missing (PEFT and the record do not expand it either)
+        type=os.path.expanduser,
+        help="a LoRA adapter folder (e.g. sde2-train's output/final)",
+    )
     p.add_argument(
         "--base-quantization",
         choices=BASE_QUANTIZATIONS,
