@@ -8,13 +8,12 @@ outcome is the gold answer.
 
 from __future__ import annotations
 
-import json
 import random
 import re
 from pathlib import Path
 from typing import Any
 
-from reward_server.encoders.fidelity import find_gsm8k
+from reward_server.encoders.fidelity import find_gsm8k, read_gsm8k
 
 _CALC = re.compile(r"<<[^>]*>>")
 
@@ -22,22 +21,20 @@ _CALC = re.compile(r"<<[^>]*>>")
 def load_gsm8k(path: Path | None = None, limit: int = 2000) -> list[dict[str, str]]:
     """Questions with their worked solution (calculator annotations removed) and gold answer.
 
-    Default: the 400-problem subset shipped in the package (:mod:`reward_server.data`).
+    Default: the 400-problem subset shipped in the package (:mod:`reward_server.data`); a file
+    is read as the export's fidelity check reads it (:func:`read_gsm8k`: a bad row names its
+    line and field).
     """
     rows = []
-    with find_gsm8k(path).open(encoding="utf-8") as f:
-        for line in f:
-            record = json.loads(line)
-            solution, _, gold = record["answer"].rpartition("####")
-            rows.append(
-                {
-                    "question": record["question"],
-                    "solution": _CALC.sub("", solution),
-                    "gold": gold.strip(),
-                }
-            )
-            if len(rows) >= limit:
-                break
+    for record in read_gsm8k(find_gsm8k(path))[:limit]:
+        solution, _, gold = record["answer"].rpartition("####")
+        rows.append(
+            {
+                "question": record["question"],
+                "solution": _CALC.sub("", solution),
+                "gold": gold.strip(),
+            }
+        )
     return rows
 
 
