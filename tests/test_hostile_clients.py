@@ -532,6 +532,38 @@ def test_an_http_port_in_use_or_a_host_not_here_exits_3_naming_the_flags(
     assert not re.search(r"ready in [0-9.]+ s", server.log() + nowhere.log())
 
 
+def test_one_process_probes_every_address_its_host_resolves_to(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A name that resolves to IPv6 only is served by one process (asyncio binds what the name
+    resolves to), so its port check probes those addresses, and a port taken there is still
+    refused; the workers' probe binds the one address their sockets bind."""
+    from reward_server.service import serve
+    from reward_server.service.config import Settings
+
+    real = socket.getaddrinfo
+
+    def resolve(host: str, port: int, *args: object, **kwargs: object) -> list[object]:
+        if host == "v6only.test":
+            return [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", port, 0, 0))]
+        return real(host, port, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    with socket.socket(socket.AF_INET6) as free:
+        free.bind(("::1", 0))
+        port = free.getsockname()[1]
+    settings = Settings(host="v6only.test", port=port, grpc_port=None)
+    assert serve._taken_port(settings, every_address=True) is None
+    assert "(--host, --port)" in (serve._taken_port(settings) or "")  # resolved as IPv4: none
+    with socket.socket(socket.AF_INET6) as taken:
+        taken.bind(("::1", port))
+        taken.listen()
+        refused = serve._taken_port(settings, every_address=True)
+    assert refused == (
+        f"cannot bind HTTP to v6only.test:{port}: Address already in use (--host, --port)"
+    )
+
+
 def test_grpc_port_in_use_exits_3_with_a_message(onnx_model_dir: Path) -> None:
     server = ServerProcess(onnx_model_dir, grpc=True)
     with socket.socket() as taken:

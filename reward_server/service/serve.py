@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import ctypes
 import dataclasses
+import errno
 import logging
 import math
 import multiprocessing
@@ -380,25 +381,44 @@ def _run_workers(settings: Settings) -> int:
             sock.close()
 
 
-def _taken_port(settings: Settings) -> str | None:
+def _taken_port(settings: Settings, *, every_address: bool = False) -> str | None:
     """Why the HTTP or gRPC port cannot be had, if it cannot: bound without ``SO_REUSEPORT``,
     the probe fails while any socket holds the port, so another server (even one whose
-    workers would share it with these) is found here, before any worker starts."""
+    workers would share it with these) is found here, before any worker starts.
+
+    ``every_address``: probe each address ``--host`` resolves to, as one process's server binds
+    them (asyncio's ``create_server``, which skips a family the machine has not enabled:
+    ``EADDRNOTAVAIL``), so a name that resolves to IPv6 only is served; else the one address
+    :func:`reuse_port_socket` binds for the workers."""
+    host = settings.host
     for what, port, flag in (
         ("HTTP", settings.port, "--port"),
         ("gRPC", settings.grpc_port, "--grpc-port"),
     ):
         if not port:  # none, or "any free port"
             continue
-        family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind((settings.host, port))
-            except OSError as exc:
-                where = host_port(settings.host, port)
-                return f"cannot bind {what} to {where}: {exc.strerror or exc} (--host, {flag})"
+        try:
+            for family, address in _bind_addresses(host, port, every_address):
+                with socket.socket(family, socket.SOCK_STREAM) as probe:
+                    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    try:
+                        probe.bind(address)
+                    except OSError as exc:
+                        if every_address and exc.errno == errno.EADDRNOTAVAIL:
+                            continue
+                        raise
+        except OSError as exc:  # socket.gaierror included: a name that is no host here
+            where = host_port(host, port)
+            return f"cannot bind {what} to {where}: {exc.strerror or exc} (--host, {flag})"
     return None
+
+
+def _bind_addresses(host: str, port: int, every_address: bool) -> list[tuple[int, Any]]:
+    """The ``(family, address)`` pairs :func:`_taken_port` probes."""
+    if not every_address:
+        return [(socket.AF_INET6 if ":" in host else socket.AF_INET, (host, port))]
+    found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    return [(family, address) for family, _, _, _, address in found]
 
 
 def _supervise(child: Settings, shared_metrics: str) -> int:
@@ -471,7 +491,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if settings.workers > 1:
         return _run_workers(settings)
-    taken = _taken_port(settings)  # as the workers' supervisor does: the flags named
+    taken = _taken_port(settings, every_address=True)  # the flags named, as for workers
     if taken is not None:
         log.error("%s", taken)
         return 3
