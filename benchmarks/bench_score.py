@@ -290,6 +290,10 @@ class Overhead:
     """Per-step milliseconds of everything but the encoder (see :func:`measure_overhead`)."""
 
     in_process: list[float] = field(default_factory=list)
+    #: (D) again, the steps back to back with nothing between them: a warm machine's figure
+    #: (benchmarks/README.md, nineteenth and twenty-fourth passes: between requests a step is
+    #: cold, as a server's are between training steps, and costs up to twice as much here).
+    in_process_warm: list[float] = field(default_factory=list)
     http: list[float] = field(default_factory=list)
     #: (E) again through a bare keep-alive ``http.client`` connection: what httpx adds.
     http_minimal: list[float] = field(default_factory=list)
@@ -318,8 +322,9 @@ def measure_overhead(
     second table server whose requests take the batcher's worker (``--worker-path``: a step
     the cache does not hold, as in training); the three requests go in turn, each first in a
     third of the steps, since the one after another on the same body finds the machine warm.
-    Then (D) and (E) run ``repeats`` times on the same steps in each of the workload's other
-    :data:`SHAPES` (the table holds their texts too).
+    Then (D) alone runs ``repeats`` times back to back (what a warm machine gives; the
+    alternating figure is the one a server meets), and (D) and (E) ``repeats`` times on the
+    same steps in each of the workload's other :data:`SHAPES` (the table holds their texts too).
     """
     import tempfile
     from http.client import HTTPConnection
@@ -369,6 +374,13 @@ def measure_overhead(
                 out.http_minimal.append(answers[1].ms)
                 out.http_worker.append(answers[2].ms)
                 out.server_total_worker.append(answers[2].server_ms)
+            prepared_items = [_items(step) for step in steps]
+            for r in range(repeats):
+                items = prepared_items[r % len(steps)]
+                t0 = time.perf_counter()
+                prepared = prepare_batch(items)
+                finish_batch(prepared, table.encode(prepared.texts))
+                out.in_process_warm.append((time.perf_counter() - t0) * 1000)
             for shape, shape_steps in shaped.items():
                 same_rewards = standard if shape == SHAPES[0] else None  # line breaks fold away
                 _measure_shape(out, shape, shape_steps, same_rewards, table, http, repeats)
@@ -474,6 +486,7 @@ def print_overhead(o: Overhead) -> bool:
     print(f"{'path':<52}{'p50 ms':>10}{'p99 ms':>10}{'target':>10}")
     for name, values, target in (
         ("(D) in process: parse, answers, reward", o.in_process, "<= 1.5"),
+        ("    the same steps back to back (a warm machine)", o.in_process_warm, ""),
         ("(E) through the server (HTTP, JSON, all)", o.http, "<= 3.0"),
         ("    the same with a bare http.client client", o.http_minimal, ""),
         ("    of which the server's x-total-time", o.server_total, ""),

@@ -359,6 +359,7 @@ def test_score_benchmark_runs_end_to_end(
     assert re.search(r"fp32 ceiling: .* A/C at most (inf|[0-9.]+) ", out), out
     # Everything but the encoder: in process and through the server, with the same rewards.
     assert re.search(r"\(D\) in process.* [0-9.]+ +[0-9.]+ +<= 1\.5", out), out
+    assert re.search(r"the same steps back to back \(a warm machine\) +[0-9.]+ +[0-9.]+", out)
     assert re.search(r"\(E\) through the server.* [0-9.]+ +[0-9.]+ +<= 3\.0", out), out
     # ... and through the encoder's worker, as a step the cache does not hold goes.
     assert re.search(r"\(E\) through the encoder's worker.* [0-9.]+ +[0-9.]+ +<= 3\.0", out), out
