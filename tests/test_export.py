@@ -618,7 +618,7 @@ def test_an_opset_torch_cannot_export_is_one_line_naming_the_flag(
 ) -> None:
     """``--opset 99`` (or 7) was torch's traceback after the model loaded: one line naming
     the flag and torch's reason now. At the recipe's own opset a failure is a real one, and
-    keeps its traceback."""
+    keeps its traceback, as does one at any opset that torch does not put on the opset."""
     import torch
 
     def unsupported(*_a: object, opset_version: int, **_k: object) -> None:
@@ -631,6 +631,14 @@ def test_an_opset_torch_cannot_export_is_one_line_naming_the_flag(
         onnx_export._export_graph(model, Path("unused.onnx"), 99)
     with pytest.raises(RuntimeError, match="Unsupported onnx_opset_version: 17") as exc:
         onnx_export._export_graph(model, Path("unused.onnx"), onnx_export.DEFAULT_OPSET)
+    assert not isinstance(exc.value, onnx_export.ExportArgumentError)
+
+    def broken(*_a: object, **_k: object) -> None:  # a failure that is not the opset's
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(torch.onnx, "export", broken)
+    with pytest.raises(RuntimeError, match="CUDA out of memory") as exc:
+        onnx_export._export_graph(model, Path("unused.onnx"), 13)
     assert not isinstance(exc.value, onnx_export.ExportArgumentError)
 
 
