@@ -162,16 +162,15 @@ def check_flags(args: argparse.Namespace) -> dict[str, Any]:
     check_sampling(args.temperature, args.top_p, greedy_allowed=False)
     # TRL takes each of these as given: a negative --lr trained away from the reward, and a
     # nan --max-grad-norm turned the clipping off (nan > 0 is false), both without a word.
-    for flag, value, low in (
-        ("--lr", args.lr, "> 0"),
-        ("--beta", args.beta, ">= 0"),
-        ("--max-grad-norm", args.max_grad_norm, ">= 0"),
+    for flag, value, zero_allowed in (
+        ("--lr", args.lr, False),
+        ("--beta", args.beta, True),
+        ("--max-grad-norm", args.max_grad_norm, True),
     ):
-        if not math.isfinite(value) or value < 0 or (low == "> 0" and value == 0):
+        if not math.isfinite(value) or value < 0 or (value == 0 and not zero_allowed):
+            low = ">= 0" if zero_allowed else "> 0"
             raise FlagError(f"{flag} must be a finite number {low}, got {value}")
     out = Path(args.output_dir)
-    if out.exists() and not out.is_dir():
-        raise FlagError(f"--output-dir {out}: is a file, not a folder")
     check_creatable(out, "--output-dir")
     earlier = sorted(p.name for p in out.glob("checkpoint-*")) if out.is_dir() else []
     if earlier and not args.resume:  # a later --resume would take the newest, maybe not ours
@@ -208,8 +207,10 @@ def check_sampling(temperature: float, top_p: float, *, greedy_allowed: bool) ->
 
 def check_creatable(folder: Path, flag: str) -> None:
     """A :class:`FlagError` naming ``flag`` when ``folder`` cannot be made or written: a file
-    on its path, or a nearest existing folder without write permission. The run wrote there
+    there or on its path, or a nearest existing folder without write permission. The run wrote there
     first once the model had loaded (minutes), and failed in a traceback."""
+    if folder.exists() and not folder.is_dir():
+        raise FlagError(f"{flag} {folder}: is a file, not a folder")
     if folder.is_dir():
         if not os.access(folder, os.W_OK | os.X_OK):
             raise FlagError(f"{flag} {folder}: not writable")
