@@ -180,7 +180,7 @@ class Client:
         if ports is None:
             self.port = self.worker = None
         elif ports[0] != self.port:
-            self.port, self.worker = ports[0], worker_of(answer, self.workers)
+            self.port, self.worker = ports[0], worker_of(ports, self.workers)
 
 
 def open_clients(
@@ -226,14 +226,11 @@ def _ports(answer: httpx.Response) -> tuple[int, int] | None:
         return None
 
 
-def worker_of(answer: httpx.Response, workers: list[int]) -> int | None:
-    """The pid among ``workers`` holding the server end of ``answer``'s connection: the
-    server-side socket (local port the server's, remote port this connection's local port)
-    in ``/proc/net/tcp`` or ``tcp6``, then the worker with that socket's inode among its
-    descriptors."""
-    ports = _ports(answer)
-    if ports is None:
-        return None
+def worker_of(ports: tuple[int, int], workers: list[int]) -> int | None:
+    """The pid among ``workers`` holding the server end of the connection of ``ports``
+    (:func:`_ports`: its local and the server's port): the server-side socket (local port the
+    server's, remote port this connection's local port) in ``/proc/net/tcp`` or ``tcp6``,
+    then the worker with that socket's inode among its descriptors."""
     local_port, server_port = ports
     inodes = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):

@@ -10,7 +10,6 @@ import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-import httpx
 import pytest
 
 from benchmarks import bench_load
@@ -115,9 +114,9 @@ def test_a_new_connection_is_looked_up_again(monkeypatch: pytest.MonkeyPatch) ->
     lookups = []
     real = bench_load.worker_of
 
-    def counted(answer: httpx.Response, workers: list[int]) -> int | None:
-        lookups.append(answer)
-        return real(answer, workers)
+    def counted(ports: tuple[int, int], workers: list[int]) -> int | None:
+        lookups.append(ports)
+        return real(ports, workers)
 
     monkeypatch.setattr(bench_load, "worker_of", counted)
     with _serve("127.0.0.1", close_after=2) as server:
