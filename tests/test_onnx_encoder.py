@@ -17,6 +17,8 @@ from reward_server.encoders.base import EMBEDDING_DIM, MAX_SEQ_LENGTH, Encoder
 from reward_server.encoders.batched import BatchedEncoder, available_cpus, plan_batches
 from reward_server.encoders.ctranslate2_runtime import CTranslate2Encoder
 from reward_server.encoders.onnx_runtime import (
+    CUDA_LENGTH_MULTIPLE,
+    CUDA_ROW_MULTIPLE,
     OnnxEncoder,
     ProviderUnavailableError,
     check_provider_available,
@@ -85,6 +87,31 @@ def test_order_and_determinism(encoder: OnnxEncoder, fidelity_texts: list[str]) 
     np.testing.assert_allclose(forward, backward[::-1], atol=1e-5)
     singles = np.stack([encoder.encode([t])[0] for t in texts[:8]])
     np.testing.assert_allclose(forward[:8], singles, atol=1e-5)
+
+
+def test_padded_shapes_leave_every_embedding_as_it_was(
+    fp32_export: Path,  # noqa: F811
+    encoder: OnnxEncoder,
+    fidelity_texts: list[str],  # noqa: F811
+) -> None:
+    """CUDA's runs are padded to repeating shapes (``pad_shapes``): the extra columns are masked
+    and the extra rows dropped, so each text's embedding is the one its exact run gives."""
+    assert not encoder.pad_shapes  # CPU's default: no FLOPs spent on padding
+    padded = OnnxEncoder(fp32_export, pad_shapes=True, max_batch_tokens=700)
+    runs: list[tuple[int, int]] = []
+    session = padded._session
+
+    class Recording:  # the session, noting each run's shape
+        def run(self, outputs: Any, feeds: dict[str, npt.NDArray[np.int64]]) -> Any:
+            runs.append(feeds["input_ids"].shape)
+            return session.run(outputs, feeds)
+
+    padded._session = Recording()
+    texts = fidelity_texts[:45]
+    np.testing.assert_allclose(padded.encode(texts), encoder.encode(texts), atol=1e-5)
+    assert len(runs) > 1
+    assert all(r % CUDA_ROW_MULTIPLE == 0 and n % CUDA_LENGTH_MULTIPLE == 0 for r, n in runs)
+    assert any(r > 1 for r, _ in runs)
 
 
 @pytest.mark.slow

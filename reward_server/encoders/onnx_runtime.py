@@ -47,6 +47,47 @@ DEFAULT_MAX_BATCH_TOKENS_CUDA = 65536
 #: ignores a name it does not know, so ``tests/test_onnx_encoder.py`` reads the session's
 #: optimized graph to check that this one still applies.
 CPU_DISABLED_OPTIMIZERS = ("SkipLayerNormFusion",)
+#: onnxruntime's attention kernel on CUDA, its ``sdpa_kernel`` option (a bit mask; 16 is the
+#: unfused kernel, plain matrix products and a softmax). Left to choose, onnxruntime 1.31 takes a
+#: kernel that prepares itself for each new (rows, length) of a run, ~40 ms on an H200, and a
+#: reward step's runs are nearly all new shapes: a standard step encoded in 415 ms where its
+#: kernels ran 12. The unfused kernel prepares nothing and runs every shape: 15.2 ms a step and
+#: the best bulk rate (1.57M tokens/s); 4, the TensorRT fused kernel, 14.9 ms a step but 1.51M
+#: in bulk and some lengths only; 2, memory-efficient, 57 ms (``benchmarks/README.md``, GPU
+#: pass). The gpu extra's floor, onnxruntime-gpu 1.19, has the option.
+CUDA_ATTENTION_KERNEL = "16"
+#: On CUDA (``pad_shapes``) each run's rows and length are rounded up to these multiples. A
+#: shape the process has not run yet still costs ~4 ms more than its kernels (a fresh standard
+#: step encoded in 43 ms, the same step again in 12); rounded, the shapes repeat from step to
+#: step and a fresh step took 17 ms on an H200 (``benchmarks/README.md``, GPU pass). On CPU,
+#: where the padding would be paid in FLOPs, runs keep their exact shapes.
+CUDA_ROW_MULTIPLE = 16
+CUDA_LENGTH_MULTIPLE = 32
+
+
+def pad_to_multiples(
+    ids: npt.NDArray[np.int64], mask: npt.NDArray[np.int64], rows: int, length: int
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """``ids`` and ``mask`` grown to the next multiples of ``rows`` and ``length``. New columns
+    are masked out, so the real rows' embeddings do not change; a new row attends to its first
+    token alone, so that it pools over something (its embedding is dropped).
+
+    >>> ids, mask = pad_to_multiples(np.ones((3, 5), np.int64), np.ones((3, 5), np.int64), 4, 8)
+    >>> ids.shape, int(mask[:3].sum()), mask[3].tolist()
+    ((4, 8), 15, [1, 0, 0, 0, 0, 0, 0, 0])
+    >>> pad_to_multiples(ids, mask, 4, 8)[0] is ids
+    True
+    """
+    n, width = ids.shape
+    padded_n, padded_width = -(-n // rows) * rows, -(-width // length) * length
+    if (padded_n, padded_width) == (n, width):
+        return ids, mask
+    new_ids = np.zeros((padded_n, padded_width), dtype=ids.dtype)
+    new_mask = np.zeros((padded_n, padded_width), dtype=mask.dtype)
+    new_ids[:n, :width] = ids
+    new_mask[:n, :width] = mask
+    new_mask[n:, 0] = 1
+    return new_ids, new_mask
 
 
 class ProviderUnavailableError(EncoderUnavailableError):
@@ -107,9 +148,13 @@ class OnnxEncoder(BatchedEncoder):
         allow_spinning: bool = False,
         memory_arena: bool = True,
         device_id: int = 0,
+        pad_shapes: bool | None = None,
     ) -> None:
         """``model_dir``, ``provider``, threads, streams and runs as every export encoder's
-        (:class:`BatchedEncoder`); the rest are onnxruntime's session settings."""
+        (:class:`BatchedEncoder`); the rest are onnxruntime's session settings, and
+        ``pad_shapes``: round each run's rows and length up (:func:`pad_to_multiples`; default:
+        on CUDA only)."""
+        self.pad_shapes = provider == "cuda" if pad_shapes is None else pad_shapes
         # Made once the threads and streams are known (they size the session's thread pool).
         self._options = partial(
             self._session_options,
@@ -182,7 +227,10 @@ class OnnxEncoder(BatchedEncoder):
         import onnxruntime as ort
 
         providers: list[Any] = (
-            [(ort_provider, {"device_id": device_id}), "CPUExecutionProvider"]
+            [
+                (ort_provider, {"device_id": device_id, "sdpa_kernel": CUDA_ATTENTION_KERNEL}),
+                "CPUExecutionProvider",
+            ]
             if self.provider == "cuda"
             else [ort_provider]
         )
@@ -209,17 +257,25 @@ class OnnxEncoder(BatchedEncoder):
         return session
 
     def _run(self, ids: npt.NDArray[np.int64], mask: npt.NDArray[np.int64]) -> Any:
-        feeds = {"input_ids": ids, "attention_mask": mask}
-        if "token_type_ids" in self._input_names:
-            feeds["token_type_ids"] = np.zeros_like(ids)
+        n = len(ids)
+        if self.pad_shapes:
+            ids, mask = pad_to_multiples(ids, mask, CUDA_ROW_MULTIPLE, CUDA_LENGTH_MULTIPLE)
         if self.provider != "cuda":
-            return self._session.run([self._output_name], feeds)[0]
+            return self._session.run([self._output_name], self._feeds(ids, mask))[0][:n]
         binding = self._session.io_binding()
-        for name, value in feeds.items():
+        for name, value in self._feeds(ids, mask).items():
             binding.bind_cpu_input(name, value)
         binding.bind_output(self._output_name, "cuda", self._device_id)
         self._session.run_with_iobinding(binding)
-        return binding.copy_outputs_to_cpu()[0]
+        return binding.copy_outputs_to_cpu()[0][:n]
+
+    def _feeds(
+        self, ids: npt.NDArray[np.int64], mask: npt.NDArray[np.int64]
+    ) -> dict[str, npt.NDArray[np.int64]]:
+        feeds = {"input_ids": ids, "attention_mask": mask}
+        if "token_type_ids" in self._input_names:
+            feeds["token_type_ids"] = np.zeros_like(ids)
+        return feeds
 
 
 def _load_errors(ort: Any) -> tuple[type[Exception], ...]:

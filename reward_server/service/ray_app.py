@@ -533,7 +533,7 @@ class Scorer:
         from reward_server.service.serve import build_encoder
 
         settings = settings_from_args(setting_args, options)
-        tune_malloc_for(settings.backend)
+        tune_malloc_for(settings.backend, settings.provider)
         self.settings = settings
         self.service = ScoringService(
             settings, loader=lambda: build_encoder(settings), unenforced=_PROXY_SETTINGS

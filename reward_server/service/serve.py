@@ -285,7 +285,7 @@ def _worker_main(settings: Settings, index: int, shared_metrics: str, supervisor
     for sig in (signal.SIGTERM, signal.SIGINT):  # until serve_async installs its own
         signal.signal(sig, stop_during_startup)
     _stop_with_supervisor(supervisor)
-    tune_malloc_for(settings.backend)
+    tune_malloc_for(settings.backend, settings.provider)
     logging.basicConfig(
         level=settings.log_level.upper(), format=f"%(levelname)s w{index} %(name)s: %(message)s"
     )
@@ -485,7 +485,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"sde2-reward serve: {exc}", file=sys.stderr)
         return 2
-    tune_malloc_for(settings.backend)
+    tune_malloc_for(settings.backend, settings.provider)
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
