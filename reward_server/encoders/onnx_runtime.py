@@ -12,7 +12,9 @@ what is onnxruntime's (the figures are in ``benchmarks/README.md``):
 * each stream's run gets its share of the intra-op threads, and they do not spin: the reward
   server shares its CPUs with request handling and often with a trainer.
 
-On CUDA the fp16 graph runs through IO binding. onnxruntime silently falls back to the CPU
+On CUDA the fp16 graph runs through IO binding, with the unfused attention kernel
+(:data:`CUDA_ATTENTION_KERNEL`) and each run padded to a repeating shape (:func:`pad_to_multiples`):
+new shapes are what costs there. onnxruntime silently falls back to the CPU
 provider when CUDA cannot be initialised; :class:`OnnxEncoder` checks the provider actually in use
 and raises :class:`ProviderUnavailableError` instead of quietly serving at a fraction of the speed.
 """

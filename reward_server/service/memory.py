@@ -25,7 +25,8 @@ malloc and frees them. At its default runs of 192 tokens the largest are 1-3 MB 
 feed-forward's 1536 columns, the attention scores), so with a 1 MiB threshold a standard step
 cost ~98k page faults and encoded 5 % slower; with 4 MiB, 20-35 faults and no slowdown
 (benchmarks/README.md, twelfth pass). :func:`mmap_threshold_for` picks the threshold by backend,
-and :func:`tune_malloc_for` applies the tuning with it (what every server process runs).
+and :func:`tune_malloc_for` applies the tuning with it (what every server process runs; nothing
+on CUDA, where the encoder's activations live on the GPU).
 """
 
 from __future__ import annotations
