@@ -13,10 +13,11 @@ what is onnxruntime's (the figures are in ``benchmarks/README.md``):
   server shares its CPUs with request handling and often with a trainer.
 
 On CUDA the fp16 graph runs through IO binding, with the unfused attention kernel
-(:data:`CUDA_ATTENTION_KERNEL`) and each run padded to a repeating shape (:func:`pad_to_multiples`):
-new shapes are what costs there. onnxruntime silently falls back to the CPU
-provider when CUDA cannot be initialised; :class:`OnnxEncoder` checks the provider actually in use
-and raises :class:`ProviderUnavailableError` instead of quietly serving at a fraction of the speed.
+(:data:`CUDA_ATTENTION_KERNEL`) and each run padded to a repeating shape
+(:meth:`OnnxEncoder._run_shape`): new shapes are what costs there. onnxruntime silently falls back
+to the CPU provider when CUDA cannot be initialised; :class:`OnnxEncoder` checks the provider
+actually in use and raises :class:`ProviderUnavailableError` instead of quietly serving at a
+fraction of the speed.
 """
 
 from __future__ import annotations
@@ -67,27 +68,26 @@ CUDA_ROW_MULTIPLE = 16
 CUDA_LENGTH_MULTIPLE = 32
 
 
-def pad_to_multiples(
-    ids: npt.NDArray[np.int64], mask: npt.NDArray[np.int64], rows: int, length: int
+def pad_to_shape(
+    ids: npt.NDArray[np.int64], mask: npt.NDArray[np.int64], rows: int, width: int
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-    """``ids`` and ``mask`` grown to the next multiples of ``rows`` and ``length``. New columns
-    are masked out, so the real rows' embeddings do not change; a new row attends to its first
-    token alone, so that it pools over something (its embedding is dropped).
+    """``ids`` and ``mask`` grown to ``rows`` x ``width``. New columns are masked out, so the
+    real rows' embeddings do not change; a new row attends to its first token alone, so that it
+    pools over something (its embedding is dropped).
 
-    >>> ids, mask = pad_to_multiples(np.ones((3, 5), np.int64), np.ones((3, 5), np.int64), 4, 8)
+    >>> ids, mask = pad_to_shape(np.ones((3, 5), np.int64), np.ones((3, 5), np.int64), 4, 8)
     >>> ids.shape, int(mask[:3].sum()), mask[3].tolist()
     ((4, 8), 15, [1, 0, 0, 0, 0, 0, 0, 0])
-    >>> pad_to_multiples(ids, mask, 4, 8)[0] is ids
+    >>> pad_to_shape(ids, mask, 4, 8)[0] is ids
     True
     """
-    n, width = ids.shape
-    padded_n, padded_width = -(-n // rows) * rows, -(-width // length) * length
-    if (padded_n, padded_width) == (n, width):
+    if ids.shape == (rows, width):
         return ids, mask
-    new_ids = np.zeros((padded_n, padded_width), dtype=ids.dtype)
-    new_mask = np.zeros((padded_n, padded_width), dtype=mask.dtype)
-    new_ids[:n, :width] = ids
-    new_mask[:n, :width] = mask
+    n, length = ids.shape
+    new_ids = np.zeros((rows, width), dtype=ids.dtype)
+    new_mask = np.zeros((rows, width), dtype=mask.dtype)
+    new_ids[:n, :length] = ids
+    new_mask[:n, :length] = mask
     new_mask[n:, 0] = 1
     return new_ids, new_mask
 
@@ -154,7 +154,7 @@ class OnnxEncoder(BatchedEncoder):
     ) -> None:
         """``model_dir``, ``provider``, threads, streams and runs as every export encoder's
         (:class:`BatchedEncoder`); the rest are onnxruntime's session settings, and
-        ``pad_shapes``: round each run's rows and length up (:func:`pad_to_multiples`; default:
+        ``pad_shapes``: round each run's rows and length up (:meth:`_run_shape`; default:
         on CUDA only)."""
         self.pad_shapes = provider == "cuda" if pad_shapes is None else pad_shapes
         # Made once the threads and streams are known (they size the session's thread pool).
@@ -260,8 +260,7 @@ class OnnxEncoder(BatchedEncoder):
 
     def _run(self, ids: npt.NDArray[np.int64], mask: npt.NDArray[np.int64]) -> Any:
         n = len(ids)
-        if self.pad_shapes:
-            ids, mask = pad_to_multiples(ids, mask, CUDA_ROW_MULTIPLE, CUDA_LENGTH_MULTIPLE)
+        ids, mask = pad_to_shape(ids, mask, *self._run_shape(*ids.shape))
         if self.provider != "cuda":
             return self._session.run([self._output_name], self._feeds(ids, mask))[0][:n]
         binding = self._session.io_binding()
@@ -270,6 +269,15 @@ class OnnxEncoder(BatchedEncoder):
         binding.bind_output(self._output_name, "cuda", self._device_id)
         self._session.run_with_iobinding(binding)
         return binding.copy_outputs_to_cpu()[0][:n]
+
+    def _run_shape(self, rows: int, width: int) -> tuple[int, int]:
+        """On CUDA (``pad_shapes``) rows and length rounded up to :data:`CUDA_ROW_MULTIPLE` and
+        :data:`CUDA_LENGTH_MULTIPLE`, so that shapes repeat from step to step."""
+        if not self.pad_shapes:
+            return rows, width
+        return -(-rows // CUDA_ROW_MULTIPLE) * CUDA_ROW_MULTIPLE, (
+            -(-width // CUDA_LENGTH_MULTIPLE) * CUDA_LENGTH_MULTIPLE
+        )
 
     def _feeds(
         self, ids: npt.NDArray[np.int64], mask: npt.NDArray[np.int64]
