@@ -116,6 +116,10 @@ def test_padded_shapes_leave_every_embedding_as_it_was(
     assert any(r > 1 for r, _ in runs)
     # The tokens computed, as the metrics count them, include the rounding.
     assert stats.padded_tokens == sum(r * n for r, n in runs) > exact_stats.padded_tokens
+    # The length is rounded no further than the model's positions reach.
+    assert padded._run_shape(3, padded.max_seq_length - 1) == (16, padded.max_seq_length)
+    padded.max_seq_length = 300  # a model of 300 positions: 290 tokens run at 300, not 320
+    assert padded._run_shape(3, 290) == (16, 300) and padded._run_shape(3, 300) == (16, 300)
 
 
 @pytest.mark.slow

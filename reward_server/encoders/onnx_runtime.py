@@ -272,11 +272,13 @@ class OnnxEncoder(BatchedEncoder):
 
     def _run_shape(self, rows: int, width: int) -> tuple[int, int]:
         """On CUDA (``pad_shapes``) rows and length rounded up to :data:`CUDA_ROW_MULTIPLE` and
-        :data:`CUDA_LENGTH_MULTIPLE`, so that shapes repeat from step to step."""
+        :data:`CUDA_LENGTH_MULTIPLE`, so that shapes repeat from step to step; the length never
+        past the model's ``max_seq_length`` (a model may have no positions beyond it)."""
         if not self.pad_shapes:
             return rows, width
-        return -(-rows // CUDA_ROW_MULTIPLE) * CUDA_ROW_MULTIPLE, (
-            -(-width // CUDA_LENGTH_MULTIPLE) * CUDA_LENGTH_MULTIPLE
+        rounded_width = -(-width // CUDA_LENGTH_MULTIPLE) * CUDA_LENGTH_MULTIPLE
+        return -(-rows // CUDA_ROW_MULTIPLE) * CUDA_ROW_MULTIPLE, max(
+            width, min(rounded_width, self.max_seq_length)
         )
 
     def _feeds(
