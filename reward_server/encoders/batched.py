@@ -30,7 +30,7 @@ import os
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -97,6 +97,21 @@ def default_streams(provider: Provider, threads: int) -> int:
     if provider != "cpu":
         return 1
     return max(1, min(DEFAULT_CPU_STREAMS, threads))
+
+
+def graph_feeds(
+    ids: npt.NDArray[np.int64], mask: npt.NDArray[np.int64], input_names: Collection[str]
+) -> dict[str, npt.NDArray[np.int64]]:
+    """The inputs of an exported graph (onnxruntime's and OpenVINO's): ``token_type_ids``, all
+    zeros (one segment), only where the graph takes it.
+
+    >>> sorted(graph_feeds(np.ones((1, 2), np.int64), np.ones((1, 2), np.int64), {"input_ids"}))
+    ['attention_mask', 'input_ids']
+    """
+    feeds = {"input_ids": ids, "attention_mask": mask}
+    if "token_type_ids" in input_names:
+        feeds["token_type_ids"] = np.zeros_like(ids)
+    return feeds
 
 
 def plan_batches(

@@ -32,7 +32,7 @@ import numpy as np
 import numpy.typing as npt
 
 from reward_server.encoders.base import EncoderUnavailableError, Provider
-from reward_server.encoders.batched import MIN_ROW_FILL, BatchedEncoder
+from reward_server.encoders.batched import MIN_ROW_FILL, BatchedEncoder, graph_feeds
 from reward_server.encoders.model_store import EXPORT_AGAIN, MODEL_FILE, ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -260,11 +260,12 @@ class OnnxEncoder(BatchedEncoder):
 
     def _run(self, ids: npt.NDArray[np.int64], mask: npt.NDArray[np.int64]) -> Any:
         n = len(ids)
-        ids, mask = pad_to_shape(ids, mask, *self._run_shape(*ids.shape))
+        padded = pad_to_shape(ids, mask, *self._run_shape(*ids.shape))
+        feeds = graph_feeds(*padded, self._input_names)
         if self.provider != "cuda":
-            return self._session.run([self._output_name], self._feeds(ids, mask))[0][:n]
+            return self._session.run([self._output_name], feeds)[0][:n]
         binding = self._session.io_binding()
-        for name, value in self._feeds(ids, mask).items():
+        for name, value in feeds.items():
             binding.bind_cpu_input(name, value)
         binding.bind_output(self._output_name, "cuda", self._device_id)
         self._session.run_with_iobinding(binding)
@@ -280,14 +281,6 @@ class OnnxEncoder(BatchedEncoder):
         return -(-rows // CUDA_ROW_MULTIPLE) * CUDA_ROW_MULTIPLE, max(
             width, min(rounded_width, self.max_seq_length)
         )
-
-    def _feeds(
-        self, ids: npt.NDArray[np.int64], mask: npt.NDArray[np.int64]
-    ) -> dict[str, npt.NDArray[np.int64]]:
-        feeds = {"input_ids": ids, "attention_mask": mask}
-        if "token_type_ids" in self._input_names:
-            feeds["token_type_ids"] = np.zeros_like(ids)
-        return feeds
 
 
 def _load_errors(ort: Any) -> tuple[type[Exception], ...]:

@@ -28,7 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from reward_server.encoders.base import EncoderUnavailableError
-from reward_server.encoders.batched import BatchedEncoder
+from reward_server.encoders.batched import BatchedEncoder, graph_feeds
 from reward_server.encoders.model_store import MODEL_FILE
 
 #: Padded tokens per run: the fastest on the standard step (512, 1024 and 2048 measured; see
@@ -67,7 +67,9 @@ class OpenVinoEncoder(BatchedEncoder):
         # `InferRequest.infer`, every other thread waiting). Afterwards the statics are set.
         # Any token ids do: the output is dropped.
         ids = np.zeros((1, 2), dtype=np.int64)
-        self._compiled.create_infer_request().infer(self._feeds(ids, np.ones_like(ids)))
+        self._compiled.create_infer_request().infer(
+            graph_feeds(ids, np.ones_like(ids), self._input_names)
+        )
 
     def _compile(self) -> Any:
         """The export compiled for this machine's CPU in fp32, with this encoder's streams."""
@@ -91,12 +93,4 @@ class OpenVinoEncoder(BatchedEncoder):
         request = getattr(self._requests, "request", None)
         if request is None:
             request = self._requests.request = self._compiled.create_infer_request()
-        return request.infer(self._feeds(ids, mask))[0]
-
-    def _feeds(
-        self, ids: npt.NDArray[np.int64], mask: npt.NDArray[np.int64]
-    ) -> dict[str, npt.NDArray[np.int64]]:
-        feeds = {"input_ids": ids, "attention_mask": mask}
-        if "token_type_ids" in self._input_names:
-            feeds["token_type_ids"] = np.zeros_like(ids)
-        return feeds
+        return request.infer(graph_feeds(ids, mask, self._input_names))[0]
