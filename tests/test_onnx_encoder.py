@@ -99,11 +99,15 @@ def test_padded_shapes_leave_every_embedding_as_it_was(
     assert not encoder.pad_shapes  # CPU's default: no FLOPs spent on padding
     padded = OnnxEncoder(fp32_export, pad_shapes=True, max_batch_tokens=4096)
     runs: list[tuple[int, int]] = []
+    texts_and_lengths: list[tuple[int, int]] = []  # each run's real rows and longest text
     session = padded._session
 
     class Recording:  # the session, noting each run's shape
         def run(self, outputs: Any, feeds: dict[str, npt.NDArray[np.int64]]) -> Any:
             runs.append(feeds["input_ids"].shape)
+            real = feeds["input_ids"][:, 0] != 0  # a text starts with [CLS]; a pad row is [PAD]
+            longest = int(feeds["attention_mask"][real].sum(axis=1).max())
+            texts_and_lengths.append((int(real.sum()), longest))
             return session.run(outputs, feeds)
 
     padded._session = Recording()
@@ -115,7 +119,10 @@ def test_padded_shapes_leave_every_embedding_as_it_was(
     # Rows rounded up, but for a full batch (as many rows as the budget holds at its length).
     assert all(r % CUDA_ROW_MULTIPLE == 0 or r == 4096 // n for r, n in runs)
     assert all(n % CUDA_LENGTH_MULTIPLE == 0 for _, n in runs)
-    assert any(r > 1 for r, _ in runs)
+    # Runs of several texts (shorter ones masked within the run), rows added, columns added.
+    assert any(real > 1 for real, _ in texts_and_lengths)
+    assert any(real < r for (r, _), (real, _) in zip(runs, texts_and_lengths, strict=True))
+    assert any(longest < n for (_, n), (_, longest) in zip(runs, texts_and_lengths, strict=True))
     # The tokens computed, as the metrics count them, include the rounding.
     assert stats.padded_tokens == sum(r * n for r, n in runs) > exact_stats.padded_tokens
     # The length is rounded no further than the model's positions reach.
