@@ -97,7 +97,52 @@ def test_padded_shapes_leave_every_embedding_as_it_was(
     """CUDA's runs are padded to repeating shapes (``pad_shapes``): the extra columns are masked
     and the extra rows dropped, so each text's embedding is the one its exact run gives."""
     assert not encoder.pad_shapes  # CPU's default: no FLOPs spent on padding
-    padded = OnnxEncoder(fp32_export, pad_shapes=True, max_batch_tokens=700)
+    padded = OnnxEncoder(fp32_export, pad_shapes=True, max_batch_tokens=4096)
+    runs: list[tuple[int, int]] = []
+    texts_and_lengths: list[tuple[int, int]] = []  # each run's real rows and longest text
+    session = padded._session
+
+    class Recording:  # the session, noting each run's shape
+        def run(self, outputs: Any, feeds: dict[str, npt.NDArray[np.int64]]) -> Any:
+            runs.append(feeds["input_ids"].shape)
+            real = feeds["input_ids"][:, 0] != 0  # a text starts with [CLS]; a pad row is [PAD]
+            longest = int(feeds["attention_mask"][real].sum(axis=1).max())
+            texts_and_lengths.append((int(real.sum()), longest))
+            return session.run(outputs, feeds)
+
+    padded._session = Recording()
+    texts = fidelity_texts[:45]
+    out, stats = padded.encode_with_stats(texts)
+    exact, exact_stats = encoder.encode_with_stats(texts)
+    np.testing.assert_allclose(out, exact, atol=1e-5)
+    assert len(runs) > 1
+    # Rows rounded up, but for a full batch (as many rows as the budget holds at its length).
+    assert all(r % CUDA_ROW_MULTIPLE == 0 or r == 4096 // n for r, n in runs)
+    assert all(n % CUDA_LENGTH_MULTIPLE == 0 for _, n in runs)
+    # Runs of several texts (shorter ones masked within the run), rows added, columns added.
+    assert any(real > 1 for real, _ in texts_and_lengths)
+    assert any(real < r for (r, _), (real, _) in zip(runs, texts_and_lengths, strict=True))
+    assert any(longest < n for (_, n), (_, longest) in zip(runs, texts_and_lengths, strict=True))
+    # The tokens computed, as the metrics count them, include the rounding.
+    assert stats.padded_tokens == sum(r * n for r, n in runs) > exact_stats.padded_tokens
+    # The length is rounded no further than the model's positions reach.
+    assert padded._run_shape(3, padded.max_seq_length - 1) == (16, padded.max_seq_length)
+    padded.max_batch_tokens = 4095  # rows rounded up only within the budget
+    assert padded._run_shape(3, padded.max_seq_length - 1) == (3, padded.max_seq_length)
+    padded.max_batch_tokens = 1 << 16
+    padded.max_seq_length = 300  # a model of 300 positions: 290 tokens run at 300, not 320
+    assert padded._run_shape(3, 290) == (16, 300) and padded._run_shape(3, 300) == (16, 300)
+
+
+@pytest.mark.parametrize("budget", [64, 4096])
+def test_padded_runs_stay_within_the_batch_budget(
+    fp32_export: Path,  # noqa: F811
+    budget: int,
+) -> None:
+    """``max_batch_tokens`` (``--encoder-batch-tokens``, "padded tokens per encoder run") bounds
+    the shape a run is computed at, the CUDA rounding included: batches planned at their exact
+    lengths ran 300 texts of 3-4 tokens 16 x 32 under a budget of 64 and 304 x 32 under 4096."""
+    padded = OnnxEncoder(fp32_export, pad_shapes=True, max_batch_tokens=budget, streams=1)
     runs: list[tuple[int, int]] = []
     session = padded._session
 
@@ -107,19 +152,14 @@ def test_padded_shapes_leave_every_embedding_as_it_was(
             return session.run(outputs, feeds)
 
     padded._session = Recording()
-    texts = fidelity_texts[:45]
+    longest = 12 if budget < MAX_SEQ_LENGTH else 40  # 62 or 202 tokens: a row fits the budget
+    texts = [f"w{i}" for i in range(300)]
+    texts += ["two plus two is four " * k for k in range(1, longest + 1)]
     out, stats = padded.encode_with_stats(texts)
-    exact, exact_stats = encoder.encode_with_stats(texts)
+    assert runs and all(r * n <= budget and n % CUDA_LENGTH_MULTIPLE == 0 for r, n in runs), runs
+    assert stats.padded_tokens == sum(r * n for r, n in runs)
+    exact = OnnxEncoder(fp32_export, streams=1).encode(texts)
     np.testing.assert_allclose(out, exact, atol=1e-5)
-    assert len(runs) > 1
-    assert all(r % CUDA_ROW_MULTIPLE == 0 and n % CUDA_LENGTH_MULTIPLE == 0 for r, n in runs)
-    assert any(r > 1 for r, _ in runs)
-    # The tokens computed, as the metrics count them, include the rounding.
-    assert stats.padded_tokens == sum(r * n for r, n in runs) > exact_stats.padded_tokens
-    # The length is rounded no further than the model's positions reach.
-    assert padded._run_shape(3, padded.max_seq_length - 1) == (16, padded.max_seq_length)
-    padded.max_seq_length = 300  # a model of 300 positions: 290 tokens run at 300, not 320
-    assert padded._run_shape(3, 290) == (16, 300) and padded._run_shape(3, 300) == (16, 300)
 
 
 @pytest.mark.slow

@@ -329,3 +329,43 @@ def test_export_folder_carries_the_models_licence(tmp_path: Path) -> None:
     manifest = verify_manifest(stage)
     assert {"LICENSE", "README.md"} <= set(manifest["files"])
     assert manifest["model_license"] == "apache-2.0"
+
+
+# --- 9. the GPU image's onnxruntime -----------------------------------------------------------
+
+
+def _gpu_image_requirements(tmp_path: Path, ort_gpu_version: str) -> list[str]:
+    """The requirements docker/Dockerfile.gpu installs into the server venv, written by its own
+    script from pyproject.toml for the build argument ``ORT_GPU_VERSION``."""
+    text = (ROOT / "docker" / "Dockerfile.gpu").read_text()
+    match = re.search(r"python3 -c '(import os, re;.*?)' \\\n", text, re.S)
+    assert match, "Dockerfile.gpu's requirement script moved"
+    script = match.group(1).replace("\\\n", "\n").replace("/tmp/req-server.txt", "req.txt")
+    (tmp_path / "pyproject.toml").write_bytes((ROOT / "pyproject.toml").read_bytes())
+    env = {**os.environ, "ORT_GPU_VERSION": ort_gpu_version, "ORT_GPU_EXTRAS": ""}
+    env["SERVER_EXTRAS"] = "server"
+    subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, check=True)
+    return (tmp_path / "req.txt").read_text().split("\n")
+
+
+@pytest.mark.parametrize(("pin", "allowed"), [("", True), ("==1.31.1", True), ("==1.18.1", False)])
+def test_the_gpu_image_keeps_the_gpu_extras_floor(tmp_path: Path, pin: str, allowed: bool) -> None:
+    """The CUDA encoder passes onnxruntime's ``sdpa_kernel`` option, which onnxruntime-gpu before
+    1.19 refuses ("Unknown provider option"): the server would not start. The image pins its
+    onnxruntime-gpu by ``ORT_GPU_VERSION``, so its requirements must carry the gpu extra's floor
+    too, for pip to refuse an older pin while the image builds."""
+    from packaging.requirements import Requirement
+
+    floor = [Requirement(r) for r in PYPROJECT["project"]["optional-dependencies"]["gpu"]]
+    assert not all(r.specifier.contains("1.18.1") for r in floor)  # the extra's own floor
+    ort = [
+        Requirement(r)
+        for r in _gpu_image_requirements(tmp_path, pin)
+        if r.startswith("onnxruntime-gpu")
+    ]
+
+    def admitted(version: str) -> bool:
+        return bool(ort) and all(r.specifier.contains(version) for r in ort)
+
+    assert not admitted("1.18.1"), ort
+    assert admitted(pin.removeprefix("==") or "1.31.1") == allowed, ort

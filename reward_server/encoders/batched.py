@@ -30,7 +30,7 @@ import os
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -115,7 +115,10 @@ def graph_feeds(
 
 
 def plan_batches(
-    lengths: Sequence[int], max_batch_tokens: int, min_fill: float = MIN_ROW_FILL
+    lengths: Sequence[int],
+    max_batch_tokens: int,
+    min_fill: float = MIN_ROW_FILL,
+    run_width: Callable[[int], int] | None = None,
 ) -> list[npt.NDArray[np.intp]]:
     """Cut indices, sorted by length, into batches whose padded size fits ``max_batch_tokens``.
 
@@ -123,13 +126,20 @@ def plan_batches(
     the batch opens. A batch is also closed when the next text is shorter than ``min_fill`` times
     the batch's longest: otherwise a 256-token text would drag a dozen 10-token texts up to 256
     (padding is computed like real tokens). A text longer than the budget gets a batch of its own.
+    ``run_width(longest)``: the length the engine computes such a batch at, when it pads further
+    (onnxruntime on CUDA, :meth:`BatchedEncoder._run_shape`); the rows are counted at it.
+
+    >>> [len(b) for b in plan_batches([3] * 10, 64)], [len(b) for b in plan_batches([3] * 10, 64,
+    ...     run_width=lambda n: 32)]
+    ([10], [2, 2, 2, 2, 2])
     """
     order = np.argsort(-np.asarray(lengths, dtype=np.int64), kind="stable")
     batches: list[npt.NDArray[np.intp]] = []
     start = 0
     while start < len(order):
         longest = max(1, int(lengths[order[start]]))
-        rows = max(1, max_batch_tokens // longest)
+        width = longest if run_width is None else max(longest, run_width(longest))
+        rows = max(1, max_batch_tokens // width)
         stop = min(start + rows, len(order))
         end = start + 1
         while end < stop and lengths[order[end]] >= min_fill * longest:
@@ -258,7 +268,9 @@ class BatchedEncoder(ABC):
         t1 = time.perf_counter()
         stats.tokenize_seconds = t1 - t0
         stats.tokens = sum(lengths)
-        batches = plan_batches(lengths, self.max_batch_tokens, self.min_row_fill)
+        batches = plan_batches(
+            lengths, self.max_batch_tokens, self.min_row_fill, lambda n: self._run_shape(1, n)[1]
+        )
 
         def run(batch: npt.NDArray[np.intp]) -> None:
             width = lengths[batch[0]]
@@ -293,7 +305,9 @@ class BatchedEncoder(ABC):
 
     def _run_shape(self, rows: int, width: int) -> tuple[int, int]:
         """The shape a run of ``rows`` texts padded to ``width`` tokens is computed at: its own,
-        unless the engine rounds it up (onnxruntime's on CUDA); counted in ``padded_tokens``."""
+        unless the engine rounds it up (onnxruntime's on CUDA); counted in ``padded_tokens``.
+        Batches are planned at its width (``run_width`` of :func:`plan_batches`), and an engine
+        rounds the rows up no further than ``max_batch_tokens`` allows."""
         return rows, width
 
     @abstractmethod

@@ -59,11 +59,12 @@ CPU_DISABLED_OPTIMIZERS = ("SkipLayerNormFusion",)
 #: in bulk and some lengths only; 2, memory-efficient, 57 ms (``benchmarks/README.md``, GPU
 #: pass). The gpu extra's floor, onnxruntime-gpu 1.19, has the option.
 CUDA_ATTENTION_KERNEL = "16"
-#: On CUDA (``pad_shapes``) each run's rows and length are rounded up to these multiples. A
-#: shape the process has not run yet still costs ~4 ms more than its kernels (a fresh standard
-#: step encoded in 43 ms, the same step again in 12); rounded, the shapes repeat from step to
-#: step and a fresh step took 17 ms on an H200 (``benchmarks/README.md``, GPU pass). On CPU,
-#: where the padding would be paid in FLOPs, runs keep their exact shapes.
+#: On CUDA (``pad_shapes``) each run's rows and length are rounded up to these multiples, within
+#: ``max_batch_tokens`` (:meth:`OnnxEncoder._run_shape`). A shape the process has not run yet
+#: still costs ~4 ms more than its kernels (a fresh standard step encoded in 43 ms, the same step
+#: again in 12); rounded, the shapes repeat from step to step and a fresh step took 17 ms on an
+#: H200 (``benchmarks/README.md``, GPU pass). On CPU, where the padding would be paid in FLOPs,
+#: runs keep their exact shapes.
 CUDA_ROW_MULTIPLE = 16
 CUDA_LENGTH_MULTIPLE = 32
 
@@ -274,13 +275,16 @@ class OnnxEncoder(BatchedEncoder):
     def _run_shape(self, rows: int, width: int) -> tuple[int, int]:
         """On CUDA (``pad_shapes``) rows and length rounded up to :data:`CUDA_ROW_MULTIPLE` and
         :data:`CUDA_LENGTH_MULTIPLE`, so that shapes repeat from step to step; the length never
-        past the model's ``max_seq_length`` (a model may have no positions beyond it)."""
+        past the model's ``max_seq_length`` (a model may have no positions beyond it), and
+        neither past ``max_batch_tokens``, the padded tokens a run may compute: the batches are
+        planned at the rounded length, and the rows are rounded up only while the run fits (a
+        full batch keeps its rows, which its length decides)."""
         if not self.pad_shapes:
             return rows, width
         rounded_width = -(-width // CUDA_LENGTH_MULTIPLE) * CUDA_LENGTH_MULTIPLE
-        return -(-rows // CUDA_ROW_MULTIPLE) * CUDA_ROW_MULTIPLE, max(
-            width, min(rounded_width, self.max_seq_length)
-        )
+        width = max(width, min(rounded_width, self.max_seq_length, self.max_batch_tokens))
+        rounded_rows = -(-rows // CUDA_ROW_MULTIPLE) * CUDA_ROW_MULTIPLE
+        return (rounded_rows if rounded_rows * width <= self.max_batch_tokens else rows), width
 
 
 def _load_errors(ort: Any) -> tuple[type[Exception], ...]:
