@@ -52,19 +52,18 @@ DEFAULT_MAX_BATCH_TOKENS_CUDA = 65536
 CPU_DISABLED_OPTIMIZERS = ("SkipLayerNormFusion",)
 #: onnxruntime's attention kernel on CUDA, its ``sdpa_kernel`` option (a bit mask; 16 is the
 #: unfused kernel, plain matrix products and a softmax). Left to choose, onnxruntime 1.31 takes a
-#: kernel that prepares itself for each new (rows, length) of a run, ~40 ms on an H200, and a
-#: reward step's runs are nearly all new shapes: a standard step encoded in 415 ms where its
-#: kernels ran 12. The unfused kernel prepares nothing and runs every shape: 15.2 ms a step and
-#: the best bulk rate (1.57M tokens/s); 4, the TensorRT fused kernel, 14.9 ms a step but 1.51M
-#: in bulk and some lengths only; 2, memory-efficient, 57 ms (``benchmarks/README.md``, GPU
-#: pass). The gpu extra's floor, onnxruntime-gpu 1.19, has the option.
+#: kernel that prepares itself for each new (rows, length) of a run, 40-75 ms on an H200, and a
+#: reward step's runs are nearly all new shapes: a standard step encoded in 415 ms, and in 11-16
+#: when the same texts came again. The unfused kernel prepares nothing: 15.2 ms a fresh step and
+#: 1.57M tokens/s in bulk; 4, the TensorRT fused kernel, 14.9 ms and 1.51M; 2, memory-efficient,
+#: 57 ms (``benchmarks/README.md``, GPU pass). The gpu extra's floor, onnxruntime-gpu 1.19, has
+#: the option.
 CUDA_ATTENTION_KERNEL = "16"
 #: On CUDA (``pad_shapes``) each run's rows and length are rounded up to these multiples, within
-#: ``max_batch_tokens`` (:meth:`OnnxEncoder._run_shape`). A shape the process has not run yet
-#: still costs ~4 ms more than its kernels (a fresh standard step encoded in 43 ms, the same step
-#: again in 12); rounded, the shapes repeat from step to step and a fresh step took 17 ms on an
-#: H200 (``benchmarks/README.md``, GPU pass). On CPU, where the padding would be paid in FLOPs,
-#: runs keep their exact shapes.
+#: ``max_batch_tokens`` (:meth:`OnnxEncoder._run_shape`). New shapes still cost with the unfused
+#: kernel (a fresh standard step encoded in 43 ms, the same step again in 12); rounded, the shapes
+#: repeat from step to step and a fresh step took 17 ms on an H200 (``benchmarks/README.md``, GPU
+#: pass). On CPU, where the padding would be paid in FLOPs, runs keep their exact shapes.
 CUDA_ROW_MULTIPLE = 16
 CUDA_LENGTH_MULTIPLE = 32
 

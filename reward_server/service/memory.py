@@ -81,9 +81,8 @@ def tune_malloc(arena_max: int = 2, mmap_threshold: int = DEFAULT_MMAP_THRESHOLD
 
 def tune_malloc_for(backend: str, provider: str = "cpu") -> bool:
     """:func:`tune_malloc` with the mmap threshold of the server's encoder ``backend``; nothing
-    on CUDA, where the fixed threshold made each step's host buffers mapped and faulted anew and
-    the encoder 2.2x slower (94 against 42 ms a standard step on an H200, benchmarks/README.md,
-    GPU pass), and the activations the tuning is for live on the GPU."""
+    on CUDA, where the tuning made the encoder 2.2x slower (94 against 42 ms a standard step on
+    an H200, benchmarks/README.md, GPU pass) and the activations it is for live on the GPU."""
     if provider == "cuda":
         return False
     return tune_malloc(mmap_threshold=mmap_threshold_for(backend))
