@@ -127,7 +127,7 @@ def plan_batches(
     the batch's longest: otherwise a 256-token text would drag a dozen 10-token texts up to 256
     (padding is computed like real tokens). A text longer than the budget gets a batch of its own.
     ``run_width(longest)``: the length the engine computes such a batch at, when it pads further
-    (onnxruntime on CUDA, :meth:`BatchedEncoder._run_shape`); the rows are counted at it.
+    (onnxruntime on CUDA, :meth:`BatchedEncoder._run_width`); the rows are counted at it.
 
     >>> [len(b) for b in plan_batches([3] * 10, 64)], [len(b) for b in plan_batches([3] * 10, 64,
     ...     run_width=lambda n: 32)]
@@ -268,9 +268,7 @@ class BatchedEncoder(ABC):
         t1 = time.perf_counter()
         stats.tokenize_seconds = t1 - t0
         stats.tokens = sum(lengths)
-        batches = plan_batches(
-            lengths, self.max_batch_tokens, self.min_row_fill, lambda n: self._run_shape(1, n)[1]
-        )
+        batches = plan_batches(lengths, self.max_batch_tokens, self.min_row_fill, self._run_width)
 
         def run(batch: npt.NDArray[np.intp]) -> None:
             width = lengths[batch[0]]
@@ -303,12 +301,17 @@ class BatchedEncoder(ABC):
                 self._streams_pool = ThreadPoolExecutor(self.streams, f"sde2-{self.backend}")
             return self._streams_pool
 
+    def _run_width(self, width: int) -> int:
+        """The length a run of texts padded to ``width`` tokens is computed at: its own, unless
+        the engine rounds it up (onnxruntime's on CUDA); batches are planned at it
+        (``run_width`` of :func:`plan_batches`)."""
+        return width
+
     def _run_shape(self, rows: int, width: int) -> tuple[int, int]:
-        """The shape a run of ``rows`` texts padded to ``width`` tokens is computed at: its own,
-        unless the engine rounds it up (onnxruntime's on CUDA); counted in ``padded_tokens``.
-        Batches are planned at its width (``run_width`` of :func:`plan_batches`), and an engine
-        rounds the rows up no further than ``max_batch_tokens`` allows."""
-        return rows, width
+        """The shape a run of ``rows`` texts padded to ``width`` tokens is computed at, counted
+        in ``padded_tokens``: :meth:`_run_width`, and the rows, which an engine may round up no
+        further than ``max_batch_tokens`` allows."""
+        return rows, self._run_width(width)
 
     @abstractmethod
     def _run(self, ids: npt.NDArray[np.int64], mask: npt.NDArray[np.int64]) -> Any:

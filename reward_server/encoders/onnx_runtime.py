@@ -271,19 +271,33 @@ class OnnxEncoder(BatchedEncoder):
         self._session.run_with_iobinding(binding)
         return binding.copy_outputs_to_cpu()[0][:n]
 
-    def _run_shape(self, rows: int, width: int) -> tuple[int, int]:
-        """On CUDA (``pad_shapes``) rows and length rounded up to :data:`CUDA_ROW_MULTIPLE` and
-        :data:`CUDA_LENGTH_MULTIPLE`, so that shapes repeat from step to step; the length never
-        past the model's ``max_seq_length`` (a model may have no positions beyond it), and
-        neither past ``max_batch_tokens``, the padded tokens a run may compute: the batches are
-        planned at the rounded length, and the rows are rounded up only while the run fits (a
-        full batch keeps its rows, which its length decides)."""
+    def _run_width(self, width: int) -> int:
+        """On CUDA (``pad_shapes``) the length rounded up to :data:`CUDA_LENGTH_MULTIPLE`, so that
+        shapes repeat from step to step; never past the model's ``max_seq_length`` (a model may
+        have no positions beyond it) nor ``max_batch_tokens``, the padded tokens a run may
+        compute (the batches are planned at this length)."""
         if not self.pad_shapes:
-            return rows, width
-        rounded_width = -(-width // CUDA_LENGTH_MULTIPLE) * CUDA_LENGTH_MULTIPLE
-        width = max(width, min(rounded_width, self.max_seq_length, self.max_batch_tokens))
-        rounded_rows = -(-rows // CUDA_ROW_MULTIPLE) * CUDA_ROW_MULTIPLE
-        return (rounded_rows if rounded_rows * width <= self.max_batch_tokens else rows), width
+            return width
+        rounded = _round_up(width, CUDA_LENGTH_MULTIPLE)
+        return max(width, min(rounded, self.max_seq_length, self.max_batch_tokens))
+
+    def _run_shape(self, rows: int, width: int) -> tuple[int, int]:
+        """On CUDA (``pad_shapes``) the rows are also rounded up, to :data:`CUDA_ROW_MULTIPLE`,
+        but only while the run fits ``max_batch_tokens`` (a full batch keeps its rows, which
+        its length decides)."""
+        width = self._run_width(width)
+        rounded = _round_up(rows, CUDA_ROW_MULTIPLE)
+        fits = self.pad_shapes and rounded * width <= self.max_batch_tokens
+        return (rounded if fits else rows), width
+
+
+def _round_up(value: int, multiple: int) -> int:
+    """``value`` rounded up to a multiple of ``multiple``.
+
+    >>> _round_up(33, 32), _round_up(32, 32), _round_up(1, 16)
+    (64, 32, 16)
+    """
+    return -(-value // multiple) * multiple
 
 
 def _load_errors(ort: Any) -> tuple[type[Exception], ...]:
