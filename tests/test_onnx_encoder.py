@@ -16,6 +16,7 @@ from reward_server.encoders import fidelity
 from reward_server.encoders.base import EMBEDDING_DIM, MAX_SEQ_LENGTH, Encoder
 from reward_server.encoders.batched import BatchedEncoder, available_cpus, plan_batches
 from reward_server.encoders.ctranslate2_runtime import CTranslate2Encoder
+from reward_server.encoders.model_store import verify_manifest
 from reward_server.encoders.onnx_runtime import (
     CUDA_LENGTH_MULTIPLE,
     CUDA_ROW_MULTIPLE,
@@ -467,7 +468,15 @@ def test_fp16_on_cuda_matches_fp32(
         pytest.skip("needs onnxruntime-gpu and an NVIDIA GPU")
     from reward_server.encoders.onnx_export import export_model
 
-    fp16_dir = export_model(None, tmp_path_factory.mktemp("fp16") / "fp16", "fp16", n_texts=60)
+    fp16_dir = export_model(
+        None, tmp_path_factory.mktemp("fp16") / "fp16", "fp16", n_texts=60, n_completions=100
+    )
+    # Where CUDA runs it, the export measures the fp16 graph and gates it as it does int8.
+    report = verify_manifest(fp16_dir)["fidelity"]
+    assert report["fp16_vs_fp32"]["min_cosine"] >= 0.999, report
+    assert report["fp16_vs_sentence_transformers"]["min_cosine"] >= 0.999, report
+    assert report["fp16_uniq_gate"]["passed"], report
+    assert report["fp16_uniq_gate"]["n_completions"] == 100
     gpu = OnnxEncoder(fp16_dir, provider="cuda")
     assert gpu.name.endswith("fp16 cuda")
     gpu.warmup()

@@ -12,7 +12,8 @@ single onnxruntime call. Why these exact steps:
   the fused graph matches sentence-transformers at cosine 1.00000.
 * int8 (8-bit weights in blocks of 32) is only written when the SD-E² decisions it would make
   agree with fp32 (see :mod:`reward_server.encoders.fidelity`); otherwise the export refuses,
-  loudly.
+  loudly. fp16 passes the same gate, on CUDA, where the exporting machine has it (the fp16
+  graph runs nowhere else); elsewhere its manifest says it was not measured.
 
 The output folder holds ``model.onnx``, a ``tokenizer.json`` already configured (no padding,
 truncation at 256) plus the other tokenizer files, the model's licence (``LICENSE``) and card,
@@ -44,7 +45,12 @@ import numpy as np
 import numpy.typing as npt
 
 from reward_server.encoders import fidelity
-from reward_server.encoders.base import EMBEDDING_DIM, MAX_SEQ_LENGTH, dimension_problem
+from reward_server.encoders.base import (
+    EMBEDDING_DIM,
+    MAX_SEQ_LENGTH,
+    Provider,
+    dimension_problem,
+)
 from reward_server.encoders.loading import EXPORT_STACK, require_torch_stack
 from reward_server.encoders.model_store import (
     GRAPH_RECIPE,
@@ -285,10 +291,12 @@ def _quantize_int8(fp32_path: Path, out: Path) -> None:
 # fidelity
 
 
-def _embed_onnx(model_dir: Path, texts: Sequence[str]) -> npt.NDArray[np.float32]:
+def _embed_onnx(
+    model_dir: Path, texts: Sequence[str], provider: Provider = "cpu"
+) -> npt.NDArray[np.float32]:
     from reward_server.encoders.onnx_runtime import OnnxEncoder
 
-    return OnnxEncoder(model_dir, provider="cpu").encode(texts)
+    return OnnxEncoder(model_dir, provider=provider).encode(texts)
 
 
 def _embed_completions(
@@ -309,29 +317,31 @@ def _cosine_summary(cos: npt.NDArray[np.float64]) -> dict[str, float]:
     }
 
 
-def int8_gate(
+def variant_gate(
     fp32_dir: Path,
-    int8_dir: Path,
+    variant_dir: Path,
     problems: Sequence[tuple[str, list[str]]],
     n_completions: int = 400,
     min_agreement: float = fidelity.GATE_MIN_AGREEMENT,
+    provider: Provider = "cpu",
 ) -> fidelity.GateReport:
-    """Uniq decisions of the int8 export vs the fp32 one on synthetic GSM8K completions."""
+    """Uniq decisions of a reduced-precision export (int8, or fp16 on ``provider="cuda"``) vs
+    the fp32 one (on CPU) on synthetic GSM8K completions."""
     completions = fidelity.build_completions(problems, n_completions)
     return fidelity.uniq_gate(
         _embed_completions(lambda t: _embed_onnx(fp32_dir, t), completions),
-        _embed_completions(lambda t: _embed_onnx(int8_dir, t), completions),
+        _embed_completions(lambda t: _embed_onnx(variant_dir, t, provider), completions),
         min_agreement=min_agreement,
     )
 
 
-def require_gate(gate: fidelity.GateReport) -> None:
+def require_gate(gate: fidelity.GateReport, variant: str = "int8") -> None:
     """Raise :class:`ExportRefused`, naming the worst δ, unless ``gate`` passed."""
     if gate.passed:
         return
     worst = min(gate.agreement, key=lambda d: gate.agreement[d])
     raise ExportRefused(
-        "int8 refused: its Uniq decisions agree with fp32 on only "
+        f"{variant} refused: its Uniq decisions agree with fp32 on only "
         f"{gate.agreement[worst]:.2%} of {gate.n_completions} completions at δ={worst} "
         f"(required ≥ {gate.min_agreement_required:.2%} at every δ in {list(gate.agreement)}; "
         f"max sd-reward difference {max(gate.max_reward_diff.values()):.4f}); "
@@ -352,14 +362,15 @@ def export_model(
     gsm8k: str | Path | None = None,
     n_texts: int = 300,
     n_completions: int = 400,
-    int8_min_agreement: float = fidelity.GATE_MIN_AGREEMENT,
+    min_agreement: float = fidelity.GATE_MIN_AGREEMENT,
     overwrite: bool = False,
 ) -> Path:
     """Export ``source`` (None = offline package, a folder, or a hub id) to ``out_dir``.
 
     The folder is assembled in a temporary sibling and renamed into place at the end, so a
     crashed or refused export never leaves a half-written model where a server would load it.
-    Raises :class:`ExportRefused` when the variant misses its fidelity bar.
+    Raises :class:`ExportRefused` when the variant misses its fidelity bar: ``min_agreement``
+    is the Uniq gate's (int8, and fp16 where CUDA can run it here).
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, not {variant!r}")
@@ -391,13 +402,19 @@ def export_model(
         fused = _optimize(raw, fp32_dir / MODEL_FILE, fp16=False)
         _write_manifest(fp32_dir, src, "fp32", max_len, {}, fused)
         measured = _measure_fp32(st_model, fp32_dir, problems, n_texts)
-        if variant == "fp16":
-            fused = _optimize(raw, stage / MODEL_FILE, fp16=True)
-            measured.report["fp16"] = "not measured at export: the fp16 graph runs on CUDA only"
-        elif variant == "int8":
-            fused = _quantize_and_gate(
-                measured, src, fp32_dir, stage, max_len, n_completions, int8_min_agreement
-            )
+        if variant != "fp32":
+            if variant == "fp16":
+                fused = _optimize(raw, stage / MODEL_FILE, fp16=True)
+            else:
+                _quantize_int8(fp32_dir / MODEL_FILE, stage / MODEL_FILE)
+                fused = _op_counts(stage / MODEL_FILE)
+            _write_manifest(stage, src, variant, max_len, {}, fused)  # the encoder reads it
+            why_not = _cuda_unavailable(stage) if variant == "fp16" else None
+            if why_not is None:
+                gate = _Gate(measured, fp32_dir, n_completions, min_agreement)
+                gate.measure(stage, variant, provider="cuda" if variant == "fp16" else "cpu")
+            else:
+                measured.report["fp16"] = f"not measured at export: {why_not}"
         measured.report["export_seconds"] = round(time.perf_counter() - t0, 1)
         _write_manifest(stage, src, variant, max_len, measured.report, fused, _versions())
         if out_dir.exists():
@@ -538,31 +555,52 @@ def _measure_fp32(
     return _Measured(problems, texts, reference, fp32_emb, report)
 
 
-def _quantize_and_gate(
-    measured: _Measured,
-    src: SourceModel,
-    fp32_dir: Path,
-    stage: Path,
-    max_len: int,
-    n_completions: int,
-    min_agreement: float,
-) -> dict[str, int]:
-    """Write the int8 graph into ``stage``, measure it and run the Uniq gate (which raises
-    :class:`ExportRefused`); returns its op counts."""
-    _quantize_int8(fp32_dir / MODEL_FILE, stage / MODEL_FILE)
-    ops = _op_counts(stage / MODEL_FILE)
-    _write_manifest(stage, src, "int8", max_len, {}, ops)
-    int8_emb = _embed_onnx(stage, measured.texts)
-    report = measured.report
-    report["int8_vs_sentence_transformers"] = _cosine_summary(
-        fidelity.row_cosines(measured.reference, int8_emb)
-    )
-    report["int8_vs_fp32"] = _cosine_summary(fidelity.row_cosines(measured.fp32, int8_emb))
-    log.info("int8 Uniq gate on %d completions", n_completions)
-    gate = int8_gate(fp32_dir, stage, measured.problems, n_completions, min_agreement)
-    report["int8_uniq_gate"] = gate.to_dict()
-    require_gate(gate)
-    return ops
+@dataclass
+class _Gate:
+    """What a reduced-precision graph is measured against: the fp32 run and the Uniq gate's
+    size and bar."""
+
+    measured: _Measured
+    fp32_dir: Path
+    n_completions: int
+    min_agreement: float
+
+    def measure(self, stage: Path, variant: str, provider: Provider) -> None:
+        """Compare the ``variant`` graph in ``stage``, run on ``provider``, with
+        sentence-transformers and with fp32, then run its Uniq gate (which raises
+        :class:`ExportRefused`); the figures go into the fp32 run's report."""
+        log.info("measuring %s fidelity on %s", variant, provider)
+        emb = _embed_onnx(stage, self.measured.texts, provider)
+        report = self.measured.report
+        report[f"{variant}_vs_sentence_transformers"] = _cosine_summary(
+            fidelity.row_cosines(self.measured.reference, emb)
+        )
+        report[f"{variant}_vs_fp32"] = _cosine_summary(
+            fidelity.row_cosines(self.measured.fp32, emb)
+        )
+        log.info("%s Uniq gate on %d completions", variant, self.n_completions)
+        gate = variant_gate(
+            self.fp32_dir,
+            stage,
+            self.measured.problems,
+            self.n_completions,
+            self.min_agreement,
+            provider,
+        )
+        report[f"{variant}_uniq_gate"] = gate.to_dict()
+        require_gate(gate, variant)
+
+
+def _cuda_unavailable(stage: Path) -> str | None:
+    """Why the fp16 graph in ``stage`` cannot be measured here, or ``None`` when a CUDA session
+    opens on it (onnxruntime-gpu lists CUDA on machines with no GPU: only a session tells)."""
+    from reward_server.encoders.onnx_runtime import OnnxEncoder, ProviderUnavailableError
+
+    try:
+        OnnxEncoder(stage, provider="cuda")
+    except ProviderUnavailableError as exc:
+        return f"the fp16 graph runs on CUDA only, and {exc}"
+    return None
 
 
 def _versions() -> dict[str, str]:
@@ -666,13 +704,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--gate-completions",
         type=_count,
         default=400,
-        help="number of synthetic completions in the int8 Uniq gate",
+        help="number of synthetic completions in the Uniq gate (int8, fp16 on CUDA)",
     )
     parser.add_argument(
-        "--int8-min-agreement",
+        "--min-agreement",
+        "--int8-min-agreement",  # its first name, from when int8 alone was gated
+        dest="min_agreement",
         type=_share,
         default=fidelity.GATE_MIN_AGREEMENT,
-        help="share of completions whose Uniq decisions must match fp32 at every δ",
+        help="share of completions whose Uniq decisions must match fp32 at every δ "
+        "(int8; fp16 where this machine has CUDA)",
     )
 
 
@@ -713,7 +754,7 @@ def run(args: argparse.Namespace) -> int:
             gsm8k=args.gsm8k,
             n_texts=args.fidelity_texts,
             n_completions=args.gate_completions,
-            int8_min_agreement=args.int8_min_agreement,
+            min_agreement=args.min_agreement,
             overwrite=args.overwrite,
         )
     except ExportRefused as exc:
