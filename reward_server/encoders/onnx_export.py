@@ -402,19 +402,21 @@ def export_model(
         fused = _optimize(raw, fp32_dir / MODEL_FILE, fp16=False)
         _write_manifest(fp32_dir, src, "fp32", max_len, {}, fused)
         measured = _measure_fp32(st_model, fp32_dir, problems, n_texts)
+        if variant == "fp16":
+            fused = _optimize(raw, stage / MODEL_FILE, fp16=True)
+        elif variant == "int8":
+            _quantize_int8(fp32_dir / MODEL_FILE, stage / MODEL_FILE)
+            fused = _op_counts(stage / MODEL_FILE)
         if variant != "fp32":
-            if variant == "fp16":
-                fused = _optimize(raw, stage / MODEL_FILE, fp16=True)
-            else:
-                _quantize_int8(fp32_dir / MODEL_FILE, stage / MODEL_FILE)
-                fused = _op_counts(stage / MODEL_FILE)
             _write_manifest(stage, src, variant, max_len, {}, fused)  # the encoder reads it
-            why_not = _cuda_unavailable(stage) if variant == "fp16" else None
+            provider: Provider = "cuda" if variant == "fp16" else "cpu"
+            why_not = _cuda_unavailable(stage) if provider == "cuda" else None
             if why_not is None:
-                gate = _Gate(measured, fp32_dir, n_completions, min_agreement)
-                gate.measure(stage, variant, provider="cuda" if variant == "fp16" else "cpu")
+                _measure_variant(
+                    measured, fp32_dir, stage, variant, provider, n_completions, min_agreement
+                )
             else:
-                measured.report["fp16"] = f"not measured at export: {why_not}"
+                measured.report[variant] = f"not measured at export: {why_not}"
         measured.report["export_seconds"] = round(time.perf_counter() - t0, 1)
         _write_manifest(stage, src, variant, max_len, measured.report, fused, _versions())
         if out_dir.exists():
@@ -555,40 +557,29 @@ def _measure_fp32(
     return _Measured(problems, texts, reference, fp32_emb, report)
 
 
-@dataclass
-class _Gate:
-    """What a reduced-precision graph is measured against: the fp32 run and the Uniq gate's
-    size and bar."""
-
-    measured: _Measured
-    fp32_dir: Path
-    n_completions: int
-    min_agreement: float
-
-    def measure(self, stage: Path, variant: str, provider: Provider) -> None:
-        """Compare the ``variant`` graph in ``stage``, run on ``provider``, with
-        sentence-transformers and with fp32, then run its Uniq gate (which raises
-        :class:`ExportRefused`); the figures go into the fp32 run's report."""
-        log.info("measuring %s fidelity on %s", variant, provider)
-        emb = _embed_onnx(stage, self.measured.texts, provider)
-        report = self.measured.report
-        report[f"{variant}_vs_sentence_transformers"] = _cosine_summary(
-            fidelity.row_cosines(self.measured.reference, emb)
-        )
-        report[f"{variant}_vs_fp32"] = _cosine_summary(
-            fidelity.row_cosines(self.measured.fp32, emb)
-        )
-        log.info("%s Uniq gate on %d completions", variant, self.n_completions)
-        gate = variant_gate(
-            self.fp32_dir,
-            stage,
-            self.measured.problems,
-            self.n_completions,
-            self.min_agreement,
-            provider,
-        )
-        report[f"{variant}_uniq_gate"] = gate.to_dict()
-        require_gate(gate, variant)
+def _measure_variant(
+    measured: _Measured,
+    fp32_dir: Path,
+    stage: Path,
+    variant: str,
+    provider: Provider,
+    n_completions: int,
+    min_agreement: float,
+) -> None:
+    """Compare the ``variant`` graph in ``stage``, run on ``provider``, with
+    sentence-transformers and with the fp32 run, then run its Uniq gate against fp32 (which
+    raises :class:`ExportRefused`); the figures go into the fp32 run's report."""
+    log.info("measuring %s fidelity on %s", variant, provider)
+    emb = _embed_onnx(stage, measured.texts, provider)
+    report = measured.report
+    report[f"{variant}_vs_sentence_transformers"] = _cosine_summary(
+        fidelity.row_cosines(measured.reference, emb)
+    )
+    report[f"{variant}_vs_fp32"] = _cosine_summary(fidelity.row_cosines(measured.fp32, emb))
+    log.info("%s Uniq gate on %d completions", variant, n_completions)
+    gate = variant_gate(fp32_dir, stage, measured.problems, n_completions, min_agreement, provider)
+    report[f"{variant}_uniq_gate"] = gate.to_dict()
+    require_gate(gate, variant)
 
 
 def _cuda_unavailable(stage: Path) -> str | None:
