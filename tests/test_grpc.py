@@ -547,3 +547,81 @@ async def test_the_clients_channel_takes_an_explanation_over_4_mib() -> None:
         async with insecure_channel(target) as channel:
             answer = await RewardStub(channel).Explain(body)
         assert answer.ByteSize() > 4 * 2**20
+
+
+def _raw_call(running: Running, method: str) -> Any:
+    """``method`` called as the request stream it is served as (a unary client sends one
+    message and ends its stream at once; this one chooses what it sends)."""
+    from reward_server.service.grpc_messages import SERVICE
+
+    return running.channel.stream_unary(f"/{SERVICE}/{method}")
+
+
+async def _messages(*messages: bytes, then_wait: asyncio.Event | None = None) -> Any:
+    """``messages``, then (with ``then_wait``) silence until the event is set."""
+    for message in messages:
+        yield message
+    if then_wait is not None:
+        await then_wait.wait()
+
+
+async def test_calls_that_send_nothing_give_their_places_back_after_the_body_timeout() -> None:
+    """gRPC admits a call at its headers: calls that never sent their message held every place
+    (Info and Health included) for as long as their client liked. Now each call's message must
+    arrive within --body-timeout, as an HTTP body must: the silent calls end with
+    DEADLINE_EXCEEDED, counted as HTTP's 408s are, and the places are free again."""
+    from reward_server.service import grpc_server
+
+    never = asyncio.Event()
+    async with Running(make_service(queue_capacity=2, body_timeout=1.0)) as running:
+        bound = 2 + grpc_server.GRPC_HEADROOM
+        methods = ["Score", "Explain", "Info", "Health"]
+        silent = [
+            asyncio.ensure_future(
+                _raw_call(running, methods[i % 4])(_messages(then_wait=never), timeout=30)
+            )
+            for i in range(bound)
+        ]
+        await asyncio.sleep(0.3)  # every silent call admitted: nothing else gets in
+        with pytest.raises(grpc.aio.AioRpcError) as full:
+            await running.stub.Health(pb.HealthRequest(), timeout=5)
+        assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        started = time.monotonic()
+        for call in silent:
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                await call
+            assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert ended.value.details() == (
+                "request body not received within 1 s (--body-timeout)"
+            )
+        assert time.monotonic() - started < 5
+        labels = {"reason": "body_timeout"}
+        assert _count(running, "sde2_failures_total", **labels) == bound
+        assert len((await running.stub.Score(_needs_encoder(21))).rewards) == 1
+    never.set()
+
+
+@pytest.mark.parametrize(
+    ("messages", "details"),
+    [
+        ((), "body: the call ended without a request message"),
+        (
+            (
+                request_from_dict(
+                    {"items": [{"completion": "a", "answer": "1"}]}
+                ).SerializeToString(),
+            )
+            * 2,
+            "body: more than one request message: each method takes exactly one",
+        ),
+    ],
+)
+async def test_a_call_carries_exactly_one_message(
+    hashed: Running, messages: tuple[bytes, ...], details: str
+) -> None:
+    """Each method takes one message: none, or a second one, is INVALID_ARGUMENT (served as a
+    stream, a call could otherwise carry any number)."""
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await _raw_call(hashed, "Score")(_messages(*messages), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == details

@@ -173,8 +173,8 @@ class UnsupportedMediaType(ServiceError):
 
 class BodyTimeout(ServiceError):
     """The body did not arrive within ``body_timeout`` seconds after admission (a stalled or too
-    slow upload). HTTP closes the connection; gRPC receives whole messages, so only HTTP raises
-    it, and the class declares gRPC's deadline code for completeness."""
+    slow upload; HTTP closes the connection), or a gRPC call's message within as long after the
+    call began."""
 
     reason = "body_timeout"
     http_status = 408

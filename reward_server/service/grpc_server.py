@@ -12,20 +12,29 @@ trailing metadata (``x-parse-time`` … in ms), like the HTTP headers.
 
 The plumbing uses grpc's generic handlers instead of protoc's ``*_pb2_grpc.py`` (which imports
 its sibling as a top-level package); :class:`~reward_server.service.grpc_client.RewardStub` is
-the matching client.
+the matching client. Every method is unary on the wire but served as a request *stream*, read
+here: gRPC's core admits a call at its headers, and a unary handler would only run once the
+message arrived, so a client sending nothing held its place for good. Read here, the message
+must arrive within ``--body-timeout`` (as an HTTP body must), alone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, NoReturn, TypeAlias, TypeVar
 
 import grpc
 
 from reward_server.service.config import host_port
-from reward_server.service.errors import ClientGone, DeadlineExceeded, RequestInvalid, ServiceError
+from reward_server.service.errors import (
+    BodyTimeout,
+    ClientGone,
+    DeadlineExceeded,
+    RequestInvalid,
+    ServiceError,
+)
 from reward_server.service.grpc_messages import (
     METHODS,
     OTHER_FIELDS,
@@ -148,12 +157,39 @@ def _authorization(context: Context) -> str | None:
     return one_credential([str(value) for key, value in metadata if key == "authorization"])
 
 
-def _translated(servicer: RewardServicer, name: str) -> Callable[[Any, Context], Awaitable[Any]]:
-    """Method ``name`` of ``servicer``, its :class:`ServiceError` answered by :func:`abort`."""
-    method = getattr(servicer, name)
+_END = object()  # what `anext` gives back once the client has half-closed its stream
 
-    async def handle(request: Any, context: Context) -> Any:
+
+async def one_message(requests: AsyncIterator[Any], timeout: float) -> Any:
+    """The call's request message: the first of its stream, which must then end, all within
+    ``timeout`` seconds (:class:`BodyTimeout` past it, INVALID_ARGUMENT for no message or a
+    second one). A unary client sends its message and ends its stream at once."""
+    try:
+        async with asyncio.timeout(timeout):
+            message = await anext(requests, _END)
+            if message is _END:
+                raise RequestInvalid.one(
+                    (), "the call ended without a request message", "malformed"
+                )
+            if await anext(requests, _END) is not _END:
+                msg = "more than one request message: each method takes exactly one"
+                raise RequestInvalid.one((), msg, "malformed")
+    except TimeoutError:
+        raise BodyTimeout(timeout) from None
+    return message
+
+
+def _translated(
+    servicer: RewardServicer, name: str
+) -> Callable[[AsyncIterator[Any], Context], Awaitable[Any]]:
+    """Method ``name`` of ``servicer`` on its call's one message (:func:`one_message`), its
+    :class:`ServiceError` answered by :func:`abort`."""
+    method = getattr(servicer, name)
+    timeout = servicer.service.settings.body_timeout
+
+    async def handle(requests: AsyncIterator[Any], context: Context) -> Any:
         try:
+            request = await one_message(requests, timeout)
             if isinstance(request, Malformed):
                 raise request.refusal()
             return await method(request, context)
@@ -175,7 +211,7 @@ def generic_handler(servicer: RewardServicer) -> grpc.GenericRpcHandler:
     """The method table protoc's ``add_RewardServiceServicer_to_server`` would build (with
     malformed messages answered INVALID_ARGUMENT)."""
     handlers = {
-        name: grpc.unary_unary_rpc_method_handler(
+        name: grpc.stream_unary_rpc_method_handler(
             _translated(servicer, name),
             # The scoring methods take their bytes unparsed (see RewardServicer._scored).
             request_deserializer=None if req == "ScoreRequest" else lenient(pb, req),
@@ -210,7 +246,7 @@ def create_server(
         # once admitted): the calls in progress, and so the messages held, are bounded here;
         # past it gRPC answers RESOURCE_EXHAUSTED itself. The headroom keeps Info and Health
         # answering while the scoring calls fill the queue. (A call counts from its headers:
-        # calls that never send their message hold places too; README, gRPC.)
+        # its message must follow within --body-timeout, see `one_message`.)
         maximum_concurrent_rpcs=service.settings.queue_capacity + GRPC_HEADROOM,
         options=[
             ("grpc.so_reuseport", 1 if reuse_port else 0),
