@@ -625,3 +625,32 @@ async def test_a_call_carries_exactly_one_message(
         await _raw_call(hashed, "Score")(_messages(*messages), timeout=10)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details() == details
+
+
+async def test_calls_ended_before_their_message_are_not_counted_as_invalid() -> None:
+    """gRPC ends the request stream of a call it refuses itself (a message over
+    --max-body-bytes), or that its client cancels or lets its deadline pass, as a half-close:
+    read as "no message", each was counted as an INVALID_ARGUMENT nobody had sent."""
+    never = asyncio.Event()
+    async with Running(make_service(max_body_bytes=1000, body_timeout=5.0)) as running:
+        big = request_from_dict({"items": [{"completion": "x" * 5000, "answer": "1"}]})
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await running.stub.Score(big, timeout=5)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        cancelled = _raw_call(running, "Score")(_messages(then_wait=never))
+        await asyncio.sleep(0.3)
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await _raw_call(running, "Score")(_messages(then_wait=never), timeout=0.3)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        await asyncio.sleep(0.5)  # past END_GRACE: each handler has seen its cancellation
+        assert _count(running, "sde2_failures_total", reason="invalid") == 0
+        assert _count(running, "sde2_failures_total", reason="deadline") == 1
+        statuses = ("INVALID_ARGUMENT", "CANCELLED", "DEADLINE_EXCEEDED")
+        counted = [
+            _count(running, "sde2_requests_total", route="grpc:Score", status=s) for s in statuses
+        ]
+        assert counted == [0, 0, 1]
+    never.set()

@@ -159,6 +159,13 @@ def _authorization(context: Context) -> str | None:
 
 _END = object()  # what `anext` gives back once the client has half-closed its stream
 
+#: How long a call whose stream ended without a message waits before it is refused. gRPC ends
+#: the stream of a call that ended otherwise the same way (cancelled by its client, past the
+#: client's deadline, or refused by gRPC itself for a message over --max-body-bytes, answered
+#: RESOURCE_EXHAUSTED), and cancels the handler only just after: refused at once, such a call
+#: was counted as an invalid request nobody had sent.
+END_GRACE = 0.1
+
 
 async def one_message(requests: AsyncIterator[Any], timeout: float) -> Any:
     """The call's request message: the first of its stream, which must then end, all within
@@ -167,15 +174,14 @@ async def one_message(requests: AsyncIterator[Any], timeout: float) -> Any:
     try:
         async with asyncio.timeout(timeout):
             message = await anext(requests, _END)
-            if message is _END:
-                raise RequestInvalid.one(
-                    (), "the call ended without a request message", "malformed"
-                )
-            if await anext(requests, _END) is not _END:
+            if message is not _END and await anext(requests, _END) is not _END:
                 msg = "more than one request message: each method takes exactly one"
                 raise RequestInvalid.one((), msg, "malformed")
     except TimeoutError:
         raise BodyTimeout(timeout) from None
+    if message is _END:
+        await asyncio.sleep(END_GRACE)  # a call that ended otherwise is cancelled here
+        raise RequestInvalid.one((), "the call ended without a request message", "malformed")
     return message
 
 
@@ -188,6 +194,7 @@ def _translated(
     timeout = servicer.service.settings.body_timeout
 
     async def handle(requests: AsyncIterator[Any], context: Context) -> Any:
+        request: Any = _END
         try:
             request = await one_message(requests, timeout)
             if isinstance(request, Malformed):
@@ -198,10 +205,15 @@ def _translated(
         except asyncio.CancelledError:
             # gRPC cancels the handler when the client cancels the call or its deadline passes:
             # no answer goes out, but the call is counted, as HTTP counts a client gone (499).
+            # Before its message has arrived, a call cancelled otherwise than by the client's
+            # deadline may be one gRPC refused itself (a message over --max-body-bytes,
+            # RESOURCE_EXHAUSTED, uncounted as it always was): not counted as a client gone.
             remaining = context.time_remaining()
             expired = remaining is not None and remaining <= 0
-            gone = DeadlineExceeded("the client's deadline passed") if expired else ClientGone()
-            count(servicer.service, name, gone)
+            if expired:
+                count(servicer.service, name, DeadlineExceeded("the client's deadline passed"))
+            elif request is not _END:
+                count(servicer.service, name, ClientGone())
             raise
 
     return handle
