@@ -537,18 +537,20 @@ def test_fp16_export_for_cuda(tmp_path: Path) -> None:
     """The fp16 graph is converted here (it only *runs* on a GPU): float16 weights, int64 ids in,
     float32 embedding out, and the CPU encoder refuses it instead of running it badly."""
     import onnx
+    import onnxruntime as ort
 
     from reward_server.encoders.onnx_runtime import ProviderUnavailableError
 
     out = export_model(None, tmp_path / "fp16", "fp16", n_texts=20)
     manifest = verify_manifest(out)
     assert manifest["variant"] == "fp16"
-    # Not measured here, and the manifest says why (no CUDA in this onnxruntime build).
-    assert manifest["fidelity"]["fp16"].startswith(
-        "not measured at export: the fp16 graph runs on CUDA only, and execution provider "
-        "CUDAExecutionProvider is not available"
-    )
-    assert "fp16_uniq_gate" not in manifest["fidelity"]
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        # Not measured here, and the manifest says why (no CUDA in this onnxruntime build).
+        assert manifest["fidelity"]["fp16"].startswith(
+            "not measured at export: the fp16 graph runs on CUDA only, and it did not run here "
+            "(execution provider CUDAExecutionProvider is not available in this onnxruntime build"
+        )
+        assert "fp16_uniq_gate" not in manifest["fidelity"]
     graph = onnx.load(str(out / "model.onnx")).graph
     fp16_weights = [t for t in graph.initializer if t.data_type == onnx.TensorProto.FLOAT16]
     assert len(fp16_weights) > 20
@@ -722,3 +724,30 @@ def test_a_refused_export_is_remembered_and_said_at_once(tmp_path: Path) -> None
     with pytest.raises(model_store.ModelExportError, match=problem) as fresh:
         model_store.resolve_model(str(folder), "fp32", root=root)
     assert "remembered" not in str(fresh.value) and record.is_file()
+
+
+@pytest.mark.parametrize("error", ["Fail", "EPFail", "RuntimeException"])
+def test_an_fp16_graph_that_cannot_run_on_this_cuda_is_left_unmeasured(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, error: str
+) -> None:
+    """onnxruntime-gpu lists CUDA where no GPU runs it, and a card may lack kernels or memory:
+    whatever stops the first run leaves the fp16 graph unmeasured, with the reason, instead of
+    failing an export whose graph was written (a server's first start exports in a child)."""
+    import onnxruntime as ort
+
+    from reward_server.encoders import onnx_runtime
+
+    raised = getattr(ort.capi.onnxruntime_pybind11_state, error)
+
+    class FailingRun:
+        def __init__(self, *_a: object, **_k: object) -> None:
+            pass
+
+        def encode(self, texts: list[str]) -> None:
+            raise raised("CUDA failure 2: out of memory")
+
+    monkeypatch.setattr(onnx_runtime, "OnnxEncoder", FailingRun)
+    why = onnx_export._cuda_unavailable(tmp_path)
+    assert why == (
+        "the fp16 graph runs on CUDA only, and it did not run here (CUDA failure 2: out of memory)"
+    )

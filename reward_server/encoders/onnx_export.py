@@ -583,14 +583,27 @@ def _measure_variant(
 
 
 def _cuda_unavailable(stage: Path) -> str | None:
-    """Why the fp16 graph in ``stage`` cannot be measured here, or ``None`` when a CUDA session
-    opens on it (onnxruntime-gpu lists CUDA on machines with no GPU: only a session tells)."""
-    from reward_server.encoders.onnx_runtime import OnnxEncoder, ProviderUnavailableError
+    """Why the fp16 graph in ``stage`` cannot be measured here, or ``None`` once it has embedded
+    a text on CUDA (onnxruntime-gpu lists CUDA on machines with no GPU: only a run tells).
 
+    Whatever stops that run (no GPU, CUDA libraries missing, a card without kernels, its memory
+    taken by a trainer) leaves the graph unmeasured, as on a machine without CUDA, and the
+    export goes on: the fp16 graph was written, and serving it is checked at the server's start.
+    """
+    import onnxruntime as ort
+
+    from reward_server.encoders.onnx_runtime import OnnxEncoder
+
+    state = ort.capi.onnxruntime_pybind11_state
+    ort_errors = tuple(
+        getattr(state, name)
+        for name in ("Fail", "RuntimeException", "EPFail", "NotImplemented", "EngineError")
+        if hasattr(state, name)
+    )
     try:
-        OnnxEncoder(stage, provider="cuda")
-    except ProviderUnavailableError as exc:
-        return f"the fp16 graph runs on CUDA only, and {exc}"
+        OnnxEncoder(stage, provider="cuda").encode(["a text"])
+    except (RuntimeError, *ort_errors) as exc:  # the encoder's own errors are RuntimeErrors
+        return f"the fp16 graph runs on CUDA only, and it did not run here ({exc})"
     return None
 
 
