@@ -150,3 +150,43 @@ def test_the_explanation_waits_briefly_on_a_busy_server() -> None:
     with pytest.raises(RewardServiceError, match="after 2 attempt"):
         asyncio.run(explain())
     assert len(sleeps) == 1 and 2.0 <= sleeps[0] <= 2.2
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [{"detail": "another service"}, {"explanation": {"items": []}}, {"explanation": None}],
+)
+def test_an_explanation_of_another_shape_costs_the_column_only(
+    answer: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A 200 from ``/v1/explain`` that holds no explanation of these items (another server
+    version, another service behind the route) stopped the step with a bare ``KeyError`` or
+    ``IndexError``; it costs the column only (a warning), the rewards stand."""
+    import json
+
+    from reward_server.core import RewardParams, ScoreItem, score_batch
+    from tests.doubles import HashEncoder
+    from trainer_client import AsyncRewardClient
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/explain":
+            return httpx.Response(200, json=answer)
+        body = json.loads(request.content)
+        params = RewardParams.model_validate(body.get("params", {}))
+        items = [ScoreItem(**item) for item in body["items"]]
+        scored = score_batch(items, HashEncoder(), params=params)
+        return httpx.Response(200, json={**scored.as_dict(), "encoder": "hash"})
+
+    columns: dict[str, list[Any]] = {}
+    holder = SDE2Reward("http://a:1", explain_extremes=True)
+
+    async def step() -> list[float | None]:
+        client = AsyncRewardClient("http://a:1", transport=httpx.MockTransport(handle))
+        holder._client = (asyncio.get_running_loop(), client)
+        return await holder.sde2(**kwargs(columns.__setitem__))
+
+    with caplog.at_level("WARNING", logger="trainer_client.trl"):
+        rewards = asyncio.run(step())
+    assert len(rewards) == len(TEXTS) and all(r is not None for r in rewards)
+    assert columns["sde2/explanation"] == [None] * len(TEXTS)
+    assert "no sde2/explanation column this step: not an explanation" in caplog.text

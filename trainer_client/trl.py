@@ -600,10 +600,19 @@ class SDE2Reward:
             # this step's completions (its columns are queues one generation batch long).
             log_extra(f"{self.recipe}/explanation", [None] * len(rewards))
             return
-        explained = data["explanation"]["items"]
         column: list[str | None] = [None] * len(rewards)
-        for role, k in (("worst", worst), ("best", best)):
-            column[k] = f"{role}: {summarize_item(explained[k])}"
+        try:  # an answer of another shape (another server version) is no reason to stop training
+            explained = data["explanation"]["items"]
+            if len(explained) != len(rewards):
+                raise ValueError(f"{len(explained)} explanations for {len(rewards)} items")
+            for role, k in (("worst", worst), ("best", best)):
+                column[k] = f"{role}: {summarize_item(explained[k])}"
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+            log.warning(
+                "no %s/explanation column this step: not an explanation (%s: %s)",
+                self.recipe, type(exc).__name__, exc,
+            )  # fmt: skip
+            column = [None] * len(rewards)
         log_extra(f"{self.recipe}/explanation", column)
 
     def _log(
