@@ -1243,3 +1243,52 @@ def test_the_key_check_passes_a_busy_server_that_accepted_the_key(
                 probe_each(busy, api_key="wrong-key")
     finally:
         keyed.stop()
+
+
+@pytest.mark.parametrize("client", ["blocking", "asyncio"])
+def test_the_deadline_counts_from_the_batch_first_try_through_its_halves(
+    client: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch refused for its size is scored in halves; each half restarted the policy's
+    deadline, so a batch given 30 s went on for 58 s (and deeper splits for longer), past
+    ``--reward-deadline``'s "give up on a batch after this many seconds". Each request below
+    is refused five times (a server restarting), and bodies of more than 2 items are refused
+    for their size: the deadline now ends the batch."""
+    import trainer_client.client as client_module
+
+    clock = [0.0]
+    monkeypatch.setattr(client_module.time, "monotonic", lambda: clock[0])
+    score = core_handler([])
+    tries: dict[bytes, int] = {}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        clock[0] += 1.0
+        tries[request.content] = tries.get(request.content, 0) + 1
+        if tries[request.content] <= 5:
+            return httpx.Response(503, text="restarting")
+        if len(json.loads(request.content)["items"]) > 2:
+            return httpx.Response(413, text="too large")
+        return score(request)
+
+    def wait(seconds: float) -> None:
+        clock[0] += seconds
+
+    async def wait_async(seconds: float) -> None:
+        wait(seconds)
+
+    policy = RetryPolicy(max_attempts=None, deadline=30.0, rng=random.Random(0))
+    items = batch(1, 8)
+    transport = httpx.MockTransport(handler)
+    with pytest.raises(RewardServiceError, match="failed to score"):
+        if client == "blocking":
+            RewardClient(A, transport=transport, retry=policy, sleep=wait).score(items)
+        else:
+
+            async def run() -> None:
+                async with AsyncRewardClient(
+                    A, transport=transport, retry=policy, sleep=wait_async
+                ) as rc:
+                    await rc.score(items)
+
+            asyncio.run(run())
+    assert clock[0] <= 31.0  # the deadline, and the try that was under way

@@ -337,7 +337,11 @@ class _Attempts:
         what: str,
         policy: RetryPolicy | None = None,
         first: int = 0,
+        started: float | None = None,
     ) -> None:
+        """``started``: when the request's batch was first tried (``time.monotonic``), for the
+        halves of a batch refused for its size: the policy's deadline counts from the batch's
+        first try, not from each half's (halves went on for a whole deadline each)."""
         self.client, self.path, self.replica = client, path, replica
         #: The answer's warnings (:data:`WARNING_HEADER`), items named in the caller's batch.
         self.warnings: list[str] = []
@@ -346,7 +350,7 @@ class _Attempts:
         self.policy = policy or client.retry
         self.what = what or f"{method} {path}"
         self.failures: list[Attempt] = []
-        self.started = time.monotonic()
+        self.started = time.monotonic() if started is None else started
         self.number = 0
         self.data: Any = None
         #: The base URL of the replica that answered (once :meth:`succeeded`).
@@ -641,12 +645,13 @@ class RewardClient(_Base):
         stop: threading.Event | None = None,
         reader: Callable[[Any, str], Any] | None = None,
         first: int = 0,
+        started: float | None = None,
     ) -> _Attempts:
         """:meth:`request`'s loop, returning its record (the answer, read by ``reader`` when
         given, and who gave it); gives up before its next try once ``stop`` is set (another
         shard of the batch failed). ``first``: the index in the caller's batch of the body's
-        first item, which errors name items by."""
-        attempts = _Attempts(self, method, path, replica, what, retry, first)
+        first item, which errors name items by; ``started``: as for :class:`_Attempts`."""
+        attempts = _Attempts(self, method, path, replica, what, retry, first, started)
         content = encode_body(body, first)
         while True:
             attempts.check_stop(stop)
@@ -691,16 +696,19 @@ class RewardClient(_Base):
         )
         stop = threading.Event()
 
-        def one(shard: tuple[int, int, dict[str, Any]]) -> list[ScoreResult]:
+        def one(
+            shard: tuple[int, int, dict[str, Any]], started: float | None = None
+        ) -> list[ScoreResult]:
             replica, first, body = shard
+            started = time.monotonic() if started is None else started
             try:
                 done = self._exchange(
                     "POST", SCORE_PATH, body, replica=replica, what=_scoring(body), stop=stop,
-                    reader=_answer(body, first), first=first,
+                    reader=_answer(body, first), first=first, started=started,
                 )  # fmt: skip
             except RewardRequestError as exc:
                 halves = _halves_or_raise(exc, body, first)
-                return [piece for at, half in halves for piece in one((replica, at, half))]
+                return [piece for at, half in halves for piece in one((replica, at, half), started)]
             return [dataclasses.replace(done.data, warnings=done.warnings)]
 
         if len(plan.shards) == 1:
@@ -817,10 +825,12 @@ class AsyncRewardClient(_Base):
         retry: RetryPolicy | None = None,
         reader: Callable[[Any, str], Any] | None = None,
         first: int = 0,
+        started: float | None = None,
     ) -> _Attempts:
         """:meth:`request`'s loop, returning its record (the answer, read by ``reader`` when
-        given, and who gave it); ``first`` as for :meth:`RewardClient._exchange`."""
-        attempts = _Attempts(self, method, path, replica, what, retry, first)
+        given, and who gave it); ``first`` and ``started`` as for
+        :meth:`RewardClient._exchange`."""
+        attempts = _Attempts(self, method, path, replica, what, retry, first, started)
         content = encode_body(body, first)
         while True:
             url = attempts.url()
@@ -859,15 +869,20 @@ class AsyncRewardClient(_Base):
             first=self.next_replica(),
         )
 
-        async def one(replica: int, first: int, body: dict[str, Any]) -> list[ScoreResult]:
+        async def one(
+            replica: int, first: int, body: dict[str, Any], started: float | None = None
+        ) -> list[ScoreResult]:
+            started = time.monotonic() if started is None else started
             try:
                 done = await self._exchange(
                     "POST", SCORE_PATH, body, replica=replica, what=_scoring(body),
-                    reader=_answer(body, first), first=first,
+                    reader=_answer(body, first), first=first, started=started,
                 )  # fmt: skip
             except RewardRequestError as exc:
                 halves = _halves_or_raise(exc, body, first)
-                return [piece for at, half in halves for piece in await one(replica, at, half)]
+                return [
+                    piece for at, half in halves for piece in await one(replica, at, half, started)
+                ]
             return [dataclasses.replace(done.data, warnings=done.warnings)]
 
         tasks = [asyncio.ensure_future(one(*shard)) for shard in plan.shards]
