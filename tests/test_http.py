@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from reward_server.core import ScoreItem, score_batch
+from reward_server.service.errors import MAX_ISSUES
 from reward_server.service.pipeline import ScoringService
 from tests.doubles import HashEncoder
 from tests.service_fixtures import (  # noqa: F401  (fixtures)
@@ -347,6 +348,22 @@ def test_a_query_parameter_a_route_does_not_read_is_refused(client: Any) -> None
         assert [d["field"] for d in bad.json()["detail"]] == ["query.recipe"]
         assert "parameters go in the body" in bad.json()["detail"][0]["msg"]
     assert client.get("/readyz").status_code == 200
+
+
+def test_a_query_of_thousands_of_unknown_names_gets_at_most_twenty_issues(client: Any) -> None:
+    """A 25 KB query of 6,000 distinct names was answered with 6,000 issues (890 KB): like
+    every other 422, the answer names at most MAX_ISSUES of them."""
+    query = "&".join(f"{i:x}" for i in range(6000))
+    item = {"completion": completion(("a", "4"), final="4"), "answer": "4"}
+    bodies = {
+        "/v1/score": {"items": [item]},
+        "/get_reward": {"query": ["p"], "prompts": ["p"], "labels": ["4"]},
+    }
+    for route, body in bodies.items():
+        bad = client.post(f"{route}?{query}", json=body)
+        assert bad.status_code == 422, route
+        assert len(bad.json()["detail"]) == MAX_ISSUES and len(bad.content) < 5_000, route
+        assert bad.json()["detail"][0]["field"] == "query.0"
 
 
 @pytest.mark.parametrize(
