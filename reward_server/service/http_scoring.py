@@ -184,7 +184,13 @@ def _media_type_problem(headers: Headers) -> str | None:
     structured = subtype.endswith("+json") and subtype != "+json"  # application/problem+json
     if kind != "application" or not (subtype == "json" or structured):
         return f"Content-Type {types[0]!r} is not JSON"
-    charsets = [p.partition("=")[2].strip('"') for p in parameters if p.startswith("charset=")]
+    # A parameter is name=value; spaces around the "=" are not RFC 9110's, but a sender that
+    # writes them means the charset all the same.
+    charsets = [
+        value.strip().strip('"')
+        for name, _, value in (p.partition("=") for p in parameters)
+        if name.strip() == "charset"
+    ]
     if any(c not in ("utf-8", "utf8") for c in charsets):
         return f"Content-Type {types[0]!r}: JSON is read as UTF-8 (RFC 8259)"
     return None
