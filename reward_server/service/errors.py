@@ -88,14 +88,21 @@ class ServiceError(Exception):
 
 
 class RequestInvalid(ServiceError):
-    """Bad input, with every issue's field path. HTTP's ``detail`` is the issue list; gRPC's
-    details string joins ``field: msg`` of each (gRPC has no structured details here)."""
+    """Bad input, with every issue's field path (the first :data:`MAX_ISSUES` of them, wherever
+    they were found, so that no answer outgrows its request). HTTP's ``detail`` is the issue
+    list; gRPC's details string joins ``field: msg`` of each (gRPC has no structured details
+    here).
+
+    >>> len(RequestInvalid([issue(("items", i), "bad", "x") for i in range(5000)]).issues)
+    20
+    """
 
     reason = "invalid"
     http_status = 422
     grpc_code = "INVALID_ARGUMENT"
 
     def __init__(self, issues: list[dict[str, Any]]) -> None:
+        issues = issues[:MAX_ISSUES]
         super().__init__("; ".join(f"{i['field']}: {i['msg']}" for i in issues))
         self.issues = issues
 
