@@ -67,6 +67,22 @@ def test_tampered_file_fails_verification(fp32_export: Path, tmp_path: Path) -> 
         verify_manifest(copy)
 
 
+def test_file_digests_match_hashlib_for_empty_small_and_large_files(tmp_path: Path) -> None:
+    """Files are hashed over a memory map in one call (an empty file cannot be mapped): the
+    digests are hashlib's of the bytes, for an empty file too."""
+    import hashlib
+
+    rng = np.random.default_rng(0)
+    for name, data in (
+        ("empty", b""),
+        ("small", b"abc"),
+        ("large", rng.integers(0, 256, 3 * 2**20 + 7, dtype=np.uint8).tobytes()),
+    ):
+        path = tmp_path / name
+        path.write_bytes(data)
+        assert model_store.sha256_file(path) == hashlib.sha256(data).hexdigest(), name
+
+
 def test_refuses_to_overwrite_and_bad_variant(tmp_path: Path) -> None:
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "file").write_text("x")

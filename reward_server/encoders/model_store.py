@@ -19,6 +19,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import mmap
 import os
 import re
 import shutil
@@ -193,10 +194,18 @@ def sha256_file(path: Path) -> str:
 
 
 def _hash_into(h: hashlib._Hash, path: Path) -> None:
-    """Feed ``path``'s bytes to ``h`` a MiB at a time."""
+    """Feed ``path``'s bytes to ``h`` in one call, over a memory map of the file.
+
+    ``hashlib`` hashes a large buffer outside the GIL. Reading the file a piece at a time would
+    take the GIL back after each read and each update; while the server's start-up imports
+    hold it, each such take waits out a switch interval. Checking the 90 MB graph at start-up
+    took 0.42 s that way, against 0.08 s alone (benchmarks/README, twenty-sixth pass).
+    """
     with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
+        if os.fstat(fh.fileno()).st_size == 0:  # (an empty file cannot be mapped)
+            return
+        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            h.update(mapped)
 
 
 def export_in_subprocess(

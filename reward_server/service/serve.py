@@ -41,7 +41,9 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -102,6 +104,21 @@ def reuse_port_socket(host: str, port: int, *, listen: bool = True) -> socket.so
     return sock
 
 
+def _load_in_background(settings: Settings) -> Future[Encoder]:
+    """:func:`build_encoder` begun now, in a thread of its own: the service's loader waits
+    for it (and meets its error, if it fails)."""
+    loaded: Future[Encoder] = Future()
+
+    def load() -> None:
+        try:
+            loaded.set_result(build_encoder(settings))
+        except BaseException as exc:  # handed to the service's loader, which reports it
+            loaded.set_exception(exc)
+
+    threading.Thread(target=load, name="sde2-build", daemon=True).start()
+    return loaded
+
+
 @contextlib.contextmanager
 def _no_signal_capture() -> Iterator[None]:
     yield
@@ -116,14 +133,18 @@ async def serve_async(
 ) -> int:
     """Run until SIGTERM/SIGINT, then drain. ``encoder`` overrides loading (tests);
     ``shared_metrics``: the metrics folder of a worker's supervisor."""
+    # The encoder starts loading before the service's own modules are imported: its hashing,
+    # session building and warm-up run mostly outside the GIL, so they overlap those imports
+    # and the web stack's (benchmarks/README, twenty-sixth pass).
+    loaded = None if encoder is not None else _load_in_background(settings)
     from reward_server.service.metrics import Metrics
     from reward_server.service.pipeline import ScoringService
 
     metrics = Metrics(shared_dir=shared_metrics)
     service = (
         ScoringService(settings, encoder=encoder, metrics=metrics)
-        if encoder is not None
-        else ScoringService(settings, loader=lambda: build_encoder(settings), metrics=metrics)
+        if loaded is None
+        else ScoringService(settings, loader=loaded.result, metrics=metrics)
     )
     service.start()  # loading begins now (the app's lifespan would start it only once bound)
     loop = asyncio.get_running_loop()
