@@ -125,6 +125,20 @@ def policy(**kw: Any) -> RetryPolicy:
 ONE = [{"completion": completion(["18"], "18"), "answer": "18"}]
 
 
+def test_each_unpickled_policy_draws_its_own_jitter() -> None:
+    """Trainer ranks and Ray workers unpickle the policy they were handed: each copy keeps the
+    settings but draws from a generator of its own, or every rank would retry in step."""
+    import pickle
+
+    policy = RetryPolicy(backoff_base=1.0, backoff_max=1.0, rng=random.Random(0))
+    blob = pickle.dumps(policy)
+    copies = [pickle.loads(blob) for _ in range(2)]
+    assert copies[0] == policy and copies[1] == policy  # the settings travel
+    draws = [[c.backoff(0) for _ in range(8)] for c in copies]
+    assert draws[0] != draws[1]
+    assert all(0.5 <= d <= 1.0 for row in draws for d in row)
+
+
 def test_connection_errors_are_retried_with_growing_jittered_backoff() -> None:
     refused = httpx.ConnectError("connection refused")
     transport = Scripted([refused, refused, refused])

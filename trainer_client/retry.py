@@ -17,7 +17,7 @@ import email.utils
 import math
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 #: HTTP statuses worth another try (see the module docstring).
@@ -107,6 +107,18 @@ class RetryPolicy:
     #: Give up once this much time has passed since the first try (None: attempts only).
     deadline: float | None = None
     rng: random.Random = field(default_factory=random.Random, compare=False, repr=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without its generator: each process of a trainer unpickles the policy it was
+        handed (spawned ranks, Ray workers), and copies of one generator would draw the same
+        jitter in every one of them, the herd the jitter is there to break up."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "rng"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """An unpickled policy draws from a generator of its own, seeded afresh."""
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "rng", random.Random())
 
     def __post_init__(self) -> None:
         if self.max_attempts is None and self.deadline is None:
