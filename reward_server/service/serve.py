@@ -133,9 +133,9 @@ async def serve_async(
 ) -> int:
     """Run until SIGTERM/SIGINT, then drain. ``encoder`` overrides loading (tests);
     ``shared_metrics``: the metrics folder of a worker's supervisor."""
-    # The encoder starts loading before the service's own modules are imported: its hashing,
-    # session building and warm-up run mostly outside the GIL, so they overlap those imports
-    # and the web stack's (benchmarks/README, twenty-sixth pass).
+    # The encoder starts loading before the service's own modules are imported: the graph's
+    # checksum and onnxruntime's session building run mostly outside the GIL, so they overlap
+    # those imports and the web stack's (benchmarks/README, twenty-sixth pass).
     loaded = None if encoder is not None else _load_in_background(settings)
     from reward_server.service.metrics import Metrics
     from reward_server.service.pipeline import ScoringService
@@ -151,8 +151,6 @@ async def serve_async(
     stop = _Stop(service, settings.drain_timeout)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.request, sig)
-    # The web stack is imported while the encoder loads in its thread: onnxruntime builds its
-    # session mostly outside the GIL, so the two overlap.
     server = _http_server(settings, service)
     stop.attach(server)
     watcher = asyncio.create_task(_watch_loading(service, stop))
