@@ -12,6 +12,7 @@ import asyncio
 import faulthandler
 import gc
 import json
+import logging
 import math
 import random
 import weakref
@@ -114,15 +115,35 @@ def _score_half(
     return returned, metrics, extra
 
 
+@contextmanager
+def _logged(name: str) -> Iterator[list[str]]:
+    """The messages of the warnings logged under logger ``name`` while the block runs."""
+    messages: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    handler, logger = Keep(logging.WARNING), logging.getLogger(name)
+    logger.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+
+
 def _worker(rank: int, url: str, store: str, out_dir: str) -> None:
     """One training process: joins the gloo group, scores its half as TRL would, reports."""
     from trainer_client.trl import sde2_reward
 
-    with _process_group(rank, store, out_dir):
+    with _process_group(rank, store, out_dir), _logged("trainer_client") as logged:
         fn = sde2_reward(url)
         rewards, metrics, extra = _score_half(rank, fn)
         warnings = fn.__self__.last_result.warnings  # type: ignore[attr-defined]
-        report = {"rewards": rewards, "metrics": metrics, "extra": extra, "warnings": warnings}
+        report = {
+            "rewards": rewards, "metrics": metrics, "extra": extra, "warnings": warnings,
+            "logged": logged,
+        }  # fmt: skip
         Path(out_dir, f"{rank}.json").write_text(json.dumps(report))
 
 
@@ -168,6 +189,9 @@ def test_two_processes_get_the_whole_step_rewards(
     # The step's warnings name the item in the step on every process (rank 1's are shifted).
     assert [w.split(":")[0] for w in whole.warnings] == ["items.9.answer"]
     assert reports[0]["warnings"] == reports[1]["warnings"] == whole.warnings
+    # Logged once, by rank 0, named in the step: rank 1 saw it as its own slice's item 1.
+    assert reports[0]["logged"] == [f"the reward service warns: {whole.warnings[0]}"]
+    assert reports[1]["logged"] == []
 
 
 def _advantages_worker(rank: int, url: str, store: str, out_dir: str) -> None:

@@ -532,21 +532,26 @@ class _Base:
             self._headers["authorization"] = f"Bearer {api_key}"
         self._turns = 0
         self._turns_lock = threading.Lock()
-        #: Whether the server's warnings are logged (each kind once); off for a caller that
-        #: reports them itself (sde2-eval names each run file's line).
+        #: Whether the server's warnings are logged as answers come (each kind once); off for a
+        #: caller that reports them itself: sde2-eval names each run file's line, and the TRL
+        #: adapter over several processes logs the step's, named in the step, once merged.
         self.logs_warnings = True
         self._warned: set[str] = set()
 
     def _told(self, result: ScoreResult) -> ScoreResult:
-        """``result``, its warnings logged (:meth:`log_warnings`)."""
-        self.log_warnings(result.warnings)
+        """``result``, its warnings logged (:meth:`_tell`)."""
+        self._tell(result.warnings)
         return result
+
+    def _tell(self, warnings: Sequence[str]) -> None:
+        """:meth:`log_warnings` of an answer's ``warnings``, unless :attr:`logs_warnings` is off."""
+        if self.logs_warnings:
+            self.log_warnings(warnings)
 
     def log_warnings(self, warnings: Sequence[str]) -> None:
         """Log the server's ``warnings``, each kind once by this client (a training run with a
-        wrong answer column would log one a step otherwise), unless :attr:`logs_warnings` is
-        off."""
-        for warning in warnings if self.logs_warnings else ():
+        wrong answer column would log one a step otherwise)."""
+        for warning in warnings:
             kind = warning_kind(warning)
             if kind not in self._warned and len(self._warned) < _MAX_WARNED:
                 self._warned.add(kind)
@@ -630,7 +635,7 @@ class RewardClient(_Base):
         server's warnings logged: OpenRLHF's /get_reward names a label no answer matches).
         ``retry`` replaces the client's policy for this request."""
         done = self._exchange(method, path, body, replica=replica, what=what, retry=retry)
-        self.log_warnings(done.warnings)
+        self._tell(done.warnings)
         return done.data
 
     def _exchange(
@@ -811,7 +816,7 @@ class AsyncRewardClient(_Base):
         """One JSON request with retries and replica failover; returns the decoded body (the
         server's warnings logged). ``retry`` replaces the client's policy for this request."""
         done = await self._exchange(method, path, body, replica=replica, what=what, retry=retry)
-        self.log_warnings(done.warnings)
+        self._tell(done.warnings)
         return done.data
 
     async def _exchange(

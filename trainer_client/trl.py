@@ -516,11 +516,14 @@ class SDE2Reward:
         error: Exception | None = None
         groups: list[str] = []
         answer_type: str | None = None
+        client = self._get_client()
+        # This slice's warnings name its items from 0: the step's are logged once merged, below.
+        client.logs_warnings = False
         try:
             items, options = request()
             groups = [str(it["group"]) for it in items]
             answer_type = options["answer_type"]
-            local = await self._get_client().score(items, normalize=False, **options)
+            local = await client.score(items, normalize=False, **options)
         except Exception as exc:  # re-raised below, after the others learned of it
             error = exc
         message = None if error is None else f"{type(error).__name__}: {error}"
@@ -555,6 +558,8 @@ class SDE2Reward:
         if self.returns == "advantages":  # TRL's groups over the gathered step, in rank order
             all_groups = self._trl_groups(all_groups)
         step = merge(shards, normalize=self.normalize, groups=all_groups)
+        if _rank() == 0:  # every process holds the same step: one of them tells its warnings
+            client.log_warnings(step.warnings)
         offset = sum(len(shard) for shard in shards[: _rank()])
         assert local is not None
         return local, step, offset
