@@ -532,20 +532,24 @@ def test_an_http_port_in_use_or_a_host_not_here_exits_3_naming_the_flags(
     assert not re.search(r"ready in [0-9.]+ s", server.log() + nowhere.log())
 
 
-def test_one_process_probes_every_address_its_host_resolves_to(
+def test_servers_bind_and_probe_every_address_their_host_resolves_to(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A name that resolves to IPv6 only is served by one process (asyncio binds what the name
-    resolves to), so its port check probes those addresses, and a port taken there is still
-    refused; the workers' probe binds the one address their sockets bind."""
+    resolves to) and by the workers, whose sockets bind the same addresses, so the port check
+    probes those, and a port taken there is still refused. A name that resolves to both
+    families gets a socket on each, on one port even when it is chosen ("any free port")."""
     from reward_server.service import serve
     from reward_server.service.config import Settings
 
     real = socket.getaddrinfo
+    v4 = (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", 0))
+    v6 = (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", 0, 0, 0))
 
     def resolve(host: str, port: int, *args: object, **kwargs: object) -> list[object]:
-        if host == "v6only.test":
-            return [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", port, 0, 0))]
+        found = {"v6only.test": [v6], "both.test": [v6, v4]}.get(host)
+        if found is not None:
+            return [(*f[:4], (f[4][0], port, *f[4][2:])) for f in found]
         return real(host, port, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(socket, "getaddrinfo", resolve)
@@ -553,15 +557,32 @@ def test_one_process_probes_every_address_its_host_resolves_to(
         free.bind(("::1", 0))
         port = free.getsockname()[1]
     settings = Settings(host="v6only.test", port=port, grpc_port=None)
-    assert serve._taken_port(settings, every_address=True) is None
-    assert "(--host, --port)" in (serve._taken_port(settings) or "")  # resolved as IPv4: none
+    assert serve._taken_port(settings) is None
+    sockets = serve.reuse_port_sockets("v6only.test", port)
+    try:  # (the socket the workers bound had been AF_INET: "v6only.test" did not resolve)
+        assert [s.getsockname()[:2] for s in sockets] == [("::1", port)]
+    finally:
+        for sock in sockets:
+            sock.close()
     with socket.socket(socket.AF_INET6) as taken:
         taken.bind(("::1", port))
         taken.listen()
-        refused = serve._taken_port(settings, every_address=True)
+        refused = serve._taken_port(settings)
     assert refused == (
         f"cannot bind HTTP to v6only.test:{port}: Address already in use (--host, --port)"
     )
+
+    both = serve.reuse_port_sockets("both.test", 0)
+    try:
+        names = [s.getsockname()[:2] for s in both]
+        assert [n[0] for n in names] == ["::1", "127.0.0.1"] and names[0][1] == names[1][1]
+        for sock, family in zip(both, (socket.AF_INET6, socket.AF_INET), strict=True):
+            with socket.create_connection(sock.getsockname()[:2], timeout=5):
+                pass  # each listens (the kernel queues the connection)
+            assert sock.family == family
+    finally:
+        for sock in both:
+            sock.close()
 
 
 def test_grpc_port_in_use_exits_3_with_a_message(onnx_model_dir: Path) -> None:

@@ -89,19 +89,40 @@ def build_encoder(settings: Settings) -> Encoder:
     )
 
 
-def reuse_port_socket(host: str, port: int, *, listen: bool = True) -> socket.socket:
-    """A socket bound to ``host:port`` that other worker processes can bind too
-    (``SO_REUSEPORT``); listening, unless ``listen`` is false (it then only holds the port:
-    the kernel hands connections to listening sockets only)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
-    if listen:
-        sock.listen(2048)
-        sock.set_inheritable(True)
-    return sock
+def reuse_port_sockets(host: str, port: int, *, listen: bool = True) -> list[socket.socket]:
+    """Sockets bound to ``port`` on every address ``host`` resolves to, as one process's
+    server binds them (asyncio's ``create_server``: a family the machine has not enabled is
+    skipped, and an IPv6 socket takes IPv6 only), each one that other worker processes can
+    bind too (``SO_REUSEPORT``). Port 0 is chosen by the first bind, and the others take the
+    same. Listening, unless ``listen`` is false (they then only hold the port: the kernel
+    hands connections to listening sockets only)."""
+    sockets: list[socket.socket] = []
+    try:
+        for family, address in _bind_addresses(host, port):
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            if port == 0 and len(sockets) > 1:  # the port the first bind chose
+                address = (address[0], sockets[0].getsockname()[1], *address[2:])
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                if exc.errno != errno.EADDRNOTAVAIL:
+                    raise
+                sockets.pop().close()
+        if not sockets:
+            raise OSError(errno.EADDRNOTAVAIL, f"no address of {host!r} can be bound here")
+        for sock in sockets if listen else ():
+            sock.listen(2048)
+            sock.set_inheritable(True)
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
 
 
 def _load_in_background(settings: Settings) -> Future[Encoder]:
@@ -287,7 +308,7 @@ async def _serve_until_stopped(
     grpc_stopper = asyncio.create_task(stop_grpc())
     try:
         try:
-            sockets = [reuse_port_socket(settings.host, settings.port)] if reuse else None
+            sockets = reuse_port_sockets(settings.host, settings.port) if reuse else None
         except OSError as exc:  # a message and exit 3, as uvicorn's own bind failure
             log.error("%s", exc)
             return True
@@ -357,9 +378,9 @@ def _concrete_ports(settings: Settings, held: list[socket.socket]) -> Settings:
     that nothing else takes it before they bind it."""
 
     def chosen(name: str) -> int:
-        sock = reuse_port_socket(settings.host, 0, listen=False)
-        held.append(sock)
-        port = int(sock.getsockname()[1])
+        sockets = reuse_port_sockets(settings.host, 0, listen=False)
+        held.extend(sockets)
+        port = int(sockets[0].getsockname()[1])
         log.info("%s 0: every worker listens on %d", name, port)
         return port
 
@@ -400,15 +421,14 @@ def _run_workers(settings: Settings) -> int:
             sock.close()
 
 
-def _taken_port(settings: Settings, *, every_address: bool = False) -> str | None:
+def _taken_port(settings: Settings) -> str | None:
     """Why the HTTP or gRPC port cannot be had, if it cannot: bound without ``SO_REUSEPORT``,
     the probe fails while any socket holds the port, so another server (even one whose
     workers would share it with these) is found here, before any worker starts.
 
-    ``every_address``: probe each address ``--host`` resolves to, as one process's server binds
-    them (asyncio's ``create_server``, which skips a family the machine has not enabled:
-    ``EADDRNOTAVAIL``), so a name that resolves to IPv6 only is served; else the one address
-    :func:`reuse_port_socket` binds for the workers."""
+    Each address ``--host`` resolves to is probed, as one process's server and the workers
+    (:func:`reuse_port_sockets`) bind them: a family the machine has not enabled is skipped
+    (``EADDRNOTAVAIL``), so a name that resolves to IPv6 only is served."""
     host = settings.host
     for what, port, flag in (
         ("HTTP", settings.port, "--port"),
@@ -417,13 +437,15 @@ def _taken_port(settings: Settings, *, every_address: bool = False) -> str | Non
         if not port:  # none, or "any free port"
             continue
         try:
-            for family, address in _bind_addresses(host, port, every_address):
+            for family, address in _bind_addresses(host, port):
                 with socket.socket(family, socket.SOCK_STREAM) as probe:
                     probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    if family == socket.AF_INET6:  # as the servers bind it: IPv6 alone
+                        probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
                     try:
                         probe.bind(address)
                     except OSError as exc:
-                        if every_address and exc.errno == errno.EADDRNOTAVAIL:
+                        if exc.errno == errno.EADDRNOTAVAIL:
                             continue
                         raise
         except OSError as exc:  # socket.gaierror included: a name that is no host here
@@ -432,10 +454,9 @@ def _taken_port(settings: Settings, *, every_address: bool = False) -> str | Non
     return None
 
 
-def _bind_addresses(host: str, port: int, every_address: bool) -> list[tuple[int, Any]]:
-    """The ``(family, address)`` pairs :func:`_taken_port` probes."""
-    if not every_address:
-        return [(socket.AF_INET6 if ":" in host else socket.AF_INET, (host, port))]
+def _bind_addresses(host: str, port: int) -> list[tuple[int, Any]]:
+    """The ``(family, address)`` pairs ``host`` resolves to for a server (asyncio's
+    ``create_server`` binds the same)."""
     found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     return [(family, address) for family, _, _, _, address in found]
 
@@ -510,7 +531,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if settings.workers > 1:
         return _run_workers(settings)
-    taken = _taken_port(settings, every_address=True)  # the flags named, as for workers
+    taken = _taken_port(settings)  # the flags named, as for workers
     if taken is not None:
         log.error("%s", taken)
         return 3
