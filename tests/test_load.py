@@ -6,9 +6,12 @@ it over 127.0.0.1 only, and bounds the number of requests and every wait.
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import socket
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,7 +22,7 @@ import httpx
 import pytest
 
 from reward_server.service.grpc_client import RewardStub, request_from_dict, response_to_dict
-from tests.server_process import ServerProcess
+from tests.server_process import ServerProcess, free_port
 from tests.service_fixtures import (  # noqa: F401  (fixtures)
     REAL_MODEL_ATOL,
     assert_same_response,
@@ -273,6 +276,42 @@ def test_a_stop_while_workers_start_is_a_clean_stop(
         assert "exited with" not in server.log() and "Traceback" not in server.log()
     finally:
         server.stop()
+
+
+#: A ``sitecustomize`` that makes ``uvicorn`` fail to import, a moment after it is asked for
+#: (while the encoder's session is being built), as on an install missing part of an extra.
+_NO_UVICORN = """
+import sys, time
+
+class _NoUvicorn:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "uvicorn":
+            time.sleep(0.2)
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, _NoUvicorn())
+"""
+
+
+def test_a_web_stack_that_fails_to_import_lets_the_loading_end_first(
+    onnx_model_dir: Path, tmp_path: Path
+) -> None:
+    """The encoder starts loading before the web stack is imported. When that import fails, the
+    process lets the loading end, then says what is missing (exit 2): exiting while onnxruntime
+    built its session aborted it instead (exit 134, "terminate called without an active
+    exception"), two starts in three."""
+    (tmp_path / "sitecustomize.py").write_text(_NO_UVICORN)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    for _ in range(3):
+        done = subprocess.run(
+            [sys.executable, "-m", "reward_server.cli", "serve", "--port", str(free_port()),
+             "--model", str(onnx_model_dir)],
+            env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 2, done.stderr[-3000:]
+        assert "uvicorn is not installed" in done.stderr
+        assert "terminate called" not in done.stderr
 
 
 def test_workers_refuse_a_taken_port_and_die_with_their_supervisor(onnx_model_dir: Path) -> None:

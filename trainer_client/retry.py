@@ -111,7 +111,8 @@ class RetryPolicy:
     def __getstate__(self) -> dict[str, Any]:
         """Pickled without its generator: each process of a trainer unpickles the policy it was
         handed (spawned ranks, Ray workers), and copies of one generator would draw the same
-        jitter in every one of them, the herd the jitter is there to break up."""
+        jitter in every one of them, the herd the jitter is there to break up. (``copy`` and
+        ``deepcopy`` go this way too; ``dataclasses.replace`` keeps the generator.)"""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "rng"}
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -526,6 +526,8 @@ class SDE2Reward:
             local = await client.score(items, normalize=False, **options)
         except Exception as exc:  # re-raised below, after the others learned of it
             error = exc
+        finally:  # (the client is this loop's for every call, one process or several)
+            client.logs_warnings = True
         message = None if error is None else f"{type(error).__name__}: {error}"
         # The gather blocks the loop: several reward functions (TRL runs them concurrently)
         # must gather in one order on every process, the order their calls began, not the

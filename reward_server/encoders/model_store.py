@@ -19,7 +19,6 @@ import fcntl
 import hashlib
 import json
 import logging
-import mmap
 import os
 import re
 import shutil
@@ -193,19 +192,24 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _hash_into(h: hashlib._Hash, path: Path) -> None:
-    """Feed ``path``'s bytes to ``h`` in one call, over a memory map of the file.
+#: Bytes :func:`_hash_into` reads at a time (see there).
+_HASH_CHUNK = 32 << 20
 
-    ``hashlib`` hashes a large buffer outside the GIL. Reading the file a piece at a time would
-    take the GIL back after each read and each update; while the server's start-up imports
-    hold it, each such take waits out a switch interval. Checking the 90 MB graph at start-up
-    took 0.42 s that way, against 0.08 s alone (benchmarks/README, twenty-sixth pass).
+
+def _hash_into(h: hashlib._Hash, path: Path) -> None:
+    """Feed ``path``'s bytes to ``h``, :data:`_HASH_CHUNK` bytes at a time.
+
+    Reading and hashing each give the GIL up, and taking it back waits out a switch interval
+    while another thread holds it: at the server's start, the web stack's imports do. A MiB at
+    a time, checking the 90 MB graph took 0.42 s there against 0.08 s alone (benchmarks/README,
+    twenty-sixth pass); a few large pieces take it back a few times. (A memory map would hash
+    in one call, but a file truncated meanwhile would kill the process with SIGBUS.)
     """
-    with path.open("rb") as fh:
-        if os.fstat(fh.fileno()).st_size == 0:  # (an empty file cannot be mapped)
-            return
-        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            h.update(mapped)
+    buffer = bytearray(_HASH_CHUNK)
+    view = memoryview(buffer)
+    with path.open("rb", buffering=0) as fh:
+        while n := fh.readinto(buffer):
+            h.update(view[:n])
 
 
 def export_in_subprocess(

@@ -44,6 +44,7 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
+from concurrent.futures import wait as wait_for_futures
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -125,6 +126,10 @@ def reuse_port_sockets(host: str, port: int, *, listen: bool = True) -> list[soc
     return sockets
 
 
+#: Seconds a stopping process waits for the encoder's loading to end before exiting anyway.
+_LOAD_WAIT = 120.0
+
+
 def _load_in_background(settings: Settings) -> Future[Encoder]:
     """:func:`build_encoder` begun now, in a thread of its own: the service's loader waits
     for it (and meets its error, if it fails)."""
@@ -158,34 +163,41 @@ async def serve_async(
     # checksum and onnxruntime's session building run mostly outside the GIL, so they overlap
     # those imports and the web stack's (benchmarks/README, twenty-sixth pass).
     loaded = None if encoder is not None else _load_in_background(settings)
-    from reward_server.service.metrics import Metrics
-    from reward_server.service.pipeline import ScoringService
+    try:
+        from reward_server.service.metrics import Metrics
+        from reward_server.service.pipeline import ScoringService
 
-    metrics = Metrics(shared_dir=shared_metrics)
-    service = (
-        ScoringService(settings, encoder=encoder, metrics=metrics)
-        if loaded is None
-        else ScoringService(settings, loader=loaded.result, metrics=metrics)
-    )
-    service.start()  # loading begins now (the app's lifespan would start it only once bound)
+        metrics = Metrics(shared_dir=shared_metrics)
+        service = (
+            ScoringService(settings, encoder=encoder, metrics=metrics)
+            if loaded is None
+            else ScoringService(settings, loader=loaded.result, metrics=metrics)
+        )
+    except BaseException:
+        if loaded is not None:  # exiting inside onnxruntime aborts the process (see below)
+            wait_for_futures([loaded], timeout=_LOAD_WAIT)
+        raise
+    service.start()  # loading goes on (the app's lifespan would start it only once bound)
     loop = asyncio.get_running_loop()
     stop = _Stop(service, settings.drain_timeout)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.request, sig)
-    server = _http_server(settings, service)
-    stop.attach(server)
-    watcher = asyncio.create_task(_watch_loading(service, stop))
+    watcher: asyncio.Task[None] | None = None
     try:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.request, sig)
+        server = _http_server(settings, service)  # (a web stack that fails to import: raised)
+        stop.attach(server)
+        watcher = asyncio.create_task(_watch_loading(service, stop))
         if reuse_port and not await _ready_before_stop(watcher, stop):
             return 1 if stop.failed else 0
         failed_to_bind = await _serve_until_stopped(settings, service, server, stop, reuse_port)
         if failed_to_bind:
             return 3
     finally:
-        watcher.cancel()
+        if watcher is not None:
+            watcher.cancel()
         # Exiting while the loading thread is inside onnxruntime aborts the process ("terminate
         # called without an active exception", exit 134): let loading end first (bounded).
-        await loop.run_in_executor(None, service.wait_loaded, 120.0)
+        await loop.run_in_executor(None, service.wait_loaded, _LOAD_WAIT)
         await loop.run_in_executor(None, service.close)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
