@@ -70,20 +70,33 @@ def test_tampered_file_fails_verification(fp32_export: Path, tmp_path: Path) -> 
 def test_file_digests_match_hashlib_for_empty_small_and_large_files(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Files are hashed in large pieces (here 1 MiB, so that one file takes several, the last
-    one short): the digests are hashlib's of the bytes, for an empty file too."""
+    """Files are hashed over a memory map, or read in large pieces where they cannot be mapped
+    (an empty file; a file system that maps nothing, here every file once ``mmap`` fails, the
+    pieces 1 MiB so that one file takes several, the last one short): either way the digests
+    are hashlib's of the bytes."""
+    import errno
     import hashlib
+    import mmap
 
-    monkeypatch.setattr(model_store, "_HASH_CHUNK", 1 << 20)
     rng = np.random.default_rng(0)
-    for name, data in (
-        ("empty", b""),
-        ("small", b"abc"),
-        ("large", rng.integers(0, 256, 3 * 2**20 + 7, dtype=np.uint8).tobytes()),
-    ):
-        path = tmp_path / name
-        path.write_bytes(data)
-        assert model_store.sha256_file(path) == hashlib.sha256(data).hexdigest(), name
+    files = {
+        "empty": b"",
+        "small": b"abc",
+        "large": rng.integers(0, 256, 3 * 2**20 + 7, dtype=np.uint8).tobytes(),
+    }
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+
+    def unmappable(*args: object, **kwargs: object) -> mmap.mmap:
+        raise OSError(errno.ENODEV, "No such device")
+
+    for mapping in ("mapped", "read"):
+        if mapping == "read":
+            monkeypatch.setattr(model_store.mmap, "mmap", unmappable)
+            monkeypatch.setattr(model_store, "_HASH_CHUNK", 1 << 20)
+        for name, data in files.items():
+            digest = model_store.sha256_file(tmp_path / name)
+            assert digest == hashlib.sha256(data).hexdigest(), (mapping, name)
 
 
 def test_refuses_to_overwrite_and_bad_variant(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import mmap
 import os
 import re
 import shutil
@@ -192,24 +193,33 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-#: Bytes :func:`_hash_into` reads at a time (see there).
+#: Bytes :func:`_hash_into` reads at a time where it cannot map the file.
 _HASH_CHUNK = 32 << 20
 
 
 def _hash_into(h: hashlib._Hash, path: Path) -> None:
-    """Feed ``path``'s bytes to ``h``, :data:`_HASH_CHUNK` bytes at a time.
+    """Feed ``path``'s bytes to ``h``: in one call over a memory map of the file, else (an
+    empty file, a file system that maps nothing) :data:`_HASH_CHUNK` bytes at a time.
 
-    Reading and hashing each give the GIL up, and taking it back waits out a switch interval
-    while another thread holds it: at the server's start, the web stack's imports do. A MiB at
-    a time, checking the 90 MB graph took 0.42 s there against 0.08 s alone (benchmarks/README,
-    twenty-sixth pass); a few large pieces take it back a few times. (A memory map would hash
-    in one call, but a file truncated meanwhile would kill the process with SIGBUS.)
+    ``hashlib`` hashes a large buffer outside the GIL, and each time a thread takes the GIL
+    back it waits out a switch interval while another thread holds it: at the server's start,
+    the web stack's imports do. Read a MiB at a time, checking the 90 MB graph took 0.42 s
+    there against 0.08 s alone; in 32 MiB pieces, about 0.2 s more than mapped
+    (benchmarks/README, twenty-sixth pass). As for any memory-mapped model file, a file
+    truncated while it is hashed ends the process (SIGBUS); the model store's own writers
+    move finished files into place.
     """
-    buffer = bytearray(_HASH_CHUNK)
-    view = memoryview(buffer)
     with path.open("rb", buffering=0) as fh:
-        while n := fh.readinto(buffer):
-            h.update(view[:n])
+        try:
+            mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError):  # (ValueError: an empty file cannot be mapped)
+            buffer = bytearray(_HASH_CHUNK)
+            view = memoryview(buffer)
+            while n := fh.readinto(buffer):
+                h.update(view[:n])
+            return
+        with mapped:
+            h.update(mapped)
 
 
 def export_in_subprocess(
