@@ -547,7 +547,7 @@ def test_servers_bind_and_probe_every_address_their_host_resolves_to(
     v6 = (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", 0, 0, 0))
 
     def resolve(host: str, port: int, *args: object, **kwargs: object) -> list[object]:
-        found = {"v6only.test": [v6], "both.test": [v6, v4]}.get(host)
+        found = {"v6only.test": [v6], "both.test": [v6, v4, v4]}.get(host)  # (once each)
         if found is not None:
             return [(*f[:4], (f[4][0], port, *f[4][2:])) for f in found]
         return real(host, port, *args, **kwargs)  # type: ignore[arg-type]
@@ -571,6 +571,22 @@ def test_servers_bind_and_probe_every_address_their_host_resolves_to(
     assert refused == (
         f"cannot bind HTTP to v6only.test:{port}: Address already in use (--host, --port)"
     )
+
+    # Every interface (""), as asyncio reads it; an address that is not this machine's,
+    # refused before any worker loads (the workers' own binds would each fail after it).
+    assert serve._taken_port(Settings(host="", port=port, grpc_port=None)) is None
+    elsewhere = Settings(host="192.0.2.1", port=port, grpc_port=None)  # (TEST-NET-1)
+    assert serve._taken_port(elsewhere) == (
+        f"cannot bind HTTP to 192.0.2.1:{port}: Cannot assign requested address (--host, --port)"
+    )
+    # gRPC binds "::" for both families: a port another server holds on IPv4 is taken for it.
+    with socket.socket() as ipv4:
+        ipv4.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        ipv4.bind(("0.0.0.0", 0))
+        ipv4.listen()
+        held = ipv4.getsockname()[1]
+        wildcard = Settings(host="::", port=port, grpc_port=held)
+        assert (serve._taken_port(wildcard) or "").startswith(f"cannot bind gRPC to [::]:{held}")
 
     both = serve.reuse_port_sockets("both.test", 0)
     try:

@@ -91,20 +91,35 @@ def build_encoder(settings: Settings) -> Encoder:
 
 
 def reuse_port_sockets(host: str, port: int, *, listen: bool = True) -> list[socket.socket]:
-    """Sockets bound to ``port`` on every address ``host`` resolves to, as one process's
-    server binds them (asyncio's ``create_server``: a family the machine has not enabled is
-    skipped, and an IPv6 socket takes IPv6 only), each one that other worker processes can
-    bind too (``SO_REUSEPORT``). Port 0 is chosen by the first bind, and the others take the
-    same. Listening, unless ``listen`` is false (they then only hold the port: the kernel
-    hands connections to listening sockets only)."""
+    """:func:`bound_sockets` for the workers: each socket one that other worker processes can
+    bind too (``SO_REUSEPORT``), an IPv6 one taking IPv6 only, as asyncio's are. Listening,
+    unless ``listen`` is false (they then only hold the port: the kernel hands connections to
+    listening sockets only)."""
+    sockets = bound_sockets(host, port, reuse_port=True, v6only=True)
+    for sock in sockets if listen else ():
+        sock.listen(2048)
+        sock.set_inheritable(True)
+    return sockets
+
+
+def bound_sockets(host: str, port: int, *, reuse_port: bool, v6only: bool) -> list[socket.socket]:
+    """A socket bound to ``port`` on each address ``host`` resolves to, as a server binds
+    them (asyncio's ``create_server``): a family this machine cannot open, or in which it has
+    no such address (``EADDRNOTAVAIL``), is skipped, and an :class:`OSError` says so when
+    nothing is left; each address once; port 0 chosen by the first bind and taken by the
+    others. Any other failure closes what was bound and raises."""
     sockets: list[socket.socket] = []
     try:
-        for family, address in _bind_addresses(host, port):
-            sock = socket.socket(family, socket.SOCK_STREAM)
+        for family, address in dict.fromkeys(_bind_addresses(host, port)):
+            try:
+                sock = socket.socket(family, socket.SOCK_STREAM)
+            except OSError:  # a family this machine does not have (EAFNOSUPPORT)
+                continue
             sockets.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            if family == socket.AF_INET6:
+            if reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if family == socket.AF_INET6 and v6only:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             if port == 0 and len(sockets) > 1:  # the port the first bind chose
                 address = (address[0], sockets[0].getsockname()[1], *address[2:])
@@ -115,10 +130,7 @@ def reuse_port_sockets(host: str, port: int, *, listen: bool = True) -> list[soc
                     raise
                 sockets.pop().close()
         if not sockets:
-            raise OSError(errno.EADDRNOTAVAIL, f"no address of {host!r} can be bound here")
-        for sock in sockets if listen else ():
-            sock.listen(2048)
-            sock.set_inheritable(True)
+            raise OSError(errno.EADDRNOTAVAIL, os.strerror(errno.EADDRNOTAVAIL))
     except BaseException:
         for sock in sockets:
             sock.close()
@@ -275,7 +287,11 @@ class _Stop:
 
 async def _watch_loading(service: ScoringService, stop: _Stop) -> None:
     """Stop the process when the encoder fails to load; log when it is ready."""
-    await asyncio.get_running_loop().run_in_executor(None, service.wait_loaded)
+    loop = asyncio.get_running_loop()
+    # A second at a time: a cancelled watcher then leaves no thread of the loop's executor
+    # waiting on a load that hangs (asyncio.run waits for those threads at exit).
+    while not await loop.run_in_executor(None, service.wait_loaded, 1.0):
+        pass
     if service.load_error is not None:
         log.error("cannot serve: %s", service.load_error)
         stop.failed = True
@@ -422,9 +438,15 @@ def _run_workers(settings: Settings) -> int:
         return 1
     threads = settings.intra_op_threads or max(1, available_cpus() // settings.workers)
     held: list[socket.socket] = []  # the ports chosen for "0", until the workers exit
-    child = dataclasses.replace(
-        _concrete_ports(settings, held), model=model, intra_op_threads=threads
-    )
+    try:
+        concrete = _concrete_ports(settings, held)
+    except OSError as exc:  # a message and exit 3, as for a port that is taken
+        for sock in held:
+            sock.close()
+        host = settings.host or "*"
+        log.error("cannot choose a port on %s: %s (--host, --port, --grpc-port)", host, exc)
+        return 3
+    child = dataclasses.replace(concrete, model=model, intra_op_threads=threads)
     try:
         with _shared_metrics_dir() as shared:
             return _supervise(child, shared)
@@ -438,9 +460,9 @@ def _taken_port(settings: Settings) -> str | None:
     the probe fails while any socket holds the port, so another server (even one whose
     workers would share it with these) is found here, before any worker starts.
 
-    Each address ``--host`` resolves to is probed, as one process's server and the workers
-    (:func:`reuse_port_sockets`) bind them: a family the machine has not enabled is skipped
-    (``EADDRNOTAVAIL``), so a name that resolves to IPv6 only is served."""
+    Each address ``--host`` resolves to is probed as the servers bind it
+    (:func:`bound_sockets`): HTTP's IPv6 sockets take IPv6 only (asyncio's, and the
+    workers'), while gRPC binds a wildcard IPv6 address for both families."""
     host = settings.host
     for what, port, flag in (
         ("HTTP", settings.port, "--port"),
@@ -449,27 +471,19 @@ def _taken_port(settings: Settings) -> str | None:
         if not port:  # none, or "any free port"
             continue
         try:
-            for family, address in _bind_addresses(host, port):
-                with socket.socket(family, socket.SOCK_STREAM) as probe:
-                    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                    if family == socket.AF_INET6:  # as the servers bind it: IPv6 alone
-                        probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-                    try:
-                        probe.bind(address)
-                    except OSError as exc:
-                        if exc.errno == errno.EADDRNOTAVAIL:
-                            continue
-                        raise
+            for probe in bound_sockets(host, port, reuse_port=False, v6only=what == "HTTP"):
+                probe.close()
         except OSError as exc:  # socket.gaierror included: a name that is no host here
-            where = host_port(host, port)
-            return f"cannot bind {what} to {where}: {exc.strerror or exc} (--host, {flag})"
+            return f"cannot bind {what} to {host_port(host, port)}: {exc.strerror or exc} " + (
+                f"(--host, {flag})"
+            )
     return None
 
 
 def _bind_addresses(host: str, port: int) -> list[tuple[int, Any]]:
     """The ``(family, address)`` pairs ``host`` resolves to for a server (asyncio's
-    ``create_server`` binds the same)."""
-    found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    ``create_server`` binds the same; ``""`` is every interface, as there)."""
+    found = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     return [(family, address) for family, _, _, _, address in found]
 
 
