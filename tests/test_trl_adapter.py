@@ -353,6 +353,25 @@ def test_verl_compute_score(reward_server: ServerProcess, monkeypatch: pytest.Mo
     assert verl.compute_score("openai/gsm8k", GOOD, "72", both)["score"] == out["score"]
 
 
+def test_a_step_warning_is_logged_once_with_its_item(
+    reward_server: ServerProcess,  # noqa: F811
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """In one process the adapter tells each step's warnings, naming the item in the step,
+    each kind once however many steps repeat it."""
+    fn = sde2_reward(reward_server.url)
+    kwargs = {**call_kwargs([GOOD, PLAIN], ["p", "p"]), "answer": ["72", "####"]}
+
+    async def two_steps() -> None:  # on one loop, as TRL runs its reward functions
+        for _ in range(2):
+            await fn(**kwargs)
+
+    with caplog.at_level("WARNING", logger="trainer_client"):
+        asyncio.run(two_steps())
+    told = [r.getMessage() for r in caplog.records if "reward service warns" in r.message]
+    assert len(told) == 1 and told[0].startswith("the reward service warns: items.1.answer:")
+
+
 def test_gold_answers_from_numbers_and_missing_ones(reward_server: ServerProcess) -> None:  # noqa: F811
     """A float gold is written out in plain decimal (``str(1e-05)`` would be the gold -5 to
     SPEC §2's ``N``); a missing one is an error naming the column and row, not the gold

@@ -534,7 +534,7 @@ class _Base:
         self._turns_lock = threading.Lock()
         #: Whether the server's warnings are logged as answers come (each kind once); off for a
         #: caller that reports them itself: sde2-eval names each run file's line, and the TRL
-        #: adapter over several processes logs the step's, named in the step, once merged.
+        #: adapter logs each step's (over several processes, named in the merged step).
         self.logs_warnings = True
         self._warned: set[str] = set()
 

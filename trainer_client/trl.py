@@ -380,6 +380,9 @@ class SDE2Reward:
             client = AsyncRewardClient(
                 self.urls, timeout=self.timeout, retry=self.retry, api_key=self.api_key
             )
+            # The step's warnings are told by :meth:`score` itself: over several processes each
+            # answer names its slice's items from 0, the merged step names them in the step.
+            client.logs_warnings = False
             self._client = (loop, client)
         return self._client[1]
 
@@ -397,7 +400,9 @@ class SDE2Reward:
             if self.returns == "advantages":
                 groups = self._trl_groups([str(it["group"]) for it in items])
                 items = [{**it, "group": g} for it, g in zip(items, groups, strict=True)]
-            result = await self._get_client().score(items, normalize=self.normalize, **options)
+            client = self._get_client()
+            result = await client.score(items, normalize=self.normalize, **options)
+            client.log_warnings(result.warnings)
             self.last_result = result
             self._log(result, result, 0, kwargs.get("log_metric"), kwargs.get("log_extra"))
             if self.explain_extremes and kwargs.get("log_extra") is not None:
@@ -517,8 +522,6 @@ class SDE2Reward:
         groups: list[str] = []
         answer_type: str | None = None
         client = self._get_client()
-        # This slice's warnings name its items from 0: the step's are logged once merged, below.
-        client.logs_warnings = False
         try:
             items, options = request()
             groups = [str(it["group"]) for it in items]
@@ -526,8 +529,6 @@ class SDE2Reward:
             local = await client.score(items, normalize=False, **options)
         except Exception as exc:  # re-raised below, after the others learned of it
             error = exc
-        finally:  # (the client is this loop's for every call, one process or several)
-            client.logs_warnings = True
         message = None if error is None else f"{type(error).__name__}: {error}"
         # The gather blocks the loop: several reward functions (TRL runs them concurrently)
         # must gather in one order on every process, the order their calls began, not the

@@ -474,9 +474,8 @@ def _taken_port(settings: Settings) -> str | None:
             for probe in bound_sockets(host, port, reuse_port=False, v6only=what == "HTTP"):
                 probe.close()
         except OSError as exc:  # socket.gaierror included: a name that is no host here
-            return f"cannot bind {what} to {host_port(host, port)}: {exc.strerror or exc} " + (
-                f"(--host, {flag})"
-            )
+            where = host_port(host, port)
+            return f"cannot bind {what} to {where}: {exc.strerror or exc} (--host, {flag})"
     return None
 
 
