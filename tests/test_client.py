@@ -952,6 +952,39 @@ def test_the_start_up_probe_asks_every_replica(
         probe_each([a.url, dead])
 
 
+@pytest.mark.slow
+def test_replicas_with_different_encoders_are_named_and_warned(
+    two_reward_servers: tuple[ServerProcess, ServerProcess],  # noqa: F811
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A fleet of an onnxruntime replica and an OpenVINO one (real servers): the start-up probe
+    warns, a batch split over both names both encoders and warns, and its rewards are one
+    replica's alone within 1e-5 (both are fp32 exports of one model). A merged batch carried
+    the first shard's encoder alone, as if one had embedded it all."""
+    from tests.client_fixtures import running_server
+    from tests.service_fixtures import step_items
+    from trainer_client.client import probe_each
+
+    a, _ = two_reward_servers
+    items = step_items(seed=3)[:16]
+    onnx, openvino = "all-MiniLM-L6-v2 onnx fp32", "all-MiniLM-L6-v2 openvino fp32"
+    with running_server("--backend", "openvino") as ov:
+        caplog.set_level(logging.WARNING, logger="trainer_client.client")
+        assert len(probe_each([a.url, a.url])) == 2 and not caplog.records
+        probe_each([a.url, ov.url])
+        assert [r.getMessage() for r in caplog.records] == [
+            f"the reward service warns: encoder: replicas embed with {onnx} | {openvino}; "
+            "only fp32 exports of one model agree"
+        ]
+        with RewardClient([a.url, ov.url]) as both, RewardClient(a.url) as alone:
+            mixed, single = both.score(items), alone.score(items)
+    assert single.encoder == onnx and not single.warnings
+    assert mixed.encoder == f"{onnx} | {openvino}"
+    assert mixed.warnings == [caplog.records[0].getMessage().split(": ", 1)[1]]
+    assert mixed.served_by == [a.url, ov.url]
+    assert max(abs(x - y) for x, y in zip(mixed.rewards, single.rewards, strict=True)) < 1e-5
+
+
 def test_ready_is_quick_on_a_wedged_replica_and_async_too() -> None:
     """``ready()`` ("right now") waited the 180 s request timeout on a replica that accepts and
     never answers; ``AsyncRewardClient`` had none, though documented with the same API."""

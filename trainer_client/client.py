@@ -47,6 +47,7 @@ from trainer_client.sharding import (
     halve,
     item_to_json,
     merge,
+    mixed_encoders,
     params_to_json,
     split,
 )
@@ -926,7 +927,8 @@ def probe_each(urls: str | Sequence[str], api_key: str | None = None) -> list[di
     second URL passed a probe of the first and surfaced only as a retry at every request.
     A replica that wants a key (``limits.api_key_required``) is sent one cheap scoring request
     with the client's key (:func:`check_key`): a missing or wrong key is an error now, not a 401
-    after minutes of loading and generation."""
+    after minutes of loading and generation. Replicas with different encoders are logged
+    (:func:`~trainer_client.sharding.mixed_encoders`), before any step mixes them."""
     infos = []
     for url in normalize_urls(urls):
         # A replica that accepts and never answers is an error in seconds too.
@@ -935,6 +937,8 @@ def probe_each(urls: str | Sequence[str], api_key: str | None = None) -> list[di
             if (info.get("limits") or {}).get("api_key_required"):
                 check_key(one)
             infos.append(info)
+    for warning in mixed_encoders(list(dict.fromkeys(str(i.get("encoder")) for i in infos))):
+        log.warning("the reward service warns: %s", warning)
     return infos
 
 

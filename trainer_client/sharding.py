@@ -179,6 +179,7 @@ def merge(
                 "replicas disagree on recipe, components or effective parameters: "
                 f"{first.recipe}/{keys} vs {s.recipe}/{list(s.components)}"
             )
+    encoders = list(dict.fromkeys(s.encoder for s in shards if s.encoder is not None))
     components = {k: [v for s in shards for v in s.components[k]] for k in keys}
     fields = RewardParams.model_fields
     params = RewardParams.model_validate({k: v for k, v in first.params.items() if k in fields})
@@ -193,10 +194,29 @@ def merge(
         batch_std=agg.std,
         recipe=first.recipe,
         params=first.params,
-        encoder=first.encoder,
+        encoder=" | ".join(encoders) or None,
         served_by=[u for s in shards for u in s.served_by],
-        warnings=once_each([w for s in shards for w in s.warnings]),
+        warnings=once_each([*mixed_encoders(encoders), *(w for s in shards for w in s.warnings)]),
     )
+
+
+def mixed_encoders(encoders: Sequence[str]) -> list[str]:
+    """The warning of a batch whose shards different encoders embedded (none for one).
+
+    Not refused: the fp32 engines of one export (onnxruntime, OpenVINO, CTranslate2) agree
+    within 1e-5, and a fleet mixing them is sound. Another model or precision gives
+    other numbers, so the merged ``encoder`` names every one and this says so; a batch's
+    shards reach every replica, so a mixed fleet is told at its first step.
+
+    >>> mixed_encoders(["m onnx fp32", "m onnx int8"])[0]
+    'encoder: replicas embed with m onnx fp32 | m onnx int8; only fp32 exports of one model agree'
+    >>> mixed_encoders(["m onnx fp32"])
+    []
+    """
+    if len(encoders) < 2:
+        return []
+    named = " | ".join(encoders)
+    return [f"encoder: replicas embed with {named}; only fp32 exports of one model agree"]
 
 
 def once_each(warnings: Sequence[str]) -> list[str]:
