@@ -601,6 +601,60 @@ async def test_calls_that_send_nothing_give_their_places_back_after_the_body_tim
     never.set()
 
 
+#: A client that calls ``Explain`` with an answer of about 10 MB, then stops itself (SIGSTOP)
+#: before reading it: a trainer frozen in a debugger, or any client that stops reading.
+_FROZEN_CLIENT = """
+import os, signal, sys, time
+import grpc
+from reward_server.service.grpc_client import CHANNEL_OPTIONS, RewardStub, request_from_dict
+blocks = "".join(
+    f"<strategy><reasoning>approach {j} {'x' * 200}</reasoning>"
+    f"<strategy_outcome>{j}</strategy_outcome></strategy>" for j in range(11)
+)
+items = [{"completion": blocks + "<final_answer>7</final_answer>", "answer": "1"}] * 1024
+stub = RewardStub(grpc.insecure_channel(sys.argv[1], CHANNEL_OPTIONS))
+call = stub.Explain.future(request_from_dict({"items": items}), timeout=120)
+time.sleep(0.2)
+print("sent", flush=True)
+os.kill(os.getpid(), signal.SIGSTOP)
+try:
+    print("answered", call.result().ByteSize(), flush=True)
+except grpc.RpcError as exc:
+    print("ended", exc.code().name, flush=True)
+"""
+
+
+async def test_a_client_that_stops_reading_is_cut_after_the_body_timeout() -> None:
+    """An answer left unread held its call's place, and the answer in gRPC's buffers, for as
+    long as the client stayed connected but frozen (about 20 s, gRPC's own TCP timeout, for a
+    stopped process; without end for one that kept the connection alive). Unread past
+    --body-timeout, the connection is now dropped, as HTTP drops it."""
+    import signal
+    import subprocess
+    import sys
+
+    async with Running(make_service(body_timeout=1.0)) as running:
+        client = subprocess.Popen(
+            [sys.executable, "-c", _FROZEN_CLIENT, f"127.0.0.1:{running.port}"],
+            cwd=REPO, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            assert client.stdout is not None
+            assert await asyncio.to_thread(client.stdout.readline) == "sent\n"
+            answered = {"route": "grpc:Explain", "status": "OK"}
+            deadline = time.monotonic() + 60
+            while _count(running, "sde2_requests_total", **answered) < 1:
+                assert time.monotonic() < deadline, "the Explain call was never answered"
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(6)  # the answer unread: cut within the timeout and TCP's probes
+            client.send_signal(signal.SIGCONT)
+            out, _ = await asyncio.to_thread(client.communicate, timeout=60)
+        finally:
+            client.kill()
+        assert out == "ended UNAVAILABLE\n"
+        assert len((await running.stub.Score(_needs_encoder(22))).rewards) == 1
+
+
 @pytest.mark.parametrize(
     ("messages", "details"),
     [

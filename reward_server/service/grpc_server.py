@@ -264,6 +264,10 @@ def create_server(
             ("grpc.so_reuseport", 1 if reuse_port else 0),
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", send_limit(service)),
+            # gRPC sets TCP_USER_TIMEOUT to this: a client that stops reading its answer (its
+            # window stays shut) loses its connection after --body-timeout, as over HTTP, and
+            # the call's place and buffered answer with it (gRPC's 20 s default held them).
+            ("grpc.keepalive_timeout_ms", round(service.settings.body_timeout * 1000)),
         ],
     )
     server.add_generic_rpc_handlers((generic_handler(RewardServicer(service)),))
