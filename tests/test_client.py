@@ -797,6 +797,36 @@ def test_a_shard_that_fails_stops_the_others() -> None:
     assert len(seen) == tried < 20
 
 
+def test_a_try_the_batch_failure_cut_short_logs_no_retry(caplog: pytest.LogCaptureFixture) -> None:
+    """One shard refused (422) while the other's try is in flight, and the client closed: the
+    closing ends that try with an error, which was logged as a retry ("try 1 failed ... next
+    try in 0.4 s") after the call had raised and the client was closed."""
+    in_flight, closed = threading.Event(), threading.Event()
+    ended: list[str] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "replica-a":
+            assert in_flight.wait(5)
+            return httpx.Response(422, json={"detail": [{"loc": ["params"], "msg": "bad"}]})
+        in_flight.set()
+        assert closed.wait(5)
+        ended.append("b")
+        raise httpx.ReadError("[Errno 9] Bad file descriptor")
+
+    caplog.set_level(logging.WARNING, logger="trainer_client.client")
+    with (
+        pytest.raises(RewardRequestError, match="422"),
+        RewardClient([A, B], transport=httpx.MockTransport(handle)) as rc,
+    ):
+        rc.score(batch())
+    closed.set()
+    deadline = time.monotonic() + 5
+    while not ended and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # the shard's thread past its failed try
+    assert ended and not [r for r in caplog.records if "failed" in r.getMessage()]
+
+
 async def test_the_async_client_cancels_the_other_shards() -> None:
     handle, seen = failing_shards()
 

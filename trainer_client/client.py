@@ -671,9 +671,10 @@ class RewardClient(_Base):
                 outcome = exc
             if attempts.succeeded(url, outcome) and attempts.read(url, reader):
                 return attempts
-            wait = attempts.next_wait()
+            # Before the retry is logged: a try the batch's failure cut short (the caller has
+            # its error, and may have closed the client under this try) is no retry to tell.
             attempts.check_stop(stop)
-            self._sleep(wait)
+            self._sleep(attempts.next_wait())
 
     def score(
         self,
