@@ -119,3 +119,11 @@ def test_length_penalty_with_huge_integers_does_not_overflow() -> None:
     assert C.length_penalty(10**400, P) == -1.0
     assert C.length_penalty(10**400, RewardParams(length_target=10**401)) == pytest.approx(-0.0)
     assert C.length_penalty(3 * 10**400, RewardParams(length_target=2 * 10**400)) == -0.5
+
+
+def test_no_length_penalty_is_zero_not_negative_zero() -> None:
+    """``−min(1, 0)`` is −0.0 in floats, and JSON showed ``"len": -0.0`` for every completion
+    within its target: a client comparing answers as text saw a sign the SPEC does not mean."""
+    import json
+
+    assert json.dumps([C.length_penalty(n, P) for n in (0, P.length_target)]) == "[0.0, 0.0]"

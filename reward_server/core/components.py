@@ -96,14 +96,14 @@ def length_penalty(length: int, p: RewardParams) -> float:
     so the cap is decided on the exact integers before any division could overflow a float.
 
     >>> length_penalty(768, RewardParams()), length_penalty(100, RewardParams())
-    (-0.5, -0.0)
+    (-0.5, 0.0)
     >>> length_penalty(10**400, RewardParams())
     -1.0
     """
     excess = max(0, length - p.length_target)
     if excess >= p.length_target:
         return -1.0
-    return -(excess / p.length_target)
+    return 0.0 - excess / p.length_target  # no penalty is 0.0, not the -0.0 JSON would show
 
 
 def _scalar_if_0d(values: Values) -> Number:
