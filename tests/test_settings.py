@@ -127,3 +127,18 @@ def test_the_torch_backend_serves_sentence_transformers() -> None:
         "cpu",
     )
     assert scored.status_code == 200 and scored.json()["encoder"] == "all-MiniLM-L6-v2 torch"
+
+
+def test_serve_help_names_the_variables_that_have_no_flag() -> None:
+    """``SDE2_API_KEY`` (never a flag: it would show in ``ps``) and ``SDE2_CACHE_DIR`` were
+    nowhere in ``serve --help``, so a user could not find how to turn the key on there."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "reward_server.cli", "serve", "--help"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    epilog = " ".join(out.partition("environment only:")[2].split())
+    assert "SDE2_API_KEY: bearer key for the scoring routes" in epilog
+    assert "SDE2_CACHE_DIR: where exported models are kept" in epilog

@@ -82,6 +82,10 @@ EXPLAINED_LOAD_ERRORS = (
 EXPORT_AGAIN = "export the model again (sde2-reward export, or delete the folder from the cache)"
 
 
+#: What ``SDE2_CACHE_DIR`` sets (``sde2-reward serve --help`` shows it).
+CACHE_DIR_HELP = "where exported models are kept (default ~/.cache/sde2)"
+
+
 def cache_dir() -> Path:
     """``$SDE2_CACHE_DIR`` or ``~/.cache/sde2``."""
     return Path(os.environ.get("SDE2_CACHE_DIR") or "~/.cache/sde2").expanduser()

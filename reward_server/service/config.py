@@ -85,7 +85,7 @@ class Settings:
     api_key: str | None = field(
         default=None,
         metadata={
-            "help": "bearer key for the scoring routes (env SDE2_API_KEY only)",
+            "help": "bearer key for the scoring routes (a flag would show it in ps)",
             "env": True,
             "secret": True,
             "info": "api_key_required",
@@ -357,6 +357,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "help": f"{f.metadata['help']} (env {env_name(f.name)}; default {f.default})",
         }
         parser.add_argument(flag, **kwargs)
+
+
+def env_only_help() -> list[str]:
+    """``NAME: help`` of each setting read from its ``SDE2_*`` variable alone (no flag), for
+    ``--help`` to list: a setting with no flag was nowhere in it.
+
+    >>> env_only_help()
+    ['SDE2_API_KEY: bearer key for the scoring routes (a flag would show it in ps)']
+    """
+    fields = dataclasses.fields(Settings)
+    return [f"{env_name(f.name)}: {f.metadata['help']}" for f in fields if f.metadata.get("env")]
 
 
 def host_port(host: str, port: int) -> str:

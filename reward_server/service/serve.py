@@ -48,7 +48,7 @@ from concurrent.futures import wait as wait_for_futures
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from reward_server.service.config import Settings, host_port, load_settings
+from reward_server.service.config import Settings, env_only_help, host_port, load_settings
 from reward_server.service.config import add_arguments as add_settings_arguments
 from reward_server.service.memory import tune_malloc_for
 
@@ -62,8 +62,13 @@ log = logging.getLogger("sde2.serve")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of ``sde2-reward serve`` (every one also an ``SDE2_*`` variable)."""
+    """Flags of ``sde2-reward serve`` (every one also an ``SDE2_*`` variable), and the
+    variables with no flag in the help's epilog."""
+    from reward_server.encoders.model_store import CACHE_DIR_HELP
+
     add_settings_arguments(parser)
+    env_only = [*env_only_help(), f"SDE2_CACHE_DIR: {CACHE_DIR_HELP}"]
+    parser.epilog = "environment only: " + "; ".join(env_only)
 
 
 def resolve_model_dir(settings: Settings) -> Path:
