@@ -312,6 +312,10 @@ def test_a_completion_of_another_type_names_its_row(reward_server: ServerProcess
 def test_bad_params_fail_at_construction() -> None:
     with pytest.raises(ValueError, match="similarity_threshold"):
         sde2_reward("http://127.0.0.1:1", similarity_threshold=1.5)
+    # A misspelt parameter was pydantic's whole report, its docs link included.
+    hint = r"^params\.similarity_treshold: .* \(did you mean 'similarity_threshold'\?\)$"
+    with pytest.raises(ValueError, match=hint):
+        sde2_reward("http://127.0.0.1:1", similarity_treshold=0.8)
     with pytest.raises(ValueError, match="recipe"):
         sde2_reward("http://127.0.0.1:1", recipe="nope")
     # The server's address and the matcher too: each failed only at the first reward call,

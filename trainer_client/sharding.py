@@ -10,10 +10,11 @@ merged result equals what a single server returns for the whole batch.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from reward_server.core import RECIPES
 from reward_server.core.normalization import aggregate
@@ -60,6 +61,10 @@ def params_to_json(params: RewardParams | Mapping[str, Any] | None) -> dict[str,
     Traceback (most recent call last):
     ...
     ValueError: params.explore_cap: Input should be a finite number
+    >>> params_to_json({"weights": {"sdd": 0.5}})
+    Traceback (most recent call last):
+    ...
+    ValueError: params.weights.sdd: Extra inputs are not permitted (did you mean 'sd'?)
     """
     if params is None:
         return None
@@ -69,8 +74,21 @@ def params_to_json(params: RewardParams | Mapping[str, Any] | None) -> dict[str,
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(map(str, ("params", *first["loc"])))
-            raise ValueError(f"{where}: {first['msg']}") from None
+            hint = _did_you_mean(first["loc"]) if first["type"] == "extra_forbidden" else ""
+            raise ValueError(f"{where}: {first['msg']}{hint}") from None
     return params.model_dump(exclude_unset=True)
+
+
+def _did_you_mean(loc: Sequence[int | str]) -> str:
+    """The parameter closest to the unknown one at ``loc`` (a misspelling), as a hint."""
+    model: type[BaseModel] = RewardParams
+    for part in loc[:-1]:
+        inner = model.model_fields[str(part)].annotation
+        if not (isinstance(inner, type) and issubclass(inner, BaseModel)):
+            return ""
+        model = inner
+    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def check_weights(recipe: str, params: Mapping[str, Any], field: str = "params.weights.{}") -> None:

@@ -61,7 +61,7 @@ from trainer_client.client import (
 )
 from trainer_client.results import ScoreResult
 from trainer_client.retry import RetryPolicy, RewardServiceError
-from trainer_client.sharding import check_weights, merge
+from trainer_client.sharding import check_weights, merge, params_to_json
 
 log = logging.getLogger(__name__)
 
@@ -254,8 +254,7 @@ class SDE2Reward:
         self.answer_column = answer_column
         self.answer_type = answer_type
         # Validate now (a typo fails at startup, not at the first step), send only what was set.
-        validated = params if isinstance(params, RewardParams) else RewardParams(**(params or {}))
-        self.params: dict[str, Any] = validated.model_dump(exclude_unset=True)
+        self.params: dict[str, Any] = params_to_json(params) or {}
         check_weights(recipe, self.params)
         self.normalize = normalize
         self.diagnostics = diagnostics
