@@ -193,6 +193,26 @@ def test_a_gold_no_answer_can_match_is_scored_with_a_warning(
     assert warning.startswith(f"{field}: ") and "rewards are format rewards" in warning
 
 
+
+def test_a_weight_on_a_component_the_recipe_lacks_is_scored_with_a_warning(client: Any) -> None:
+    """SPEC accepts the weight of any component, and one the recipe does not sum changes
+    nothing: ``cfl`` with ``sd`` at 0 was the full reward, silently. The answer says so; a
+    weight left at its default (a client echoing the answer's ``params``) says nothing."""
+    items = [{"completion": "<final_answer>3</final_answer>", "answer": "3"}]
+    ablated = {"items": items, "recipe": "cfl", "params": {"weights": {"sd": 0, "oc": 2}}}
+    r = client.post("/v1/score", json=ablated)
+    assert r.status_code == 200, r.text
+    assert r.json() == reference_response(ablated, HashEncoder())
+    assert r.headers.get_list("x-sde2-warning") == [
+        "params.weights.sd: not a component of recipe 'cfl': its weight 0 changes nothing"
+    ]
+    echoed = {**ablated, "params": r.json()["params"]}
+    assert client.post("/v1/score", json=echoed).headers.get_list("x-sde2-warning") == [
+        "params.weights.sd: not a component of recipe 'cfl': its weight 0 changes nothing"
+    ]
+    defaults = {**ablated, "params": {"weights": {k: 1.0 for k in ("oc", "sd", "rd", "re")}}}
+    assert not client.post("/v1/score", json=defaults).headers.get_list("x-sde2-warning")
+
 @pytest.mark.parametrize(
     "raw",
     [b"", b"{", b"[]", b"null", b'"items"', b'{"items": [1, 2]}', b"\xff\xfe", b"{}" * 3],

@@ -277,6 +277,33 @@ def gold_warnings(
     return tuple(sorted(found))
 
 
+def weight_warnings(recipe: str, params: RewardParams) -> tuple[BatchWarning, ...]:
+    """A :class:`BatchWarning` for each weight the request set, to other than its default,
+    on a component ``recipe`` does not sum: SPEC accepts it and it changes nothing, so an
+    ablation such as ``cfl`` with ``sd`` at 0 never happens. A weight at its default is what
+    a client echoing the answer's ``params`` (every weight) sends: said nothing.
+
+    >>> [str(w) for w in weight_warnings("cfl", RewardParams(weights={"sd": 0, "oc": 2}))]
+    ["params.weights.sd: not a component of recipe 'cfl': its weight 0 changes nothing"]
+    >>> weight_warnings("cfl", RewardParams(weights={"sd": 1.0}))
+    ()
+    """
+    components = recipe_spec(recipe).components
+    weights = params.weights
+    default = type(weights)()
+    return tuple(
+        BatchWarning(
+            ("params", "weights", key),
+            f"not a component of recipe {recipe!r}: its weight {getattr(weights, key):g} "
+            "changes nothing",
+        )
+        for key in type(weights).model_fields
+        if key in weights.model_fields_set
+        and key not in components
+        and getattr(weights, key) != getattr(default, key)
+    )
+
+
 #: What scoring such a gold as SPEC §2 defines means, by matcher.
 _SCORED_ANYWAY = {
     kind: f"scored as SPEC defines it: {matched}, so its items' rewards are format rewards"
@@ -358,7 +385,7 @@ def prepare_batch(
     # rows (gains_of_selections then reads their H as a view, with no gather).
     for k in sorted(range(len(needing)), key=counts.__getitem__):
         selections[k] = [rows.setdefault(s.reasoning, len(rows)) for s in needing[k]]
-    warnings = gold_warnings(items, golds, answer_type)
+    warnings = (*weight_warnings(recipe, params), *gold_warnings(items, golds, answer_type))
     return PreparedBatch(
         recipe, answer_type, params, analyses, groups, list(rows), selections, warnings
     )
