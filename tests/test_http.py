@@ -193,7 +193,6 @@ def test_a_gold_no_answer_can_match_is_scored_with_a_warning(
     assert warning.startswith(f"{field}: ") and "rewards are format rewards" in warning
 
 
-
 def test_a_weight_on_a_component_the_recipe_lacks_is_scored_with_a_warning(client: Any) -> None:
     """SPEC accepts the weight of any component, and one the recipe does not sum changes
     nothing: ``cfl`` with ``sd`` at 0 was the full reward, silently. The answer says so; a
@@ -212,6 +211,7 @@ def test_a_weight_on_a_component_the_recipe_lacks_is_scored_with_a_warning(clien
     ]
     defaults = {**ablated, "params": {"weights": {k: 1.0 for k in ("oc", "sd", "rd", "re")}}}
     assert not client.post("/v1/score", json=defaults).headers.get_list("x-sde2-warning")
+
 
 @pytest.mark.parametrize(
     "raw",
