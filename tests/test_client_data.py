@@ -329,7 +329,15 @@ def dead_url() -> str:
         (["--model", "{tmp}/typo"], "--model: no such file or folder: {tmp}/typo"),
         (["--model", "./typo"], "--model: no such file or folder: ./typo"),
         (["--recipe", "cfee", "--weight", "sd=0"], "--weight sd: not a component of recipe 'cfee'"),
-        (["--batch-size", "3", "--num-generations", "2"], "must be divisible by num_generations"),
+        (
+            ["--batch-size", "6", "--num-generations", "4"],
+            "--batch-size (6) x --grad-accum (1) x 1 process(es) = 6 completions a generation, "
+            "not a multiple of --num-generations (4)",
+        ),
+        (
+            ["--batch-size", "2", "--grad-accum", "3", "--num-generations", "4"],
+            "--batch-size (2) x --grad-accum (3) x 1 process(es) = 6 completions",
+        ),
         (["--num-generations", "1"], "TRL's GRPOConfig refuses these flags"),
         (["--warmup-ratio", "1"], "--warmup-ratio must be in [0, 1), got 1.0"),
         (["--grad-accum", "0"], "--grad-accum must be >= 1, got 0"),

@@ -241,6 +241,23 @@ def check_reward_flags(args: argparse.Namespace) -> None:
         raise FlagError(f"{flag}: {exc}") from None
 
 
+def check_whole_groups(args: argparse.Namespace) -> None:
+    """TRL's rule that a generation's completions are whole groups, in this command's flags:
+    TRL words it in its own settings (``generation_batch_size (6) must be divisible by
+    num_generations (4)``), none of which is a flag. The processes are torchrun's or
+    accelerate's ``WORLD_SIZE`` (TRL's ``world_size``), 1 when launched alone."""
+    processes = int(os.environ.get("WORLD_SIZE") or 1)
+    per_step = args.batch_size or args.num_generations
+    completions = per_step * args.grad_accum * processes
+    if args.num_generations >= 1 and completions % args.num_generations:
+        raise FlagError(
+            f"--batch-size ({per_step}) x --grad-accum ({args.grad_accum}) x {processes} "
+            f"process(es) = {completions} completions a generation, not a multiple of "
+            f"--num-generations ({args.num_generations}): each prompt's completions are one "
+            "group"
+        )
+
+
 def check_grpo_flags(args: argparse.Namespace) -> None:
     """TRL's own checks of the GRPO flags (the batch a multiple of G, G >= 2, ...), and
     transformers' of ``--report-to``, run before the model loads rather than after; whether
@@ -248,6 +265,7 @@ def check_grpo_flags(args: argparse.Namespace) -> None:
     :func:`grpo_config` then. Seconds (TRL's import): run after the cheaper checks."""
     from transformers.integrations import get_reporting_integration_callbacks
 
+    check_whole_groups(args)
     try:
         config = grpo_config(args, quantize_4bit=False, cuda=False)
     except ValueError as exc:
