@@ -392,3 +392,18 @@ def test_sde2_train_reports_a_wrong_reward_url_on_one_line(
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("sde2-train: reward service failed to get info after 3 attempt")
     assert not any("Traceback" in line for line in err)
+
+
+@pytest.mark.parametrize("command", ["train", "evaluate"])
+def test_every_flag_says_what_it_is_and_its_default_once(command: str) -> None:
+    """``--lr``, ``--lora-r``, ``--epochs``... had no help, so ``--help`` showed neither what
+    they are nor the paper's values they default to; ``--batch-size`` said its default twice,
+    ``(default: G) (default: None)``."""
+    import importlib
+
+    parser = importlib.import_module(f"trainer_client.{command}").build_parser()
+    assert [a.option_strings for a in parser._actions if not a.help] == []
+    text = " ".join(parser.format_help().split())
+    assert "(default: None)" not in text and "(default: False)" not in text
+    assert "--lr LR learning rate (default: 5e-06)" in text or command == "evaluate"
+    assert "--top-p TOP_P" in text and "(default: 0.95)" in text

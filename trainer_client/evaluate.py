@@ -58,6 +58,7 @@ from trainer_client.datasets import (
     Example,
     load_examples,
 )
+from trainer_client.help_format import DefaultsShown
 from trainer_client.metrics import INTERVALS, RunMetrics, markdown_table, summarize
 from trainer_client.modeling import ModelRef
 from trainer_client.prompts import add_prompt_flag, prompt_style
@@ -257,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="sde2-eval",
         description=__doc__.splitlines()[0] if __doc__ else None,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsShown,
     )
     p.add_argument("--reward-url", action="append", required=True, help="reward server URL(s)")
     p.add_argument("--model", help="policy to generate with: hub id, folder, or .gguf file")
@@ -300,13 +301,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", help=f"file, folder or hub id (default {DEFAULT_SOURCES})")
     p.add_argument("--split", help=f"default: the paper's evaluation split ({_splits_help()})")
     p.add_argument("--limit", type=int, help="evaluate at most this many questions")
-    p.add_argument("--cop-base", type=int, default=0)
+    p.add_argument("--cop-base", type=int, default=0, help="MedMCQA: index of option A in cop")
     add_prompt_flag(p)
-    p.add_argument("--max-new-tokens", type=int, default=1024)
+    p.add_argument("--max-new-tokens", type=int, default=1024, help="completion tokens")
     p.add_argument("--temperature", type=float, default=0.2, help="paper: 0.1-0.3; 0 = greedy")
-    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling")
     p.add_argument("--batch-size", type=int, default=8, help="questions per generate call")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="sampling")
     p.add_argument(
         "--recipe",
         choices=list(RECIPES),

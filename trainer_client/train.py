@@ -48,6 +48,7 @@ from trainer_client.datasets import (
     load_examples,
     looks_like_path,
 )
+from trainer_client.help_format import DefaultsShown
 from trainer_client.modeling import ModelRef
 from trainer_client.prompts import add_prompt_flag, prompt_style
 from trainer_client.retry import RetryPolicy, RewardServiceError
@@ -508,7 +509,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="sde2-train",
         description=__doc__.splitlines()[0] if __doc__ else None,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsShown,
     )
     g = p.add_argument_group("model")
     g.add_argument("--model", required=True, help="hub id, local folder, or a .gguf file")
@@ -517,20 +518,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-4bit",
         action="store_true",
         help="train the full-precision base with adamw_torch (on CUDA the default is the paper's "
-        "4-bit NF4 + 8-bit AdamW, which needs bitsandbytes: pip install 'sde2[qlora]', Linux "
+        "4-bit NF4 + 8-bit AdamW, which needs bitsandbytes: pip install 'sde2[train,qlora]', Linux "
         "and Windows)",
     )
-    g.add_argument("--lora-r", type=int, default=64)
-    g.add_argument("--lora-alpha", type=int, default=32)
-    g.add_argument("--lora-dropout", type=float, default=0.0)
+    g.add_argument("--lora-r", type=int, default=64, help="LoRA rank")
+    g.add_argument("--lora-alpha", type=int, default=32, help="LoRA scaling alpha")
+    g.add_argument("--lora-dropout", type=float, default=0.0, help="LoRA dropout, in [0, 1)")
     g.add_argument("--lora-target", default="all-linear", help="LoRA target modules")
 
     g = p.add_argument_group("data")
-    g.add_argument("--dataset", choices=DATASETS, default="gsm8k")
+    g.add_argument("--dataset", choices=DATASETS, default="gsm8k", help="which task's answers")
     g.add_argument(
         "--data", help=f"jsonl file, folder with {{split}}.jsonl, or hub id ({DEFAULT_SOURCES})"
     )
-    g.add_argument("--split", default="train")
+    g.add_argument("--split", default="train", help="the split of --data to train on")
     g.add_argument("--limit", type=int, help="use the first N questions")
     g.add_argument(
         "--sample",
@@ -548,7 +549,7 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         help="reward server base URL; repeat for replicas (the batch is sharded)",
     )
-    g.add_argument("--recipe", choices=list(RECIPES), default="sde2")
+    g.add_argument("--recipe", choices=list(RECIPES), default="sde2", help="the reward")
     g.add_argument("--weight", action="append", default=[], help="ablation weight, e.g. sd=0")
     add_param_flag(g)
     g.add_argument("--reward-timeout", type=float, default=180.0, help="seconds per request")
@@ -566,24 +567,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     g = p.add_argument_group("GRPO")
-    g.add_argument("--output-dir", default="outputs/sde2-grpo")
+    g.add_argument("--output-dir", default="outputs/sde2-grpo", help="checkpoints and records")
     g.add_argument("--max-steps", type=int, default=-1, help="-1: run --epochs")
-    g.add_argument("--epochs", type=float, default=1.0)
+    g.add_argument("--epochs", type=float, default=1.0, help="passes over the data")
     g.add_argument("--num-generations", type=int, default=6, help="G completions per prompt")
     g.add_argument("--batch-size", type=int, help="completions per device step (default: G)")
-    g.add_argument("--grad-accum", type=int, default=1)
-    g.add_argument("--lr", type=float, default=5e-6)
-    g.add_argument("--warmup-ratio", type=float, default=0.1)
-    g.add_argument("--max-grad-norm", type=float, default=0.1)
+    g.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
+    g.add_argument("--lr", type=float, default=5e-6, help="learning rate")
+    g.add_argument("--warmup-ratio", type=float, default=0.1, help="share of steps warming up")
+    g.add_argument("--max-grad-norm", type=float, default=0.1, help="gradient clipping")
     g.add_argument("--beta", type=float, default=0.02, help="KL coefficient")
     g.add_argument("--max-length", type=int, default=2048, help="prompt + completion tokens")
     g.add_argument("--max-new-tokens", type=int, default=1024, help="completion tokens")
     g.add_argument("--temperature", type=float, default=0.2, help="paper: 0.1-0.3")
     g.add_argument("--top-p", type=float, default=0.95, help="paper: 0.90-0.95")
-    g.add_argument("--save-steps", type=int, default=500)
-    g.add_argument("--logging-steps", type=int, default=1)
+    g.add_argument("--save-steps", type=int, default=500, help="steps between checkpoints")
+    g.add_argument("--logging-steps", type=int, default=1, help="steps between log lines")
     g.add_argument("--report-to", default="none", help="none, wandb, tensorboard, ...")
-    g.add_argument("--seed", type=int, default=42)
+    g.add_argument("--seed", type=int, default=42, help="sampling, data order and init")
     g.add_argument("--no-gradient-checkpointing", action="store_true", help="faster, more memory")
     g.add_argument(
         "--resume",
