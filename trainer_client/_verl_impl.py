@@ -16,17 +16,14 @@ import numbers
 import os
 import threading
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from pydantic import ValidationError
-
-from reward_server.core import RewardParams
 from reward_server.core.answers import gold_text
 from trainer_client.client import AsyncRewardClient, RewardClient
 from trainer_client.results import ScoreResult
 from trainer_client.retry import RetryPolicy
-from trainer_client.sharding import check_weights
+from trainer_client.sharding import check_weights, params_to_json
 
 _Key = tuple[str, int]  # (URLs, max attempts)
 _sync_clients: dict[_Key, RewardClient] = {}
@@ -110,20 +107,6 @@ def _key(extra_info: Mapping[str, Any] | None, kwargs: Mapping[str, Any]) -> _Ke
     return str(url), int(kwargs.get("max_attempts") or 6)
 
 
-def _plain(value: Any) -> Any:
-    """A deep copy made of dicts and lists.
-
-    verl's ``dict(reward_kwargs)`` is shallow: a nested ``params.weights`` set through Hydra stays
-    an OmegaConf ``DictConfig`` (a ``Mapping``, not a ``dict``), which pydantic and ``json``
-    refuse. Duck-typed on the ABCs, so the adapter needs no OmegaConf import.
-    """
-    if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, Sequence) and not isinstance(value, str | bytes | bytearray):
-        return [_plain(v) for v in value]
-    return value
-
-
 def _params(extra_info: Mapping[str, Any] | None, kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """The SPEC §4 parameters that were set, validated here so a typo names its field.
 
@@ -136,13 +119,9 @@ def _params(extra_info: Mapping[str, Any] | None, kwargs: Mapping[str, Any]) -> 
     if not isinstance(raw, Mapping):
         raise ValueError(f"params must map SPEC §4 parameter names to values, got {raw!r}")
     try:
-        validated = RewardParams.model_validate(_plain(raw))
-    except ValidationError as exc:
-        issues = "; ".join(
-            f"params.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
-        )
-        raise ValueError(f"reward_kwargs {issues}") from None
-    return validated.model_dump(exclude_unset=True)
+        return params_to_json(raw) or {}
+    except ValueError as exc:
+        raise ValueError(f"reward_kwargs {exc}") from None
 
 
 def _recipe(extra_info: Mapping[str, Any] | None, kwargs: Mapping[str, Any]) -> str:

@@ -72,11 +72,16 @@ def params_to_json(params: RewardParams | Mapping[str, Any] | None) -> dict[str,
         try:
             params = RewardParams.model_validate(_plain(params))
         except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(map(str, ("params", *first["loc"])))
-            hint = _did_you_mean(first["loc"]) if first["type"] == "extra_forbidden" else ""
-            raise ValueError(f"{where}: {first['msg']}{hint}") from None
+            raise ValueError("; ".join(map(_named, exc.errors()))) from None
     return params.model_dump(exclude_unset=True)
+
+
+def _named(error: Any) -> str:
+    """One of pydantic's errors as ``params.FIELD: message``, a misspelling's likely meaning
+    added."""
+    where = ".".join(map(str, ("params", *error["loc"])))
+    hint = _did_you_mean(error["loc"]) if error["type"] == "extra_forbidden" else ""
+    return f"{where}: {error['msg']}{hint}"
 
 
 def _did_you_mean(loc: Sequence[int | str]) -> str:
@@ -115,15 +120,18 @@ def check_weights(recipe: str, params: Mapping[str, Any], field: str = "params.w
 
 
 def _plain(value: Any) -> Any:
-    """``value`` with numpy scalars (a config's ``np.int64(256)``) as Python numbers, nested
-    mappings included: the strict parameter model refuses an ``np.int64`` as "not a valid
-    integer".
+    """``value`` made of dicts, lists and Python numbers, for the strict parameter model:
+    a config's ``np.int64(256)`` was "not a valid integer", and verl's ``dict(reward_kwargs)``
+    is shallow, so a nested ``params.weights`` set through Hydra stays an OmegaConf
+    ``DictConfig`` (a ``Mapping``, not a ``dict``). Duck-typed: no numpy or OmegaConf import.
 
     >>> _plain({"weights": {"sd": __import__("numpy").int64(0)}})
     {'weights': {'sd': 0}}
     """
     if isinstance(value, Mapping):
         return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, Sequence) and not isinstance(value, str | bytes | bytearray):
+        return [_plain(item) for item in value]
     item = getattr(value, "item", None)
     return item() if callable(item) and getattr(value, "shape", None) == () else value
 
