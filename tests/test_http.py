@@ -7,6 +7,7 @@ with the in-process scorer; one test runs the real ONNX encoder end to end.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from typing import Any
 
@@ -28,6 +29,7 @@ from tests.service_fixtures import (  # noqa: F401  (fixtures)
     reference_response,
     step_items,
 )
+from trainer_client.sharding import check_weights
 
 STRATEGY = (
     '<strategy id="{i}"><reasoning>{r}</reasoning>'
@@ -195,22 +197,19 @@ def test_a_gold_no_answer_can_match_is_scored_with_a_warning(
 
 def test_a_weight_on_a_component_the_recipe_lacks_is_scored_with_a_warning(client: Any) -> None:
     """SPEC accepts the weight of any component, and one the recipe does not sum changes
-    nothing: ``cfl`` with ``sd`` at 0 was the full reward, silently. The answer says so; a
-    weight left at its default (a client echoing the answer's ``params``) says nothing."""
+    nothing: ``cfl`` with ``sd`` at 0 was the full reward, silently. The answer says so, in
+    the words the client's adapters refuse it with; a weight the recipe sums says nothing."""
     items = [{"completion": "<final_answer>3</final_answer>", "answer": "3"}]
     ablated = {"items": items, "recipe": "cfl", "params": {"weights": {"sd": 0, "oc": 2}}}
     r = client.post("/v1/score", json=ablated)
     assert r.status_code == 200, r.text
     assert r.json() == reference_response(ablated, HashEncoder())
-    assert r.headers.get_list("x-sde2-warning") == [
-        "params.weights.sd: not a component of recipe 'cfl': its weight 0 changes nothing"
-    ]
-    echoed = {**ablated, "params": r.json()["params"]}
-    assert client.post("/v1/score", json=echoed).headers.get_list("x-sde2-warning") == [
-        "params.weights.sd: not a component of recipe 'cfl': its weight 0 changes nothing"
-    ]
-    defaults = {**ablated, "params": {"weights": {k: 1.0 for k in ("oc", "sd", "rd", "re")}}}
-    assert not client.post("/v1/score", json=defaults).headers.get_list("x-sde2-warning")
+    reason = "not a component of recipe 'cfl' (oc, fa, len): its weight changes nothing"
+    assert r.headers.get_list("x-sde2-warning") == [f"params.weights.sd: {reason}"]
+    with pytest.raises(ValueError, match=rf"^params\.weights\.sd: {re.escape(reason)}$"):
+        check_weights("cfl", ablated["params"])
+    summed = {**ablated, "params": {"weights": {"oc": 2, "fa": 1.0, "len": 0}}}
+    assert not client.post("/v1/score", json=summed).headers.get_list("x-sde2-warning")
 
 
 @pytest.mark.parametrize(

@@ -110,13 +110,10 @@ def check_weights(recipe: str, params: Mapping[str, Any], field: str = "params.w
     """
     if recipe not in RECIPES:  # named by the caller's own check, or by the server's 422
         return
-    components = RECIPES[recipe].components
-    unused = sorted(set(params.get("weights") or {}) - set(components))
+    spec = RECIPES[recipe]
+    unused = spec.unused_weights(params.get("weights") or {})
     if unused:
-        raise ValueError(
-            f"{', '.join(map(field.format, unused))}: not a component of recipe {recipe!r} "
-            f"({', '.join(components)}): its weight would change nothing"
-        )
+        raise ValueError(f"{', '.join(map(field.format, unused))}: {spec.unused_weight}")
 
 
 def _plain(value: Any) -> Any:

@@ -67,6 +67,23 @@ class RecipeSpec:
         """
         return f"{self.name} = {', '.join(self.components)} ({self.description})"
 
+    def unused_weights(self, weights: Iterable[str]) -> list[str]:
+        """The components among ``weights`` (names set in a request) this recipe does not sum:
+        SPEC accepts such a weight and it changes nothing, so an ablation such as ``cfl`` with
+        ``sd`` at 0 would never happen. The server warns (:attr:`unused_weight`), the client
+        refuses: one rule, one wording.
+
+        >>> RECIPES["cfl"].unused_weights(["sd", "oc", "rd"]), RECIPES["cfl"].unused_weight
+        (['rd', 'sd'], "not a component of recipe 'cfl' (oc, fa, len): its weight changes nothing")
+        """
+        return sorted(k for k in set(weights) if k not in self.components)
+
+    @property
+    def unused_weight(self) -> str:
+        """What is said of each weight :meth:`unused_weights` finds."""
+        listed = ", ".join(self.components)
+        return f"not a component of recipe {self.name!r} ({listed}): its weight changes nothing"
+
 
 class RecipeRegistry(Mapping[str, RecipeSpec]):
     """Recipes by name, in registration order (the order the schema and the docs list them)."""

@@ -278,30 +278,15 @@ def gold_warnings(
 
 
 def weight_warnings(recipe: str, params: RewardParams) -> tuple[BatchWarning, ...]:
-    """A :class:`BatchWarning` for each weight the request set, to other than its default,
-    on a component ``recipe`` does not sum: SPEC accepts it and it changes nothing, so an
-    ablation such as ``cfl`` with ``sd`` at 0 never happens. A weight at its default is what
-    a client echoing the answer's ``params`` (every weight) sends: said nothing.
+    """A :class:`BatchWarning` for each weight the request set on a component ``recipe``
+    does not sum (:meth:`~reward_server.core.recipes.RecipeSpec.unused_weights`).
 
     >>> [str(w) for w in weight_warnings("cfl", RewardParams(weights={"sd": 0, "oc": 2}))]
-    ["params.weights.sd: not a component of recipe 'cfl': its weight 0 changes nothing"]
-    >>> weight_warnings("cfl", RewardParams(weights={"sd": 1.0}))
-    ()
+    ["params.weights.sd: not a component of recipe 'cfl' (oc, fa, len): its weight changes nothing"]
     """
-    components = recipe_spec(recipe).components
-    weights = params.weights
-    default = type(weights)()
-    return tuple(
-        BatchWarning(
-            ("params", "weights", key),
-            f"not a component of recipe {recipe!r}: its weight {getattr(weights, key):g} "
-            "changes nothing",
-        )
-        for key in type(weights).model_fields
-        if key in weights.model_fields_set
-        and key not in components
-        and getattr(weights, key) != getattr(default, key)
-    )
+    spec = recipe_spec(recipe)
+    unused = spec.unused_weights(params.weights.model_fields_set)
+    return tuple(BatchWarning(("params", "weights", k), spec.unused_weight) for k in unused)
 
 
 #: What scoring such a gold as SPEC §2 defines means, by matcher.
