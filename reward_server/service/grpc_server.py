@@ -244,6 +244,9 @@ def send_limit(service: ScoringService) -> int:
     return max(service.settings.max_body_bytes, MIN_SEND_BYTES)
 
 
+#: The largest value a gRPC option takes (a C int): a --body-timeout over 24 days is this.
+C_INT = 2**31 - 1
+
 #: Calls in progress beyond the admission queue's capacity (see :func:`create_server`).
 GRPC_HEADROOM = 8
 
@@ -267,7 +270,7 @@ def create_server(
             # gRPC sets TCP_USER_TIMEOUT to this: a client that stops reading its answer (its
             # window stays shut) loses its connection after --body-timeout, as over HTTP, and
             # the call's place and buffered answer with it (gRPC's 20 s default held them).
-            ("grpc.keepalive_timeout_ms", round(service.settings.body_timeout * 1000)),
+            ("grpc.keepalive_timeout_ms", min(round(service.settings.body_timeout * 1000), C_INT)),
         ],
     )
     server.add_generic_rpc_handlers((generic_handler(RewardServicer(service)),))
