@@ -463,3 +463,27 @@ def test_a_gold_warning_is_named_by_its_file_and_line_for_every_run(
         f"b: {second}: line 300: answer: the gold answer '####' is empty once canonicalized"
         + said[1].split("canonicalized", 1)[1],
     ], said
+
+
+@pytest.mark.slow
+def test_a_warning_about_the_whole_batch_is_said_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Replicas with different encoders (onnxruntime and OpenVINO, real servers) warn in every
+    answer: sde2-eval said it for each 256-completion chunk of each run, four times here, after
+    the start-up probe had said it. Now the probe and the scoring say it once each."""
+    from tests.client_fixtures import running_server
+
+    rows: list[object] = [dict(GOOD) for _ in range(300)]
+    first = write_run(tmp_path / "first.jsonl", rows)
+    second = write_run(tmp_path / "second.jsonl", rows)
+    with (
+        running_server() as onnx,
+        running_server("--backend", "openvino") as openvino,
+        caplog.at_level(logging.WARNING),
+    ):
+        argv = ["--reward-url", onnx.url, "--reward-url", openvino.url]
+        assert main([*argv, "--completions", f"a={first}", "--completions", f"b={second}"]) == 0
+    said = [r.getMessage() for r in caplog.records if "replicas embed with" in r.getMessage()]
+    assert len(said) == 2 and said[0] == said[1], said
+    assert said[0].startswith("the reward service warns: encoder: replicas embed with")

@@ -44,6 +44,7 @@ from trainer_client.retry import (
 from trainer_client.sharding import (
     ItemLike,
     check_groups,
+    distinct_encoders,
     halve,
     item_to_json,
     merge,
@@ -938,7 +939,7 @@ def probe_each(urls: str | Sequence[str], api_key: str | None = None) -> list[di
             if (info.get("limits") or {}).get("api_key_required"):
                 check_key(one)
             infos.append(info)
-    for warning in mixed_encoders(list(dict.fromkeys(str(i.get("encoder")) for i in infos))):
+    for warning in mixed_encoders(distinct_encoders(i.get("encoder") for i in infos)):
         log.warning("the reward service warns: %s", warning)
     return infos
 

@@ -624,8 +624,11 @@ def score_run(
             ) from None
         except RewardRequestError as exc:
             raise located(exc, run, start) from None
-        for warning in result.warnings:  # a gold no answer matches ("####"): its file line
-            log.warning("%s: %s", run.method, located_warning(warning, run, start))
+        for warning in result.warnings:
+            if warned_item(warning) is None:  # about every chunk (mixed encoders): once
+                client.log_warnings([warning])
+            else:  # a gold no answer matches ("####"): its file line
+                log.warning("%s: %s", run.method, located_warning(warning, run, start))
         items_out.extend(result.items)
     return summarize(run.method, items_out, run.completions, run.num_tokens, interval)
 

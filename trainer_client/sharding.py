@@ -11,7 +11,7 @@ merged result equals what a single server returns for the whole batch.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -202,7 +202,7 @@ def merge(
                 "replicas disagree on recipe, components or effective parameters: "
                 f"{first.recipe}/{keys} vs {s.recipe}/{list(s.components)}"
             )
-    encoders = list(dict.fromkeys(s.encoder for s in shards if s.encoder is not None))
+    encoders = distinct_encoders(s.encoder for s in shards)
     components = {k: [v for s in shards for v in s.components[k]] for k in keys}
     fields = RewardParams.model_fields
     params = RewardParams.model_validate({k: v for k, v in first.params.items() if k in fields})
@@ -223,8 +223,19 @@ def merge(
     )
 
 
+def distinct_encoders(encoders: Iterable[str | None]) -> list[str]:
+    """The encoders named (``None``: not said), each once, sorted: a step's warning reads
+    the same whichever replica answered its first shard.
+
+    >>> distinct_encoders(["b onnx fp32", None, "a onnx fp32", "b onnx fp32"])
+    ['a onnx fp32', 'b onnx fp32']
+    """
+    return sorted({e for e in encoders if e is not None})
+
+
 def mixed_encoders(encoders: Sequence[str]) -> list[str]:
-    """The warning of a batch whose shards different encoders embedded (none for one).
+    """The warning of a batch whose shards different encoders embedded (none for one);
+    ``encoders``: :func:`distinct_encoders`.
 
     Not refused: the fp32 engines of one export (onnxruntime, OpenVINO, CTranslate2) agree
     within 1e-5, and a fleet mixing them is sound. Another model or precision gives
