@@ -520,12 +520,11 @@ class SDE2Reward:
         error: Exception | None = None
         groups: list[str] = []
         answer_type: str | None = None
-        client = self._get_client()
         try:
             items, options = request()
             groups = [str(it["group"]) for it in items]
             answer_type = options["answer_type"]
-            local = await client.score(items, normalize=False, **options)
+            local = await self._get_client().score(items, normalize=False, **options)
         except Exception as exc:  # re-raised below, after the others learned of it
             error = exc
         message = None if error is None else f"{type(error).__name__}: {error}"
@@ -561,7 +560,7 @@ class SDE2Reward:
             all_groups = self._trl_groups(all_groups)
         step = merge(shards, normalize=self.normalize, groups=all_groups)
         if _rank() == 0:  # every process holds the same step: one of them tells its warnings
-            client.log_warnings(step.warnings)
+            self._get_client().log_warnings(step.warnings)
         offset = sum(len(shard) for shard in shards[: _rank()])
         assert local is not None
         return local, step, offset
