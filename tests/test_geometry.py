@@ -79,10 +79,18 @@ def test_rows_normalized_once_give_each_selection_its_exact_cosines() -> None:
         assert np.array_equal(gram(h), cosine_matrix(batch[idx]))
 
 
-def test_gains_of_selections_equal_item_by_item_bit_for_bit() -> None:
+@pytest.mark.parametrize("pass_bytes", [None, 20_000])
+def test_gains_of_selections_equal_item_by_item_bit_for_bit(
+    pass_bytes: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The scorer's grouped, stacked geometry gives each item exactly ``gain_of_cosines`` of
-    its own Gram matrix, ties at the threshold included (a threshold equal to a cosine)."""
+    its own Gram matrix, ties at the threshold included (a threshold equal to a cosine), in
+    one pass or in many (``pass_bytes``: a few items a pass)."""
+    from reward_server.core import geometry
     from reward_server.core.geometry import gain_of_cosines, gains_of_selections, unit_rows
+
+    if pass_bytes is not None:
+        monkeypatch.setattr(geometry, "PASS_BYTES", pass_bytes)
 
     rng = np.random.default_rng(11)
     for trial in range(40):
@@ -112,3 +120,27 @@ def test_gains_of_selections_equal_item_by_item_bit_for_bit() -> None:
         # cosine_matrix of each item alone, as explanations compute it.
         reference = [gain_of_cosines(cosine_matrix(batch[s]), threshold) for s in selections]
         assert gains_of_selections(unit, selections, threshold) == reference
+
+
+def test_many_large_items_are_scored_in_bounded_memory() -> None:
+    """485 items of 256 strategies (a body within the default limits, the same 256 short
+    reasonings in each) held 1.9 GB at once (their stacked rows and Gram matrices, then every
+    cosine as a Python float for the walk) and took 5 s. Passes of PASS_BYTES hold what one
+    pass needs; measured in a child process, whose peak is its own."""
+    import subprocess
+    import sys
+
+    script = """
+import resource, numpy as np
+from reward_server.core.geometry import gains_of_selections, unit_rows
+base = np.random.default_rng(0).normal(size=(256, 384)).astype(np.float32)
+base[255] = base[0]
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+out = gains_of_selections(unit_rows(base), [list(range(256))] * 485, 0.8)
+assert out == [out[0]] * 485 and out[0][1] == 255, out[0]
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+"""
+    grown = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+    ).stdout
+    assert int(grown) < 200, f"the peak grew {grown} MB"

@@ -118,11 +118,22 @@ def _uniq_counts(grams: npt.NDArray[np.float64], threshold: float) -> list[int]:
     integer by numpy, so that the walk is an AND and an OR per strategy: strategy ``i`` is kept
     when every kept one is among its allowed columns."""
     m = grams.shape[1]
-    if m > 64:  # beyond one 64-bit word: the walk on floats
-        return [sum(_walk(cosines, threshold)) for cosines in grams.tolist()]
-    rows = np.add.reduce((grams <= threshold) * _bit_values(m), axis=2)
+    if m <= 64:  # each row one 64-bit word
+        rows = np.add.reduce((grams <= threshold) * _bit_values(m), axis=2).tolist()
+    else:  # each row bytes, read as one Python integer (a list of floats took 32 B a cosine)
+        packed = np.packbits(grams <= threshold, axis=2, bitorder="little")
+        width = packed.shape[2]
+        rows = []
+        for item in packed:
+            row_bytes = item.tobytes()
+            rows.append(
+                [
+                    int.from_bytes(row_bytes[k : k + width], "little")
+                    for k in range(0, m * width, width)
+                ]
+            )
     counts = []
-    for bits in rows.tolist():
+    for bits in rows:
         kept = 0
         for i, row in enumerate(bits):
             if row & kept == kept:
@@ -187,10 +198,61 @@ def gain_of_cosines(cosines: npt.NDArray[np.float64], threshold: float) -> tuple
     return uniq * div, uniq, div
 
 
+#: Bytes of stacked rows and Gram matrices one pass of :func:`gains_of_selections` holds at
+#: most (with one item's beyond it): a body of 485 items of 256 strategies held 1.9 GB at once.
+PASS_BYTES = 32 << 20
+
+
 def gains_of_selections(
     unit: npt.NDArray[np.float64], selections: Sequence[Sequence[int]], threshold: float
 ) -> list[tuple[float, int, float]]:
-    """:func:`gain_of_cosines` of ``gram(unit[s])`` for each selection ``s`` of rows.
+    """:func:`gain_of_cosines` of ``gram(unit[s])`` for each selection ``s`` of rows, in
+    passes over consecutive items of at most :data:`PASS_BYTES` each (:func:`_passes`): the
+    items are independent, and an item's numbers are the same bits in any pass (its Gram
+    matrix is its own BLAS call, its sums its own reductions).
+
+    >>> unit = unit_rows(np.array([[1.0, 0.0], [0.99, 0.1], [0.0, 1.0]]))
+    >>> [(round(g, 6), u, round(d, 6)) for g, u, d in gains_of_selections(
+    ...     unit, [[0, 1, 2], [0, 2], [1]], 0.8)]
+    [(1.269709, 2, 0.634855), (2.0, 2, 1.0), (1.0, 1, 1.0)]
+    """
+    out: list[tuple[float, int, float]] = []
+    for part in _passes(selections, unit.shape[1]):
+        out += _gains_of_pass(unit, part, threshold)
+    return out
+
+
+def _held_bytes(m: int, d: int) -> int:
+    """What an item of ``m`` strategies holds in a pass: its rows stacked and copied (for
+    :func:`gram`), its Gram matrix and its upper triangle taken and joined, all float64."""
+    return 8 * (2 * m * d + 2 * m * m)
+
+
+def _passes(selections: Sequence[Sequence[int]], d: int) -> list[Sequence[Sequence[int]]]:
+    """``selections`` cut into runs that hold at most :data:`PASS_BYTES` each (an item
+    alone may hold more); one run, told at once, when even the largest item times their
+    number fits (every ordinary step).
+
+    >>> [len(p) for p in _passes([[0] * 300] * 25, 384)]  # 3.3 MB an item
+    [10, 10, 5]
+    """
+    if not selections or len(selections) * _held_bytes(max(map(len, selections)), d) <= PASS_BYTES:
+        return [selections]
+    passes, start, held = [], 0, 0
+    for i, selection in enumerate(selections):
+        cost = _held_bytes(len(selection), d)
+        if held + cost > PASS_BYTES and i > start:
+            passes.append(selections[start:i])
+            start, held = i, 0
+        held += cost
+    passes.append(selections[start:])
+    return passes
+
+
+def _gains_of_pass(
+    unit: npt.NDArray[np.float64], selections: Sequence[Sequence[int]], threshold: float
+) -> list[tuple[float, int, float]]:
+    """:func:`gains_of_selections` of items that one pass holds.
 
     A batch's items are grouped by their number of strategies ``m``: each group's Gram
     matrices come from one stacked :func:`gram`, whose slices are the same BLAS call on the
@@ -203,11 +265,6 @@ def gains_of_selections(
     clamp, and which items have every pair allowed (``Uniq = m``, most items); the greedy
     walk runs for the others only. ``unit`` holds finite rows (:func:`unit_rows` makes sure
     of it). Checked against the item-by-item path in ``tests/test_geometry.py``.
-
-    >>> unit = unit_rows(np.array([[1.0, 0.0], [0.99, 0.1], [0.0, 1.0]]))
-    >>> [(round(g, 6), u, round(d, 6)) for g, u, d in gains_of_selections(
-    ...     unit, [[0, 1, 2], [0, 2], [1]], 0.8)]
-    [(1.269709, 2, 0.634855), (2.0, 2, 1.0), (1.0, 1, 1.0)]
     """
     out: list[tuple[float, int, float]] = [(0.0, 0, 0.0)] * len(selections)
     by_size: dict[int, list[int]] = {}
