@@ -601,7 +601,6 @@ async def test_calls_that_send_nothing_give_their_places_back_after_the_body_tim
     never.set()
 
 
-
 async def test_the_longest_body_timeout_a_setting_takes_starts_grpc() -> None:
     """The body timeout is also gRPC's keepalive timeout in milliseconds, a C int: a valid
     --body-timeout over 24 days ended the start with an OverflowError."""
@@ -610,6 +609,7 @@ async def test_the_longest_body_timeout_a_setting_takes_starts_grpc() -> None:
     async with Running(make_service(body_timeout=float(MAX_SECONDS))) as running:
         health = await running.stub.Health(pb.HealthRequest(), timeout=10)
         assert health.status == pb.HealthResponse.SERVING
+
 
 #: A client that calls ``Explain`` with an answer of about 10 MB, then stops itself (SIGSTOP)
 #: before reading it: a trainer frozen in a debugger, or any client that stops reading.

@@ -202,6 +202,33 @@ def test_empty_and_oversized_batches(client: Any) -> None:
     assert_still_serving(client)
 
 
+@pytest.mark.parametrize(
+    ("path", "where"),
+    [
+        ("/v1/score", b""),
+        ("/v1/score", b'"params": {"weights": {KEYS}}, '),
+        ("/v1/explain", b""),
+    ],
+)
+def test_an_error_does_not_repeat_huge_field_names(client: Any, path: str, where: bytes) -> None:
+    """An unknown key is the client's own text, and the 422 repeated it whole, in ``loc`` and
+    in ``field``: 20 keys of 780k characters answered 31 MB for a 15.6 MB body. Names are cut
+    (their start and their length kept), so the answer is small whatever the keys."""
+    keys = b",".join(b'"%d%s": 1' % (i, b"k" * 100_000) for i in range(20))
+    item = b'{"completion": "a", "answer": "1"}'
+    if where:
+        raw = b'{"items": [' + item + b"], " + where.replace(b"KEYS", keys) + b'"normalize": false}'
+    else:
+        raw = b'{"items": [' + item + b"], " + keys + b"}"
+    r = client.post(path, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 422 and len(r.content) < 20_000, (r.status_code, len(r.content))
+    first = r.json()["detail"][0]
+    named = "0" + "k" * 47 + "... (100001 characters)"
+    assert first["loc"] == [*(["params", "weights"] if where else []), named]
+    assert first["field"] == ".".join(first["loc"])
+    assert_still_serving(client)
+
+
 def test_many_strategies_per_item(client: Any) -> None:
     blocks = "".join(
         f"<strategy><reasoning>step {i} {'w ' * (i % 50)}</reasoning>"

@@ -25,13 +25,33 @@ Loc = tuple[str | int, ...]
 
 
 def issue(loc: Loc, msg: str, kind: str) -> dict[str, Any]:
-    """One validation issue in the wire shape (``loc`` list plus a dotted ``field``).
+    """One validation issue in the wire shape (``loc`` list plus a dotted ``field``), a name
+    longer than :data:`MAX_NAME` cut (:func:`short_name`).
 
     >>> issue(("items", 3, "completion"), "too long", "too_long")["field"]
     'items.3.completion'
     """
-    field = ".".join(map(str, loc)) or "body"
-    return {"loc": list(loc), "field": field, "msg": msg, "type": kind}
+    named = tuple(map(short_name, loc))
+    field = ".".join(map(str, named)) or "body"
+    return {"loc": list(named), "field": field, "msg": msg, "type": kind}
+
+
+#: The longest field name an issue repeats whole: a body's unknown keys are the client's own
+#: text, and 20 keys of 780k characters made a 422 twice the size of the 15.6 MB request.
+MAX_NAME = 64
+
+
+def short_name(part: str | int) -> str | int:
+    """``part`` of a field's path; past :data:`MAX_NAME` characters, its first 48 and its length.
+
+    >>> short_name("k" * 100)
+    'kkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkk... (100 characters)'
+    >>> short_name(3), short_name("params")
+    (3, 'params')
+    """
+    if isinstance(part, int) or len(part) <= MAX_NAME:
+        return part
+    return f"{part[:48]}... ({len(part)} characters)"
 
 
 def wire_kind(kind: str, msg: str) -> tuple[str, str]:
