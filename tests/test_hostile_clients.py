@@ -230,6 +230,33 @@ def test_kept_alive_connections_outlive_the_header_timeout_between_requests(
         assert read_responses(sock, 2) == [200, 200]
 
 
+
+def test_a_transfer_coding_the_server_does_not_undo_is_refused(server: ServerProcess) -> None:
+    """``Transfer-Encoding: gzip, chunked``: the HTTP layer undid the chunks and left the gzip,
+    so the compressed bytes were read as JSON (a 422 "Invalid JSON" naming nothing). It is a
+    415 naming the coding, as a Content-Encoding is; plain chunks are still read."""
+    import gzip
+
+    def chunked(data: bytes, coding: bytes) -> bytes:
+        return (
+            b"POST /v1/score HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"transfer-encoding: " + coding + b"\r\n\r\n"
+            + b"%x\r\n" % len(data) + data + b"\r\n0\r\n\r\n"
+        )  # fmt: skip
+
+    body = orjson_dumps(VALID)
+    with sockets(1, server) as (sock,):
+        sock.sendall(chunked(gzip.compress(body), b"gzip, chunked"))
+        sock.settimeout(10)
+        answer = b""
+        while b"not accepted" not in answer and (more := sock.recv(65536)):
+            answer += more
+        assert answer.startswith(b"HTTP/1.1 415"), answer[:200]
+        assert b"Transfer-Encoding 'gzip' is not accepted" in answer
+    with sockets(1, server) as (sock,):
+        sock.sendall(chunked(body, b"chunked"))
+        assert read_responses(sock, 1) == [200]
+
 def test_stalled_uploads_hold_no_slot_past_the_body_timeout(server: ServerProcess) -> None:
     """70 connections send headers and 10 of 1000 body bytes, then nothing (capacity is 64)."""
     head = (

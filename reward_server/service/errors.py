@@ -168,8 +168,9 @@ class BodyTooLarge(ServiceError):
 
 
 class UnsupportedEncoding(ServiceError):
-    """A body sent with a ``Content-Encoding`` (gzip, br...): the server reads JSON as sent,
-    so a compressed body was refused as invalid JSON naming nothing, and a plain one labelled
+    """A body sent with a ``Content-Encoding`` (gzip, br...), or a ``Transfer-Encoding`` other
+    than ``chunked`` (the server undoes that one only): the server reads JSON as sent, so a
+    compressed body was refused as invalid JSON naming nothing, and a plain one labelled
     compressed was scored. gRPC negotiates its own compression; the class declares a code for
     completeness."""
 
@@ -177,10 +178,8 @@ class UnsupportedEncoding(ServiceError):
     http_status = 415
     grpc_code = "UNIMPLEMENTED"
 
-    def __init__(self, encoding: str) -> None:
-        super().__init__(
-            f"Content-Encoding {encoding!r} is not accepted: send the JSON body uncompressed"
-        )
+    def __init__(self, encoding: str, header: str = "Content-Encoding") -> None:
+        super().__init__(f"{header} {encoding!r} is not accepted: send the JSON body uncompressed")
 
 
 class UnsupportedMediaType(ServiceError):

@@ -130,8 +130,9 @@ async def read_body(request: Request, limit: int, timeout: float) -> bytes:
 
 
 def body_format_refusal(headers: Headers) -> None:
-    """:class:`UnsupportedEncoding` for a ``Content-Encoding`` other than ``identity`` (every
-    header line and comma-separated entry counts: HTTP reads two lines as one list), and
+    """:class:`UnsupportedEncoding` for a ``Content-Encoding`` other than ``identity`` or a
+    ``Transfer-Encoding`` other than ``chunked`` (every header line and comma-separated entry
+    counts: HTTP reads two lines as one list), and
     :class:`UnsupportedMediaType` for a body not declared as UTF-8 JSON.
 
     >>> two_lines = [(b"content-encoding", b"identity"), (b"content-encoding", b"gzip")]
@@ -140,6 +141,10 @@ def body_format_refusal(headers: Headers) -> None:
     Traceback (most recent call last):
     ...
     reward_server.service.errors.UnsupportedEncoding: Content-Encoding 'gzip' is not accepted: ...
+    >>> body_format_refusal(Headers({"transfer-encoding": "gzip, chunked"}))
+    Traceback (most recent call last):
+    ...
+    reward_server.service.errors.UnsupportedEncoding: Transfer-Encoding 'gzip' is not accepted: ...
     >>> body_format_refusal(Headers({"content-type": "Application/JSON;charset=UTF-8"}))
     >>> body_format_refusal(Headers({"content-type": "text/plain"}))
     Traceback (most recent call last):
@@ -157,15 +162,23 @@ def body_format_refusal(headers: Headers) -> None:
     ...
     reward_server.service.errors.UnsupportedMediaType: a body without Content-Type from a page ...
     """
-    encodings = (
-        e.strip().lower() for v in headers.getlist("content-encoding") for e in v.split(",")
-    )
-    refused = [e for e in encodings if e not in ("identity", "")]
-    if refused:
-        raise UnsupportedEncoding(", ".join(refused))
+    for header, undone in _CODINGS_UNDONE.items():
+        codings = (e.strip().lower() for v in headers.getlist(header) for e in v.split(","))
+        refused = [e for e in codings if e not in undone]
+        if refused:
+            raise UnsupportedEncoding(", ".join(refused), header.title())
     problem = _media_type_problem(headers)
     if problem is not None:
         raise UnsupportedMediaType(problem)
+
+
+#: The codings each header may name: what the server undoes (the HTTP layer decodes chunked
+#: transfers) or what changes nothing. ``Transfer-Encoding: gzip, chunked`` had its gzip
+#: silently left on the body, read as JSON.
+_CODINGS_UNDONE = {
+    "content-encoding": ("identity", ""),
+    "transfer-encoding": ("chunked", "identity", ""),
+}
 
 
 def _media_type_problem(headers: Headers) -> str | None:
