@@ -230,7 +230,6 @@ def test_kept_alive_connections_outlive_the_header_timeout_between_requests(
         assert read_responses(sock, 2) == [200, 200]
 
 
-
 def test_a_transfer_coding_the_server_does_not_undo_is_refused(server: ServerProcess) -> None:
     """``Transfer-Encoding: gzip, chunked``: the HTTP layer undid the chunks and left the gzip,
     so the compressed bytes were read as JSON (a 422 "Invalid JSON" naming nothing). It is a
@@ -256,6 +255,7 @@ def test_a_transfer_coding_the_server_does_not_undo_is_refused(server: ServerPro
     with sockets(1, server) as (sock,):
         sock.sendall(chunked(body, b"chunked"))
         assert read_responses(sock, 1) == [200]
+
 
 def test_stalled_uploads_hold_no_slot_past_the_body_timeout(server: ServerProcess) -> None:
     """70 connections send headers and 10 of 1000 body bytes, then nothing (capacity is 64)."""
