@@ -613,7 +613,9 @@ def test_servers_bind_and_probe_every_address_their_host_resolves_to(
         ipv4.listen()
         held = ipv4.getsockname()[1]
         wildcard = Settings(host="::", port=port, grpc_port=held)
-        assert (serve._taken_port(wildcard) or "").startswith(f"cannot bind gRPC to [::]:{held}")
+        assert serve._taken_port(wildcard) == (
+            f"cannot bind gRPC to [::]:{held}: Address already in use (--host, --grpc-port)"
+        )
 
     both = serve.reuse_port_sockets("both.test", 0)
     try:
