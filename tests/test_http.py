@@ -520,6 +520,22 @@ def test_health_is_alive_while_loading_then_ready() -> None:
         assert ok.status_code == 200
 
 
+def test_the_ready_log_counts_the_loading_begun_before_the_service(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The server begins building the encoder first thing, before the service exists: the
+    "ready in" log counted from the service's start only, and under-reported the cold start."""
+    import logging
+    import time
+
+    caplog.set_level(logging.INFO, logger="reward_server.service.pipeline")
+    began = time.monotonic() - 7.0  # the build's part before the service existed
+    service = ScoringService(make_settings(), loader=HashEncoder, loading_since=began)
+    service.start(background=False)
+    [said] = [r.getMessage() for r in caplog.records if "ready in" in r.getMessage()]
+    assert said.startswith("encoder hash ready in 7."), said
+
+
 def test_failed_load_is_reported_by_readyz() -> None:
     loader = BlockingLoader(fail=True)
     loader.release.set()

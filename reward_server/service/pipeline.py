@@ -290,10 +290,13 @@ class ScoringService:
         loader: Callable[[], Encoder] | None = None,
         metrics: Metrics | None = None,
         unenforced: Collection[str] = (),
+        loading_since: float | None = None,
     ) -> None:
         """``unenforced``: settings the transport in front of this service does not apply
         (under Ray, uvicorn's connection limits): ``/v1/info`` leaves them out of ``limits``
-        rather than report a limit nothing enforces."""
+        rather than report a limit nothing enforces. ``loading_since``: when ``loader``'s work
+        began (``time.monotonic``), where that was before :meth:`start` (the server begins it
+        first thing), so that the "ready in" log counts all of it."""
         if (encoder is None) == (loader is None):
             raise ValueError("pass exactly one of encoder and loader")
         self.settings = settings
@@ -308,6 +311,7 @@ class ScoringService:
         self._ready = threading.Event()
         self._loaded = threading.Event()  # set when loading ended, successfully or not
         self._started = False
+        self._loading_since = loading_since
         self._cpu = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sde2-cpu")
         # answer_type=math requests wait on their checks in threads of their own, so they never
         # hold the CPU pool every other request needs. Each such request checks one pair at a
@@ -343,7 +347,7 @@ class ScoringService:
 
     def _load(self) -> None:
         try:
-            t0 = time.monotonic()
+            t0 = time.monotonic() if self._loading_since is None else self._loading_since
             encoder = check_encoder(self._loader())
             encoder.warmup()
             self.metrics.attach_encoder(encoder)

@@ -42,6 +42,7 @@ import socket
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_for_futures
@@ -179,6 +180,7 @@ async def serve_async(
     # The encoder starts loading before the service's own modules are imported: the graph's
     # checksum and onnxruntime's session building run mostly outside the GIL, so they overlap
     # those imports and the web stack's (benchmarks/README, twenty-sixth pass).
+    loading_since = time.monotonic()
     loaded = None if encoder is not None else _load_in_background(settings)
     try:
         from reward_server.service.metrics import Metrics
@@ -188,7 +190,9 @@ async def serve_async(
         service = (
             ScoringService(settings, encoder=encoder, metrics=metrics)
             if loaded is None
-            else ScoringService(settings, loader=loaded.result, metrics=metrics)
+            else ScoringService(
+                settings, loader=loaded.result, metrics=metrics, loading_since=loading_since
+            )
         )
     except BaseException:
         if loaded is not None:  # exiting inside onnxruntime aborts the process (see below)
