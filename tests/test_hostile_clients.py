@@ -566,8 +566,8 @@ def test_servers_bind_and_probe_every_address_their_host_resolves_to(
     resolves to) and by the workers, whose sockets bind the same addresses, so the port check
     probes those, and a port taken there is still refused. A name that resolves to both
     families gets a socket on each, on one port even when it is chosen ("any free port")."""
-    from reward_server.service import serve
     from reward_server.service.config import Settings
+    from reward_server.service.sockets import reuse_port_sockets, taken_port
 
     real = socket.getaddrinfo
     v4 = (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", 0))
@@ -584,8 +584,8 @@ def test_servers_bind_and_probe_every_address_their_host_resolves_to(
         free.bind(("::1", 0))
         port = free.getsockname()[1]
     settings = Settings(host="v6only.test", port=port, grpc_port=None)
-    assert serve._taken_port(settings) is None
-    sockets = serve.reuse_port_sockets("v6only.test", port)
+    assert taken_port(settings) is None
+    sockets = reuse_port_sockets("v6only.test", port)
     try:  # (the socket the workers bound had been AF_INET: "v6only.test" did not resolve)
         assert [s.getsockname()[:2] for s in sockets] == [("::1", port)]
     finally:
@@ -594,16 +594,16 @@ def test_servers_bind_and_probe_every_address_their_host_resolves_to(
     with socket.socket(socket.AF_INET6) as taken:
         taken.bind(("::1", port))
         taken.listen()
-        refused = serve._taken_port(settings)
+        refused = taken_port(settings)
     assert refused == (
         f"cannot bind HTTP to v6only.test:{port}: Address already in use (--host, --port)"
     )
 
     # Every interface (""), as asyncio reads it; an address that is not this machine's,
     # refused before any worker loads (the workers' own binds would each fail after it).
-    assert serve._taken_port(Settings(host="", port=port, grpc_port=None)) is None
+    assert taken_port(Settings(host="", port=port, grpc_port=None)) is None
     elsewhere = Settings(host="192.0.2.1", port=port, grpc_port=None)  # (TEST-NET-1)
-    assert serve._taken_port(elsewhere) == (
+    assert taken_port(elsewhere) == (
         f"cannot bind HTTP to 192.0.2.1:{port}: Cannot assign requested address (--host, --port)"
     )
     # gRPC binds "::" for both families: a port another server holds on IPv4 is taken for it.
@@ -613,11 +613,11 @@ def test_servers_bind_and_probe_every_address_their_host_resolves_to(
         ipv4.listen()
         held = ipv4.getsockname()[1]
         wildcard = Settings(host="::", port=port, grpc_port=held)
-        assert serve._taken_port(wildcard) == (
+        assert taken_port(wildcard) == (
             f"cannot bind gRPC to [::]:{held}: Address already in use (--host, --grpc-port)"
         )
 
-    both = serve.reuse_port_sockets("both.test", 0)
+    both = reuse_port_sockets("both.test", 0)
     try:
         names = [s.getsockname()[:2] for s in both]
         assert [n[0] for n in names] == ["::1", "127.0.0.1"] and names[0][1] == names[1][1]

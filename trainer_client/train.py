@@ -242,13 +242,18 @@ def check_reward_flags(args: argparse.Namespace) -> None:
         raise FlagError(f"{flag}: {exc}") from None
 
 
+def per_device_batch(args: argparse.Namespace) -> int:
+    """Completions per device step: ``--batch-size``, else one group (``--num-generations``)."""
+    return int(args.batch_size or args.num_generations)
+
+
 def check_whole_groups(args: argparse.Namespace) -> None:
     """TRL's rule that a generation's completions are whole groups, in this command's flags:
     TRL words it in its own settings (``generation_batch_size (6) must be divisible by
     num_generations (4)``), none of which is a flag. The processes are torchrun's or
     accelerate's ``WORLD_SIZE`` (TRL's ``world_size``), 1 when launched alone."""
     processes = int(os.environ.get("WORLD_SIZE") or 1)
-    per_step = args.batch_size or args.num_generations
+    per_step = per_device_batch(args)
     completions = per_step * args.grad_accum * processes
     if args.num_generations >= 1 and completions % args.num_generations:
         raise FlagError(
@@ -349,7 +354,7 @@ def training_record(
         "beta": args.beta,
         "warmup_ratio": args.warmup_ratio,
         "max_grad_norm": args.max_grad_norm,
-        "batch_size": args.batch_size or args.num_generations,
+        "batch_size": per_device_batch(args),
         "grad_accum": args.grad_accum,
         "max_length": args.max_length,
     }
@@ -701,7 +706,7 @@ def grpo_config(args: argparse.Namespace, *, quantize_4bit: bool, cuda: bool) ->
         warmup_steps=args.warmup_ratio,  # a float in [0, 1) is a ratio of the total steps
         max_grad_norm=args.max_grad_norm,
         num_generations=args.num_generations,
-        per_device_train_batch_size=args.batch_size or args.num_generations,
+        per_device_train_batch_size=per_device_batch(args),
         gradient_accumulation_steps=args.grad_accum,
         max_completion_length=args.max_new_tokens,
         temperature=args.temperature,

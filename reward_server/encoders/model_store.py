@@ -82,13 +82,15 @@ EXPLAINED_LOAD_ERRORS = (
 EXPORT_AGAIN = "export the model again (sde2-reward export, or delete the folder from the cache)"
 
 
+#: Where exported models are kept unless ``SDE2_CACHE_DIR`` says otherwise.
+DEFAULT_CACHE_DIR = "~/.cache/sde2"
 #: What ``SDE2_CACHE_DIR`` sets (``sde2-reward serve --help`` shows it).
-CACHE_DIR_HELP = "where exported models are kept (default ~/.cache/sde2)"
+CACHE_DIR_HELP = f"where exported models are kept (default {DEFAULT_CACHE_DIR})"
 
 
 def cache_dir() -> Path:
-    """``$SDE2_CACHE_DIR`` or ``~/.cache/sde2``."""
-    return Path(os.environ.get("SDE2_CACHE_DIR") or "~/.cache/sde2").expanduser()
+    """``$SDE2_CACHE_DIR`` or :data:`DEFAULT_CACHE_DIR`."""
+    return Path(os.environ.get("SDE2_CACHE_DIR") or DEFAULT_CACHE_DIR).expanduser()
 
 
 def is_export(folder: Path) -> bool:
