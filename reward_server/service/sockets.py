@@ -79,7 +79,7 @@ def taken_port(settings: Settings) -> str | None:
             for probe in bound_sockets(host, port, reuse_port=False, v6only=what == "HTTP"):
                 probe.close()
         except OSError as exc:  # socket.gaierror included: a name that is no host here
-            where = host_port(host, port)
+            where = host_port(host or "*", port)  # "": every interface, as --workers says
             return f"cannot bind {what} to {where}: {exc.strerror or exc} (--host, {flag})"
     return None
 
