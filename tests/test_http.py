@@ -510,12 +510,15 @@ def test_health_is_alive_while_loading_then_ready() -> None:
     with http_client(service) as c:
         assert c.get("/healthz").json() == {"status": "ok"}
         assert c.get("/readyz").status_code == 503
+        # A load balancer may probe with HEAD (it was a 405).
+        assert [c.head(p).status_code for p in ("/healthz", "/readyz")] == [200, 503]
         assert c.get("/v1/info").status_code == 503
         busy = c.post("/v1/score", json={"items": [{"completion": "a", "answer": "1"}]})
         assert busy.status_code == 503
         loader.release.set()
         assert service.wait_ready(10)
         assert c.get("/readyz").json() == {"status": "ready", "encoder": "hash"}
+        assert c.head("/readyz").status_code == 200
         ok = c.post("/v1/score", json={"items": [{"completion": "a", "answer": "1"}]})
         assert ok.status_code == 200
 

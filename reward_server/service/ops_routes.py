@@ -30,11 +30,15 @@ _NOT_READY: dict[int | str, dict[str, Any]] = {
 SCORING_PATHS = ("/v1/score", "/score", "/get_reward", "/v1/explain")
 
 
+# The probes answer HEAD too (the head alone is sent): a load balancer may probe with it.
+# Left out of the schema, where it would be a second operation of the same name.
+@router.head("/healthz", include_in_schema=False)
 @router.get("/healthz", summary="liveness: the process answers (no model work)")
 async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
+@router.head("/readyz", include_in_schema=False)
 @router.get(
     "/readyz", summary="readiness: model loaded and warm-up inference done", responses=_NOT_READY
 )
