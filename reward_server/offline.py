@@ -47,6 +47,7 @@ from reward_server.encoders.model_store import (
     is_export,
     local_model_folder,
 )
+from reward_server.field_names import did_you_mean
 from reward_server.jsonl_files import (
     InputError,
     OutputError,
@@ -74,8 +75,9 @@ def item_error(path: Path, number: int, exc: ValidationError) -> InputError:
         got = json_type(first.get("input"))
         return InputError(f"{path}: line {number}: expected a JSON object, got {got}")
     where = ".".join(str(p) for p in first["loc"])
-    _, msg = wire_kind(first["type"], first["msg"])
-    return InputError(f"{path}: line {number}: {where}: {msg}")
+    kind, msg = wire_kind(first["type"], first["msg"])
+    hint = did_you_mean(ScoreItem, first["loc"]) if kind == "extra_forbidden" else ""
+    return InputError(f"{path}: line {number}: {where}: {msg}{hint}")
 
 
 def read_items(path: Path) -> Iterator[tuple[int, ScoreItem]]:

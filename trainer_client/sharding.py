@@ -10,16 +10,16 @@ merged result equals what a single server returns for the whole batch.
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from reward_server.core import RECIPES
 from reward_server.core.normalization import aggregate
 from reward_server.core.params import RewardParams
 from reward_server.core.scoring import ScoreItem
+from reward_server.field_names import did_you_mean
 from trainer_client.results import ScoreResult, warning_kind
 
 ItemLike = ScoreItem | Mapping[str, Any]
@@ -72,28 +72,30 @@ def params_to_json(params: RewardParams | Mapping[str, Any] | None) -> dict[str,
         try:
             params = RewardParams.model_validate(_plain(params))
         except ValidationError as exc:
-            raise ValueError("; ".join(map(_named, exc.errors()))) from None
+            raise ValueError(params_issues(exc)) from None
     return params.model_dump(exclude_unset=True)
 
 
-def _named(error: Any) -> str:
-    """One of pydantic's errors as ``params.FIELD: message``, a misspelling's likely meaning
-    added."""
-    where = ".".join(map(str, ("params", *error["loc"])))
-    hint = _did_you_mean(error["loc"]) if error["type"] == "extra_forbidden" else ""
-    return f"{where}: {error['msg']}{hint}"
+def params_issues(exc: ValidationError, prefix: str = "params") -> str:
+    """Each of pydantic's errors about reward parameters as ``PREFIX.FIELD: message`` (the
+    field alone without a prefix), a misspelling's likely meaning added; one line.
 
-
-def _did_you_mean(loc: Sequence[int | str]) -> str:
-    """The parameter closest to the unknown one at ``loc`` (a misspelling), as a hint."""
-    model: type[BaseModel] = RewardParams
-    for part in loc[:-1]:
-        inner = model.model_fields[str(part)].annotation
-        if not (isinstance(inner, type) and issubclass(inner, BaseModel)):
-            return ""
-        model = inner
-    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    >>> try:
+    ...     RewardParams.model_validate({"eps2": 1, "weights": {"sd": "x"}})
+    ... except ValidationError as exc:
+    ...     issues = params_issues(exc, prefix="").split("; ")
+    >>> issues[0]
+    'weights.sd: Input should be a valid number'
+    >>> issues[1]
+    "eps2: Extra inputs are not permitted (did you mean 'eps'?)"
+    """
+    named = []
+    for error in exc.errors():
+        where = ".".join(map(str, (*([prefix] if prefix else []), *error["loc"]))) or "params"
+        unknown = error["type"] == "extra_forbidden"
+        hint = did_you_mean(RewardParams, error["loc"]) if unknown else ""
+        named.append(f"{where}: {error['msg']}{hint}")
+    return "; ".join(named)
 
 
 def check_weights(recipe: str, params: Mapping[str, Any], field: str = "params.weights.{}") -> None:

@@ -52,7 +52,7 @@ from trainer_client.help_format import DefaultsShown
 from trainer_client.modeling import ModelRef
 from trainer_client.prompts import add_prompt_flag, prompt_style
 from trainer_client.retry import RetryPolicy, RewardServiceError
-from trainer_client.sharding import check_weights
+from trainer_client.sharding import check_weights, params_issues
 
 log = logging.getLogger("sde2.train")
 
@@ -115,11 +115,8 @@ def checked_reward_params(args: argparse.Namespace) -> dict[str, Any]:
     except argparse.ArgumentTypeError as exc:
         raise FlagError(str(exc)) from None
     except ValidationError as exc:
-        issues = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or 'params'}: {e['msg']}" for e in exc.errors()
-        )
         flags = "--param/--weight" if hasattr(args, "weight") else "--param"
-        raise FlagError(f"{flags}: {issues}") from None
+        raise FlagError(f"{flags}: {params_issues(exc, prefix='')}") from None
 
 
 def check_flags(args: argparse.Namespace) -> dict[str, Any]:

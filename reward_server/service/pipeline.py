@@ -48,6 +48,7 @@ from reward_server.core.normalization import Aggregate
 from reward_server.core.text import preprocess
 from reward_server.encoders.base import EMBEDDING_DIM, MAX_SEQ_LENGTH, Encoder, check_encoder
 from reward_server.encoders.model_store import EXPLAINED_LOAD_ERRORS
+from reward_server.field_names import did_you_mean
 from reward_server.math_judge import (
     IsolatedMathJudge,
     MathCheckerUnavailable,
@@ -75,7 +76,7 @@ from reward_server.service.errors import (
     wire_kind,
 )
 from reward_server.service.metrics import Metrics
-from reward_server.service.schemas import ScoreRequest
+from reward_server.service.schemas import REQUEST_MODELS, ScoreRequest
 
 log = logging.getLogger(__name__)
 
@@ -122,10 +123,13 @@ def _mapped(loc_map: LocMap | None, loc: Loc) -> Loc:
 
 def issues_from_validation(exc: ValidationError, loc_map: LocMap | None = None) -> list[dict]:
     """pydantic errors -> wire issues (without echoing the offending input back), each named
-    by :func:`wire_kind`."""
+    by :func:`wire_kind`; an unknown field of a request says which field it likely meant."""
+    model = REQUEST_MODELS.get(exc.title)
     out = []
     for err in exc.errors(include_url=False, include_input=False)[:MAX_ISSUES]:
         kind, msg = wire_kind(err["type"], err["msg"])
+        if kind == "extra_forbidden" and model is not None:
+            msg += did_you_mean(model, err["loc"])
         out.append(issue(_mapped(loc_map, tuple(err["loc"])), msg, kind))
     return out
 

@@ -187,3 +187,10 @@ class InfoResponse(BaseModel):
     version: str = Field(description="sde2 package version")
     defaults: dict[str, Any] = Field(description="default request fields and reward parameters")
     limits: dict[str, Any] = Field(description="server limits (items, characters, queue, ...)")
+
+
+#: The request bodies by name (a ``ValidationError``'s ``title``), for the hint that names the
+#: field an unknown one likely meant.
+REQUEST_MODELS: dict[str, type[BaseModel]] = {
+    m.__name__: m for m in (ScoreRequest, OpenRLHFRequest)
+}
