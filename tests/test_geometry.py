@@ -144,3 +144,21 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
         [sys.executable, "-c", script], capture_output=True, text=True, check=True
     ).stdout
     assert int(grown) < 200, f"the peak grew {grown} MB"
+
+
+@pytest.mark.parametrize("m", [63, 64, 65, 128, 129])
+def test_the_uniq_walk_on_either_side_of_one_word(m: int) -> None:
+    """Up to 64 strategies the walk reads each row as one 64-bit word, beyond as packed bytes:
+    both give each item the item-by-item answer at the switch, with duplicated rows (pruned)
+    and a threshold equal to a cosine (kept, ``<=``)."""
+    from reward_server.core.geometry import gain_of_cosines, gains_of_selections, unit_rows
+
+    rng = np.random.default_rng(m)
+    rows = rng.standard_normal((m, 384)).astype(np.float32)
+    rows[m // 2 :: 3] = rows[0]  # a third of the second half repeats the first strategy
+    batch = np.concatenate([rows, rows[::-1]])
+    threshold = float(cosine_matrix(batch[:2])[0, 1])
+    selections = [list(range(m)), list(range(m, 2 * m)), list(range(0, 2 * m, 2))]
+    reference = [gain_of_cosines(cosine_matrix(batch[s]), threshold) for s in selections]
+    assert gains_of_selections(unit_rows(batch), selections, threshold) == reference
+    assert reference[0][1] < m  # the walk ran: the repeats were pruned

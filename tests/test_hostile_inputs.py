@@ -293,3 +293,28 @@ def _raw_post(client: Any, headers: list[tuple[bytes, bytes]], body: bytes) -> i
     """The status of a POST to /v1/score with exactly ``headers`` (repeated names kept)."""
     request = client.build_request("POST", "/v1/score", headers=headers, content=body)
     return int(client.send(request).status_code)
+
+
+def test_a_huge_unknown_key_is_not_searched_for_its_meaning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The hint naming the field an unknown one likely meant ran difflib over the whole name:
+    20 keys of 780k characters held the event loop 2.7 s. No field is within reach of such a
+    name (difflib's cutoff needs one at least 3/7 its length), so it is not searched."""
+    import difflib
+
+    from reward_server.field_names import did_you_mean
+    from reward_server.service.schemas import ScoreRequest
+
+    searched: list[int] = []
+    real = difflib.get_close_matches
+
+    def spy(word: str, *args: Any, **kwargs: Any) -> list[str]:
+        searched.append(len(word))
+        return real(word, *args, **kwargs)
+
+    monkeypatch.setattr(difflib, "get_close_matches", spy)
+    assert did_you_mean(ScoreRequest, ("k" * 780_000,)) == ""
+    assert did_you_mean(ScoreRequest, ("items", 0, "a" * 100)) == ""
+    assert did_you_mean(ScoreRequest, ("recipee",)) == " (did you mean 'recipe'?)"
+    assert searched == [7]

@@ -15,13 +15,16 @@ from typing import Any
 
 
 def warning_kind(warning: str) -> str:
-    """What a server's warning says, without the field it names: one kind of warning, told
-    once however many items or shards carry it.
+    """What a server's warning says, without the item it names: one kind of warning, told
+    once however many items or shards carry it. A warning about another field (a parameter)
+    keeps its field: two weights the recipe lacks are two things to tell.
 
     >>> warning_kind("items.3.answer: the gold answer is empty")
     'the gold answer is empty'
+    >>> warning_kind("params.weights.sd: not a component of recipe 'cfl'")
+    "params.weights.sd: not a component of recipe 'cfl'"
     """
-    return warning.split(": ", 1)[-1]
+    return warning.split(": ", 1)[-1] if warning.startswith("items.") else warning
 
 
 def finite(values: Iterable[Any], name: str, first: int = 0) -> list[float]:

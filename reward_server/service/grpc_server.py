@@ -270,7 +270,10 @@ def create_server(
             # gRPC sets TCP_USER_TIMEOUT to this: a client that stops reading its answer (its
             # window stays shut) loses its connection after --body-timeout, as over HTTP, and
             # the call's place and buffered answer with it (gRPC's 20 s default held them).
-            ("grpc.keepalive_timeout_ms", min(round(service.settings.body_timeout * 1000), C_INT)),
+            (
+                "grpc.keepalive_timeout_ms",
+                min(max(1, round(service.settings.body_timeout * 1e3)), C_INT),
+            ),
         ],
     )
     server.add_generic_rpc_handlers((generic_handler(RewardServicer(service)),))
