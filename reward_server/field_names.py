@@ -12,6 +12,22 @@ from typing import Any
 from pydantic import BaseModel
 
 
+def unknown_field_hint(model: type | None, kind: str, loc: Sequence[int | str]) -> str:
+    """:func:`did_you_mean` for an issue of ``kind`` (its wire kind) at ``loc``: only an
+    unknown field (``extra_forbidden``) of a known ``model`` gets a hint. The one rule of the
+    server's 422s, the offline commands and the client's parameter check.
+
+    >>> from reward_server.core import RewardParams
+    >>> unknown_field_hint(RewardParams, "extra_forbidden", ("epss",))
+    " (did you mean 'eps'?)"
+    >>> unknown_field_hint(RewardParams, "float_parsing", ("epss",))
+    ''
+    """
+    if kind != "extra_forbidden" or model is None:
+        return ""
+    return did_you_mean(model, loc)
+
+
 def did_you_mean(model: type, loc: Sequence[int | str]) -> str:
     """`` (did you mean 'NAME'?)`` for the unknown field at ``loc`` inside ``model``, when
     one of the fields there is close to it, else ``""``. ``loc`` is pydantic's path: field

@@ -47,7 +47,7 @@ from reward_server.encoders.model_store import (
     is_export,
     local_model_folder,
 )
-from reward_server.field_names import did_you_mean
+from reward_server.field_names import unknown_field_hint
 from reward_server.jsonl_files import (
     InputError,
     OutputError,
@@ -76,7 +76,7 @@ def item_error(path: Path, number: int, exc: ValidationError) -> InputError:
         return InputError(f"{path}: line {number}: expected a JSON object, got {got}")
     where = ".".join(str(p) for p in first["loc"])
     kind, msg = wire_kind(first["type"], first["msg"])
-    hint = did_you_mean(ScoreItem, first["loc"]) if kind == "extra_forbidden" else ""
+    hint = unknown_field_hint(ScoreItem, kind, first["loc"])
     return InputError(f"{path}: line {number}: {where}: {msg}{hint}")
 
 

@@ -20,7 +20,6 @@ import logging
 import math
 import os
 import queue
-import re
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -31,7 +30,7 @@ from typing import Any
 import httpx
 
 from reward_server.core.params import RewardParams
-from trainer_client.results import ScoreResult, warning_kind
+from trainer_client.results import ScoreResult, warned_item, warning_kind
 from trainer_client.retry import (
     PROBE_RETRY,
     RETRYABLE_STATUSES,
@@ -287,20 +286,6 @@ def shifted_issues(body: Any, first: int) -> tuple[dict[str, Any], ...]:
 _MAX_WARNED = 1000
 #: The header a server names what it scored but would have the caller know with, one each.
 WARNING_HEADER = "x-sde2-warning"
-_WARNED_ITEM = re.compile(r"items\.(\d+)\.")
-
-
-def warned_item(warning: str) -> tuple[int, str] | None:
-    """The item a scoring answer's warning names, and what follows its index (``None`` for a
-    warning about no one item).
-
-    >>> warned_item("items.3.answer: the gold answer is empty")
-    (3, 'answer: the gold answer is empty')
-    >>> warned_item("and 2 more") is None
-    True
-    """
-    named = _WARNED_ITEM.match(warning)
-    return None if named is None else (int(named.group(1)), warning[named.end() :])
 
 
 def shifted_warnings(warnings: Sequence[str], first: int) -> list[str]:

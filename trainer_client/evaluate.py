@@ -48,7 +48,6 @@ from trainer_client.client import (
     RewardClient,
     item_of_issue,
     probe_each,
-    warned_item,
 )
 from trainer_client.datasets import ANSWER_TYPES as ANSWER_TYPES_OF
 from trainer_client.datasets import (
@@ -62,6 +61,7 @@ from trainer_client.help_format import DefaultsShown
 from trainer_client.metrics import INTERVALS, RunMetrics, markdown_table, summarize
 from trainer_client.modeling import ModelRef
 from trainer_client.prompts import add_prompt_flag, prompt_style
+from trainer_client.results import warned_item
 from trainer_client.retry import RetryPolicy, RewardRequestError, RewardServiceError
 from trainer_client.sharding import check_weights
 from trainer_client.train import (

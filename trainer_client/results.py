@@ -9,9 +9,25 @@ never paper over with defaults.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+_WARNED_ITEM = re.compile(r"items\.(\d+)\.")
+
+
+def warned_item(warning: str) -> tuple[int, str] | None:
+    """The item a scoring answer's warning names, and what follows its index (``None`` for a
+    warning about no one item).
+
+    >>> warned_item("items.3.answer: the gold answer is empty")
+    (3, 'answer: the gold answer is empty')
+    >>> warned_item("and 2 more") is None
+    True
+    """
+    named = _WARNED_ITEM.match(warning)
+    return None if named is None else (int(named.group(1)), warning[named.end() :])
 
 
 def warning_kind(warning: str) -> str:
@@ -24,7 +40,8 @@ def warning_kind(warning: str) -> str:
     >>> warning_kind("params.weights.sd: not a component of recipe 'cfl'")
     "params.weights.sd: not a component of recipe 'cfl'"
     """
-    return warning.split(": ", 1)[-1] if warning.startswith("items.") else warning
+    named = warned_item(warning)
+    return warning if named is None else named[1].split(": ", 1)[-1]
 
 
 def finite(values: Iterable[Any], name: str, first: int = 0) -> list[float]:

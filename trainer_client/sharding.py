@@ -19,7 +19,7 @@ from reward_server.core import RECIPES
 from reward_server.core.normalization import aggregate
 from reward_server.core.params import RewardParams
 from reward_server.core.scoring import ScoreItem
-from reward_server.field_names import did_you_mean
+from reward_server.field_names import unknown_field_hint
 from trainer_client.results import ScoreResult, warning_kind
 
 ItemLike = ScoreItem | Mapping[str, Any]
@@ -92,8 +92,7 @@ def params_issues(exc: ValidationError, prefix: str = "params") -> str:
     named = []
     for error in exc.errors():
         where = ".".join(map(str, (*([prefix] if prefix else []), *error["loc"]))) or "params"
-        unknown = error["type"] == "extra_forbidden"
-        hint = did_you_mean(RewardParams, error["loc"]) if unknown else ""
+        hint = unknown_field_hint(RewardParams, error["type"], error["loc"])
         named.append(f"{where}: {error['msg']}{hint}")
     return "; ".join(named)
 
@@ -219,7 +218,7 @@ def merge(
         batch_std=agg.std,
         recipe=first.recipe,
         params=first.params,
-        encoder=" | ".join(encoders) or None,
+        encoder=encoder_names(encoders),
         served_by=[u for s in shards for u in s.served_by],
         warnings=once_each([*mixed_encoders(encoders), *(w for s in shards for w in s.warnings)]),
     )
@@ -251,8 +250,18 @@ def mixed_encoders(encoders: Sequence[str]) -> list[str]:
     """
     if len(encoders) < 2:
         return []
-    named = " | ".join(encoders)
+    named = encoder_names(encoders)
     return [f"encoder: replicas embed with {named}; only fp32 exports of one model agree"]
+
+
+def encoder_names(encoders: Sequence[str]) -> str | None:
+    """A merged batch's ``encoder``: each of :func:`distinct_encoders`, joined by `` | ``
+    (``None`` when no shard said).
+
+    >>> encoder_names(["a onnx fp32", "b onnx fp32"]), encoder_names([])
+    ('a onnx fp32 | b onnx fp32', None)
+    """
+    return " | ".join(encoders) or None
 
 
 def once_each(warnings: Sequence[str]) -> list[str]:

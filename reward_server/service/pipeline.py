@@ -48,7 +48,7 @@ from reward_server.core.normalization import Aggregate
 from reward_server.core.text import preprocess
 from reward_server.encoders.base import EMBEDDING_DIM, MAX_SEQ_LENGTH, Encoder, check_encoder
 from reward_server.encoders.model_store import EXPLAINED_LOAD_ERRORS
-from reward_server.field_names import did_you_mean
+from reward_server.field_names import unknown_field_hint
 from reward_server.math_judge import (
     IsolatedMathJudge,
     MathCheckerUnavailable,
@@ -128,8 +128,7 @@ def issues_from_validation(exc: ValidationError, loc_map: LocMap | None = None) 
     out = []
     for err in exc.errors(include_url=False, include_input=False)[:MAX_ISSUES]:
         kind, msg = wire_kind(err["type"], err["msg"])
-        if kind == "extra_forbidden" and model is not None:
-            msg += did_you_mean(model, err["loc"])
+        msg += unknown_field_hint(model, kind, err["loc"])
         out.append(issue(_mapped(loc_map, tuple(err["loc"])), msg, kind))
     return out
 
