@@ -136,6 +136,9 @@ async def test_unauthenticated_without_the_key() -> None:
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         ok = await running.stub.Score(body, metadata=(("authorization", "Bearer k3y"),))
         assert len(ok.rewards) == 1
+        # Spaces around the value: HTTP's parser strips them from a header, gRPC's metadata not.
+        ok = await running.stub.Score(body, metadata=(("authorization", " Bearer k3y "),))
+        assert len(ok.rewards) == 1
 
 
 async def test_without_the_key_the_message_is_not_converted(
@@ -516,6 +519,8 @@ async def test_calls_the_client_ends_are_counted() -> None:
         ({"items": [], "params": {"eps": None}}, "params.eps: a double, got NoneType"),
         ({"items": [], "params": {"length_target": 512.0}}, "params.length_target: an integer"),
         ({"items": [{"completion": 3, "answer": "1"}]}, "items.0.completion: a string, got int"),
+        ({"items": [{"answer": "1"}]}, "items.0.completion: a string is required, missing"),
+        ({"items": [{"completion": "a", "answer": None}]}, "items.0.answer: a string is required"),
         ({"items": [], "recipee": "sde2"}, "recipee: not a field of sde2.v1's ScoreRequest"),
         (
             {"items": [{"completion": "a", "answer": "1", "num_tokens": 2**70}]},

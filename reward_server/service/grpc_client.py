@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -66,13 +66,19 @@ def request_from_dict(body: dict[str, Any]) -> pb.ScoreRequest:
     Traceback (most recent call last):
     ...
     ValueError: params.lambda_oc: a double, got bool True (HTTP refuses it too)
+    >>> request_from_dict({"items": [{"completion": "a"}]})
+    Traceback (most recent call last):
+    ...
+    ValueError: items.0.answer: a string is required, missing (HTTP refuses it too)
     """
     msg = pb.ScoreRequest()
     for key, value in body.items():
         if key == "items":
             for k, item in enumerate(_listed(value, ("items",))):
-                fields = {f: v for f, v in _mapping(item, ("items", k)).items() if v is not None}
-                _fill(msg.items.add(), fields, ("items", k))
+                fields = _mapping(item, ("items", k))
+                _require(fields, _REQUIRED_ITEM_FIELDS, ("items", k))
+                present = {f: v for f, v in fields.items() if v is not None}
+                _fill(msg.items.add(), present, ("items", k))
         elif key == "params":
             params = dict(_mapping(value, ("params",)))
             has_weights = "weights" in params
@@ -89,6 +95,21 @@ def request_from_dict(body: dict[str, Any]) -> pb.ScoreRequest:
         else:
             _fill(msg, {key: value}, ())
     return msg
+
+
+#: An item's fields HTTP requires. The message cannot: a proto3 string left unset and one set
+#: to "" are the same bytes, and an empty completion is a real one, so the server scores a
+#: missing field as empty (a missing answer with the empty-gold warning).
+_REQUIRED_ITEM_FIELDS = ("completion", "answer")
+
+
+def _require(fields: Mapping[str, Any], names: Sequence[str], loc: tuple[str | int, ...]) -> None:
+    """Refuse (naming it) a field of ``names`` that ``fields`` lacks or holds as ``None``."""
+    for name in names:
+        if fields.get(name) is None:
+            path = ".".join(map(str, (*loc, name)))
+            got = "missing" if name not in fields else "got None"
+            raise ValueError(f"{path}: a string is required, {got} (HTTP refuses it too)")
 
 
 #: Which Python values each field type of these messages carries as HTTP's JSON reads them.

@@ -435,7 +435,8 @@ class ScoringService:
         key = self.settings.api_key
         if key is None:
             return True
-        scheme, _, token = (authorization or "").partition(" ")
+        # Stripped as HTTP strips a header's value (gRPC metadata keeps its spaces).
+        scheme, _, token = (authorization or "").strip().partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(
             token.strip().encode("utf-8", "surrogateescape"),
             key.encode("utf-8", "surrogateescape"),
