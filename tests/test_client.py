@@ -1368,3 +1368,116 @@ def test_the_deadline_counts_from_the_batch_first_try_through_its_halves(
 
             asyncio.run(run())
     assert clock[0] <= 31.0  # the deadline, and the try that was under way
+
+
+# --- answers that must not pass for a result ------------------------------------------------
+
+
+@contextlib.contextmanager
+def dripping_server(body: bytes, gap: float) -> Iterator[str]:
+    """A real HTTP server whose every answer is ``body`` (200, JSON), sent a byte per ``gap``
+    seconds: each byte comes within any read timeout, the whole answer long after."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(1 << 20)
+                head = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                head += f"content-length: {len(body)}\r\n\r\n"
+                try:
+                    conn.sendall(head.encode())
+                    for k in range(len(body)):
+                        if stop.wait(gap):
+                            return
+                        conn.sendall(body[k : k + 1])
+                except OSError:
+                    continue  # the client gave up on this answer
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        listener.close()
+        thread.join(10)
+
+
+def _answer_bytes(items: list[dict[str, Any]]) -> bytes:
+    calls: list[dict[str, Any]] = []
+    request = httpx.Request("POST", f"{A}/v1/score", json={"items": items, "recipe": "sde2"})
+    return core_handler(calls)(request).content
+
+
+def test_a_slow_answer_is_cut_at_the_request_timeout() -> None:
+    """httpx's read timeout bounds each wait for bytes: an answer sent a byte every 20 ms took
+    a call with a 0.5 s timeout (and a 1 s deadline) as long as the answer lasted (~10 s)."""
+    body = _answer_bytes(ONE)
+    assert len(body) * 0.02 > 5  # the whole answer would take over 5 s
+    quick = policy(max_attempts=2, backoff_base=0.0, deadline=1.0)
+    with dripping_server(body, 0.02) as url:
+        t0 = time.monotonic()
+        rc = RewardClient(url, timeout=0.5, retry=quick)
+        with rc, pytest.raises(RewardServiceError, match=r"ReadTimeout: no whole answer within"):
+            rc.score(ONE)
+        assert time.monotonic() - t0 < 2.5
+
+        async def run() -> None:
+            async with AsyncRewardClient(url, timeout=0.5, retry=quick) as rc:
+                with pytest.raises(RewardServiceError, match=r"request timeout \(0.5 s\)"):
+                    await rc.score(ONE)
+
+        t0 = time.monotonic()
+        asyncio.run(run())
+        assert time.monotonic() - t0 < 2.5
+
+
+def _spoiled(spoil: Callable[[dict[str, Any]], None]) -> httpx.MockTransport:
+    """A mock server answering the core's result after ``spoil`` changed it."""
+    core = core_handler([])
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        answer = core(request).json()
+        spoil(answer)
+        return httpx.Response(200, json=answer)
+
+    return httpx.MockTransport(handle)
+
+
+@pytest.mark.parametrize(
+    ("spoil", "message"),
+    [
+        (lambda a: a["advantages"].insert(0, 9.0), r"rewards but {'advantages': \d+}"),
+        (lambda a: a["normalized"]["oc"].pop(), r"rewards but {'normalized.oc': \d+}"),
+        (lambda a: a["normalized"].pop("sd"), "normalized \\['fa', 'oc', 're'\\]"),
+        (
+            lambda a: [a[k].pop("sd") for k in ("components", "normalized")],
+            "recipe 'sde2' has components",
+        ),
+        (lambda a: a.update(recipe="cfl"), "scored with recipe 'cfl', not 'sde2'"),
+        (lambda a: a["items"][2].update(correct="false"), "items.2.correct: 'false' is not a"),
+        (lambda a: a["items"][1].update(n_strat=True), "items.1.n_strat: True is not a JSON int"),
+        (lambda a: a["rewards"].__setitem__(3, "0.1"), "rewards.3: '0.1' is not a number"),
+        (lambda a: a["batch"]["std"].update(oc=None), "batch.std.oc: None is not a number"),
+    ],
+)
+def test_an_answer_of_another_shape_is_refused_naming_what(
+    spoil: Callable[[dict[str, Any]], None], message: str
+) -> None:
+    """Each was accepted: an ``advantages`` one entry longer, cut to the batch by the TRL
+    adapter, moved every advantage onto the next completion; a missing component summed the
+    reward over the others when shards were merged; ``bool("false")`` counted as correct."""
+    once = policy(max_attempts=1)
+    items = batch()
+    for rc in (
+        RewardClient(A, retry=once, transport=_spoiled(spoil)),
+        RewardClient([A, B], retry=once, transport=_spoiled(spoil)),  # two shards, merged
+    ):
+        with rc, pytest.raises(RewardServiceError, match=message):
+            rc.score(items, recipe="sde2")

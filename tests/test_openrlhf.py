@@ -212,3 +212,25 @@ def test_openrlhf_py_hook_spreads_samples_over_the_replicas(
         check_rewards(rollout(executor, tokenizer, "72", COMPLETIONS), reference)
         served = [requests_served(s.url, "/get_reward") for s in (a, b)]
     assert served == [2, 2], served
+
+
+@pytest.mark.parametrize(
+    ("answer", "message"),
+    [
+        ({"rewards": [0.5], "scores": [1.0], "extra_logs": {"oc": [float("nan")]}}, "nan is not"),
+        ({"rewards": [0.5], "scores": [1.0], "extra_logs": {"oc": []}}, "extra_logs.oc=\\[\\]"),
+        ({"rewards": [True], "scores": [1.0], "extra_logs": {}}, "rewards.0: True is not a number"),
+        ({"rewards": [0.5], "scores": [1.0]}, "extra_logs=None, not an object"),
+    ],
+)
+def test_openrlhf_hook_refuses_an_answer_it_would_log_or_train_on_wrongly(
+    answer: dict[str, Any], message: str
+) -> None:
+    """``extra_logs`` went to OpenRLHF's logs unchecked (a NaN, a column of another length),
+    and a boolean passed for a reward."""
+    from trainer_client.openrlhf import _check
+
+    with pytest.raises(ValueError, match=message):
+        _check(answer, 1)
+    good = {"rewards": [0.5], "scores": [1.0], "extra_logs": {"oc": [1.0], "n_strat": [2.0]}}
+    assert _check(good, 1) is good

@@ -22,7 +22,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any
@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 
 from reward_server.core.params import RewardParams
+from reward_server.core.recipes import RECIPES
 from trainer_client.results import ScoreResult, warned_item, warning_kind
 from trainer_client.retry import (
     PROBE_RETRY,
@@ -365,6 +366,12 @@ class _Attempts:
         connect = configured.connect if configured.connect is not None else left
         return httpx.Timeout(min(read, left), connect=min(connect, left))
 
+    def due(self) -> float:
+        """When the current attempt's whole answer is due (``time.monotonic``): its
+        :meth:`timeout` from now. httpx's own timeouts bound each wait for bytes only."""
+        limit = self.timeout().read
+        return time.monotonic() + (math.inf if limit is None else limit)
+
     def succeeded(self, url: str, outcome: httpx.Response | httpx.RequestError) -> bool:
         """Record the attempt's outcome; True when :attr:`data` holds the decoded answer.
 
@@ -475,9 +482,84 @@ def _answer(body: Mapping[str, Any], first: int = 0) -> Callable[[Any, str], Sco
             raise ValueError(f"not a scoring answer ({type(exc).__name__}: {exc})") from None
         if len(result) != len(body["items"]):
             raise ValueError(f"{len(result)} results for {len(body['items'])} items")
+        _check_recipe(result, body["recipe"])
         return result
 
     return read
+
+
+#: The request extension holding when a try's whole answer is due (``time.monotonic``).
+_DUE = "sde2.answer_due"
+
+
+def _past_due(response: httpx.Response) -> None:
+    """Raise :class:`httpx.ReadTimeout` when ``response``'s try is past its due time."""
+    due = response.request.extensions.get(_DUE)
+    if due is not None and time.monotonic() > due:
+        limit = response.request.extensions["timeout"]["read"]
+        raise httpx.ReadTimeout(
+            f"no whole answer within the request timeout ({limit:g} s)", request=response.request
+        )
+
+
+class _DueStream(httpx.SyncByteStream):
+    """An answer's body that fails (:func:`_past_due`) once its try is past due: httpx's read
+    timeout bounds each wait for bytes, not the whole answer, and a server sending a byte
+    every 0.05 s held a call with a 1 s timeout for 19 s."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        self._response, self._stream = response, response.stream
+
+    def __iter__(self) -> Iterator[bytes]:
+        assert isinstance(self._stream, httpx.SyncByteStream)
+        for chunk in self._stream:
+            _past_due(self._response)
+            yield chunk
+
+    def close(self) -> None:
+        assert isinstance(self._stream, httpx.SyncByteStream)
+        self._stream.close()
+
+
+class _AsyncDueStream(httpx.AsyncByteStream):
+    """:class:`_DueStream` for the asyncio client."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        self._response, self._stream = response, response.stream
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        assert isinstance(self._stream, httpx.AsyncByteStream)
+        async for chunk in self._stream:
+            _past_due(self._response)
+            yield chunk
+
+    async def aclose(self) -> None:
+        assert isinstance(self._stream, httpx.AsyncByteStream)
+        await self._stream.aclose()
+
+
+def _due_by_time(response: httpx.Response) -> None:
+    """The blocking client's response hook: its head came in time, its body must too."""
+    _past_due(response)
+    response.stream = _DueStream(response)
+
+
+async def _async_due_by_time(response: httpx.Response) -> None:
+    """The asyncio client's response hook (:func:`_due_by_time`)."""
+    _past_due(response)
+    response.stream = _AsyncDueStream(response)
+
+
+def _check_recipe(result: ScoreResult, recipe: str) -> None:
+    """Refuse (``ValueError``) an answer scored with another recipe than ``recipe``, or without
+    its components (when this process knows the recipe: a server may register its own):
+    merged shards summed what components came, and the TRL adapter met a bare ``KeyError``."""
+    if result.recipe != recipe:
+        raise ValueError(f"scored with recipe {result.recipe!r}, not {recipe!r}")
+    spec = RECIPES.get(recipe)
+    if spec is not None and set(result.components) != set(spec.components):
+        got, want = sorted(result.components), sorted(spec.components)
+        raise ValueError(f"recipe {recipe!r} has components {want}, the answer {got}")
 
 
 def _scoring(body: Mapping[str, Any]) -> str:
@@ -595,7 +677,11 @@ class RewardClient(_Base):
         )
         self._sleep = sleep
         self._http = httpx.Client(
-            timeout=self._timeout, limits=self._limits, headers=self._headers, transport=transport
+            timeout=self._timeout,
+            limits=self._limits,
+            headers=self._headers,
+            transport=transport,
+            event_hooks={"response": [_due_by_time]},
         )
 
     def __enter__(self) -> RewardClient:
@@ -651,7 +737,12 @@ class RewardClient(_Base):
             outcome: httpx.Response | httpx.RequestError
             try:
                 outcome = self._http.request(
-                    method, url, content=content, headers=_JSON, timeout=attempts.timeout()
+                    method,
+                    url,
+                    content=content,
+                    headers=_JSON,
+                    timeout=attempts.timeout(),
+                    extensions={_DUE: attempts.due()},
                 )
             except httpx.RequestError as exc:
                 outcome = exc
@@ -778,7 +869,11 @@ class AsyncRewardClient(_Base):
         )
         self._sleep = sleep
         self._http = httpx.AsyncClient(
-            timeout=self._timeout, limits=self._limits, headers=self._headers, transport=transport
+            timeout=self._timeout,
+            limits=self._limits,
+            headers=self._headers,
+            transport=transport,
+            event_hooks={"response": [_async_due_by_time]},
         )
 
     async def __aenter__(self) -> AsyncRewardClient:
@@ -830,7 +925,12 @@ class AsyncRewardClient(_Base):
             outcome: httpx.Response | httpx.RequestError
             try:
                 outcome = await self._http.request(
-                    method, url, content=content, headers=_JSON, timeout=attempts.timeout()
+                    method,
+                    url,
+                    content=content,
+                    headers=_JSON,
+                    timeout=attempts.timeout(),
+                    extensions={_DUE: attempts.due()},
                 )
             except httpx.RequestError as exc:
                 outcome = exc

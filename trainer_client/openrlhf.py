@@ -29,7 +29,6 @@ level (visible whatever OpenRLHF's log level) and raises.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import threading
 from collections.abc import Sequence
@@ -37,6 +36,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 from trainer_client.client import RewardClient
+from trainer_client.results import finite
 from trainer_client.retry import RetryPolicy
 
 log = logging.getLogger("trainer_client.openrlhf")
@@ -78,12 +78,14 @@ def _check(answer: Any, n: int) -> dict[str, Any]:
     """The route's answer, refusing anything but one finite reward and score per sample."""
     if not isinstance(answer, dict):
         raise ValueError(f"{ROUTE} answered {type(answer).__name__}, not an object")
-    for key in ("rewards", "scores"):
-        values = answer.get(key)
+    logs = answer.get("extra_logs")
+    if not isinstance(logs, dict):
+        raise ValueError(f"{ROUTE} answered extra_logs={logs!r}, not an object")
+    columns = {"rewards": answer.get("rewards"), "scores": answer.get("scores")}
+    for key, values in {**columns, **{f"extra_logs.{k}": v for k, v in logs.items()}}.items():
         if not isinstance(values, list) or len(values) != n:
             raise ValueError(f"{ROUTE} answered {key}={values!r} for {n} sample(s)")
-        if not all(isinstance(v, int | float) and math.isfinite(v) for v in values):
-            raise ValueError(f"{ROUTE} answered non-finite {key}: {values!r}")
+        finite(values, key)  # a boolean or a string is no number either
     return answer
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,10 +45,12 @@ def warning_kind(warning: str) -> str:
 
 
 def finite(values: Iterable[Any], name: str, first: int = 0) -> list[float]:
-    """``values`` as floats, each one finite: a NaN or an infinity (a server or proxy writing
-    JSON ``NaN``/``Infinity``, which Python's ``json`` reads) would reach the trainer as a
-    reward and poison its update. The ``ValueError`` names the field and the item (counted
-    from ``first``: the index of the answer's first item in the caller's batch).
+    """``values`` as floats, each a JSON number and finite: a NaN or an infinity (a server or
+    proxy writing JSON ``NaN``/``Infinity``, which Python's ``json`` reads) would reach the
+    trainer as a reward and poison its update, and a string or a boolean is no reward
+    (``float("0.1")`` read a proxy's quoted numbers as if they were). The ``ValueError``
+    names the field and the item (counted from ``first``: the index of the answer's first
+    item in the caller's batch).
 
     >>> finite([1, 0.5], "rewards")
     [1.0, 0.5]
@@ -56,20 +58,33 @@ def finite(values: Iterable[Any], name: str, first: int = 0) -> list[float]:
     Traceback (most recent call last):
     ...
     ValueError: components.oc.1: nan is not a finite number
+    >>> finite(["0.1"], "rewards", first=4)
+    Traceback (most recent call last):
+    ...
+    ValueError: rewards.4: '0.1' is not a number
     """
-    out = [float(x) for x in values]
-    bad = next((i for i, x in enumerate(out) if not math.isfinite(x)), None)
-    if bad is not None:
-        raise ValueError(f"{name}.{first + bad}: {out[bad]} is not a finite number")
-    return out
+    return [_finite_one(x, f"{name}.{first + i}") for i, x in enumerate(values)]
 
 
 def _finite_one(value: Any, name: str) -> float:
     """One number of the answer, finite (see :func:`finite`)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name}: {value!r} is not a number")
     number = float(value)
     if not math.isfinite(number):
         raise ValueError(f"{name}: {number} is not a finite number")
     return number
+
+
+def _exact(value: Any, kind: type, name: str) -> Any:
+    """``value`` when it is a JSON value of ``kind`` (``bool`` or ``int``; a boolean is no
+    integer), else a ``ValueError`` naming ``name``: ``bool("false")`` is ``True``, and a
+    proxy's quoted ``"false"`` counted as a correct answer."""
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ValueError(
+            f"{name}: {value!r} is not a JSON {'boolean' if kind is bool else kind.__name__}"
+        )
+    return value
 
 
 @dataclass(frozen=True)
@@ -87,14 +102,15 @@ class ItemDiagnostics:
     def from_json(cls, data: Mapping[str, Any], index: int = 0) -> ItemDiagnostics:
         """Build from one ``items[]`` entry of the response (``items.{index}``); ``div`` may
         be null (not computed), never a NaN."""
-        div = data.get("div")
+        div, uniq, final = data.get("div"), data.get("uniq"), data.get("final_answer")
+        at = f"items.{index}"
         return cls(
-            n_strat=int(data["n_strat"]),
-            final_answer=data.get("final_answer"),
-            correct=bool(data["correct"]),
-            strategy_correct=bool(data["strategy_correct"]),
-            uniq=None if data.get("uniq") is None else int(data["uniq"]),
-            div=None if div is None else _finite_one(div, f"items.{index}.div"),
+            n_strat=_exact(data["n_strat"], int, f"{at}.n_strat"),
+            final_answer=None if final is None else _exact(final, str, f"{at}.final_answer"),
+            correct=_exact(data["correct"], bool, f"{at}.correct"),
+            strategy_correct=_exact(data["strategy_correct"], bool, f"{at}.strategy_correct"),
+            uniq=None if uniq is None else _exact(uniq, int, f"{at}.uniq"),
+            div=None if div is None else _finite_one(div, f"{at}.div"),
         )
 
 
@@ -147,20 +163,39 @@ class ScoreResult:
             },
             advantages=None if advantages is None else finite(advantages, "advantages", first),
             items=[ItemDiagnostics.from_json(it, first + i) for i, it in enumerate(data["items"])],
-            batch_mean={k: float(v) for k, v in (batch.get("mean") or {}).items()},
-            batch_std={k: float(v) for k, v in (batch.get("std") or {}).items()},
+            batch_mean={
+                k: _finite_one(v, f"batch.mean.{k}") for k, v in (batch.get("mean") or {}).items()
+            },
+            batch_std={
+                k: _finite_one(v, f"batch.std.{k}") for k, v in (batch.get("std") or {}).items()
+            },
             recipe=str(data["recipe"]),
             params=dict(data.get("params") or {}),
             encoder=data.get("encoder"),
             served_by=[served_by] if served_by else [],
         )
-        n = len(result.rewards)
-        if len(result.items) != n or any(len(v) != n for v in result.components.values()):
-            raise ValueError(
-                f"malformed response: {n} rewards but {len(result.items)} items / component "
-                f"lengths {[len(v) for v in result.components.values()]}"
-            )
+        result.check_shape()
         return result
+
+    def check_shape(self) -> None:
+        """Refuse (``ValueError``) an answer whose arrays are not one entry per reward, or whose
+        ``normalized`` components are not its ``components``: an ``advantages`` one entry
+        longer, sliced to the batch, moved every advantage onto the next completion."""
+        n = len(self.rewards)
+        arrays: dict[str, Sequence[Any]] = {
+            "items": self.items,
+            **({} if self.advantages is None else {"advantages": self.advantages}),
+            **{f"components.{k}": v for k, v in self.components.items()},
+            **{f"normalized.{k}": v for k, v in self.normalized.items()},
+        }
+        wrong = {name: len(values) for name, values in arrays.items() if len(values) != n}
+        if wrong:
+            raise ValueError(f"malformed response: {n} rewards but {wrong} entries")
+        if self.normalized and self.normalized.keys() != self.components.keys():
+            raise ValueError(
+                f"malformed response: normalized {sorted(self.normalized)} "
+                f"for components {sorted(self.components)}"
+            )
 
     def to_json(self) -> dict[str, Any]:
         """The SPEC §6 JSON shape (plus ``served_by``)."""
