@@ -554,7 +554,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--recipe", choices=list(RECIPES), default="sde2", help="the reward")
     g.add_argument("--weight", action="append", default=[], help="ablation weight, e.g. sd=0")
     add_param_flag(g)
-    g.add_argument("--reward-timeout", type=float, default=180.0, help="seconds per try of a request, to its answer's last byte")
+    g.add_argument(
+        "--reward-timeout",
+        type=float,
+        default=180.0,
+        help="seconds per try of a request, to its answer's last byte",
+    )
     g.add_argument(
         "--reward-retries",
         type=int,
