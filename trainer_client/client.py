@@ -366,6 +366,20 @@ class _Attempts:
         connect = configured.connect if configured.connect is not None else left
         return httpx.Timeout(min(read, left), connect=min(connect, left))
 
+    def request(
+        self, http: httpx.Client | httpx.AsyncClient, method: str, url: str, content: bytes | None
+    ) -> httpx.Request:
+        """The current attempt's request to ``url``: JSON, with :meth:`timeout` and due by
+        :meth:`due` (both clients build it alike)."""
+        return http.build_request(
+            method,
+            url,
+            content=content,
+            headers=_JSON,
+            timeout=self.timeout(),
+            extensions={_DUE: self.due()},
+        )
+
     def due(self) -> float:
         """When the current attempt's whole answer is due (``time.monotonic``): its
         :meth:`timeout` from now. httpx's own timeouts bound each wait for bytes only."""
@@ -736,14 +750,7 @@ class RewardClient(_Base):
             url = attempts.url()
             outcome: httpx.Response | httpx.RequestError
             try:
-                outcome = self._http.request(
-                    method,
-                    url,
-                    content=content,
-                    headers=_JSON,
-                    timeout=attempts.timeout(),
-                    extensions={_DUE: attempts.due()},
-                )
+                outcome = self._http.send(attempts.request(self._http, method, url, content))
             except httpx.RequestError as exc:
                 outcome = exc
             if attempts.succeeded(url, outcome) and attempts.read(url, reader):
@@ -924,14 +931,7 @@ class AsyncRewardClient(_Base):
             url = attempts.url()
             outcome: httpx.Response | httpx.RequestError
             try:
-                outcome = await self._http.request(
-                    method,
-                    url,
-                    content=content,
-                    headers=_JSON,
-                    timeout=attempts.timeout(),
-                    extensions={_DUE: attempts.due()},
-                )
+                outcome = await self._http.send(attempts.request(self._http, method, url, content))
             except httpx.RequestError as exc:
                 outcome = exc
             if attempts.succeeded(url, outcome) and attempts.read(url, reader):
