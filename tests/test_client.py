@@ -1374,9 +1374,10 @@ def test_the_deadline_counts_from_the_batch_first_try_through_its_halves(
 
 
 @contextlib.contextmanager
-def dripping_server(body: bytes, gap: float) -> Iterator[str]:
+def dripping_server(body: bytes, gap: float, head_too: bool = False) -> Iterator[str]:
     """A real HTTP server whose every answer is ``body`` (200, JSON), sent a byte per ``gap``
-    seconds: each byte comes within any read timeout, the whole answer long after."""
+    seconds (``head_too``: its head as well): each byte comes within any read timeout, the
+    whole answer long after."""
     listener = socket.create_server(("127.0.0.1", 0))
     stop = threading.Event()
 
@@ -1390,12 +1391,14 @@ def dripping_server(body: bytes, gap: float) -> Iterator[str]:
                 conn.recv(1 << 20)
                 head = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
                 head += f"content-length: {len(body)}\r\n\r\n"
+                answer = head.encode() + body
                 try:
-                    conn.sendall(head.encode())
-                    for k in range(len(body)):
+                    sent = 0 if head_too else len(head)
+                    conn.sendall(answer[:sent])
+                    for k in range(sent, len(answer)):
                         if stop.wait(gap):
                             return
-                        conn.sendall(body[k : k + 1])
+                        conn.sendall(answer[k : k + 1])
                 except OSError:
                     continue  # the client gave up on this answer
 
@@ -1409,24 +1412,60 @@ def dripping_server(body: bytes, gap: float) -> Iterator[str]:
         thread.join(10)
 
 
+@contextlib.contextmanager
+def slow_server(body: bytes, delay: float) -> Iterator[str]:
+    """A real keep-alive HTTP server answering ``body`` (200, JSON) ``delay`` seconds after
+    each request, several at once."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self) -> None:  # the stdlib's name
+            self.rfile.read(int(self.headers["content-length"]))
+            time.sleep(delay)
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def _answer_bytes(items: list[dict[str, Any]]) -> bytes:
     calls: list[dict[str, Any]] = []
     request = httpx.Request("POST", f"{A}/v1/score", json={"items": items, "recipe": "sde2"})
     return core_handler(calls)(request).content
 
 
-def test_a_slow_answer_is_cut_at_the_request_timeout() -> None:
+@pytest.mark.parametrize("head_too", [False, True])
+def test_a_slow_answer_is_cut_at_the_request_timeout(head_too: bool) -> None:
     """httpx's read timeout bounds each wait for bytes: an answer sent a byte every 20 ms took
-    a call with a 0.5 s timeout (and a 1 s deadline) as long as the answer lasted (~10 s)."""
+    a call with a 0.5 s timeout (and a 1 s deadline) as long as the answer lasted (~10 s).
+    The asyncio client cuts a try at its due time, head or body; the blocking client checks
+    as bytes arrive, from the head's end."""
     body = _answer_bytes(ONE)
     assert len(body) * 0.02 > 5  # the whole answer would take over 5 s
     quick = policy(max_attempts=2, backoff_base=0.0, deadline=1.0)
-    with dripping_server(body, 0.02) as url:
+    with dripping_server(body, 0.02, head_too) as url:
         t0 = time.monotonic()
         rc = RewardClient(url, timeout=0.5, retry=quick)
         with rc, pytest.raises(RewardServiceError, match=r"ReadTimeout: no whole answer within"):
             rc.score(ONE)
-        assert time.monotonic() - t0 < 2.5
+        # A head of ~70 bytes at 20 ms each is 1.4 s; two tries of that and some of the body.
+        assert time.monotonic() - t0 < (5.0 if head_too else 2.5)
 
         async def run() -> None:
             async with AsyncRewardClient(url, timeout=0.5, retry=quick) as rc:
@@ -1435,7 +1474,33 @@ def test_a_slow_answer_is_cut_at_the_request_timeout() -> None:
 
         t0 = time.monotonic()
         asyncio.run(run())
-        assert time.monotonic() - t0 < 2.5
+        assert time.monotonic() - t0 < 1.5  # cut at each try's due time, the deadline's 1 s
+
+
+def test_a_wait_for_a_pooled_connection_is_not_the_servers_time() -> None:
+    """The due time counts from the request's sending: 8 calls on 2 connections to a server
+    answering in 0.3 s all pass with a 1 s timeout (the last ones wait 0.9 s for a
+    connection; counting that, two of them timed out)."""
+    body = _answer_bytes(ONE)
+    once = policy(max_attempts=1)
+    with slow_server(body, 0.3) as url:
+
+        async def run() -> list[ScoreResult]:
+            async with AsyncRewardClient(url, timeout=1.0, max_connections=2, retry=once) as rc:
+                return await asyncio.gather(*(rc.score(ONE) for _ in range(8)))
+
+        assert [len(r) for r in asyncio.run(run())] == [1] * 8
+        with RewardClient(url, timeout=1.0, max_connections=1, retry=once) as rc:
+            results: list[int] = []
+            threads = [
+                threading.Thread(target=lambda: results.append(len(rc.score(ONE))))
+                for _ in range(5)
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            assert results == [1] * 5
 
 
 def _spoiled(spoil: Callable[[dict[str, Any]], None]) -> httpx.MockTransport:
@@ -1450,6 +1515,21 @@ def _spoiled(spoil: Callable[[dict[str, Any]], None]) -> httpx.MockTransport:
     return httpx.MockTransport(handle)
 
 
+def test_whole_numbers_written_as_floats_are_read_as_integers() -> None:
+    """JSON has one kind of number: ``"n_strat": 2.0`` is 2 (some writers put every number so)."""
+
+    def as_floats(answer: dict[str, Any]) -> None:
+        for item in answer["items"]:
+            item["n_strat"] = float(item["n_strat"])
+            item["uniq"] = float(item["uniq"])
+
+    with RewardClient(A, transport=_spoiled(as_floats)) as rc:
+        result = rc.score(batch(), diagnostics=True)
+    with RewardClient(A, transport=httpx.MockTransport(core_handler([]))) as rc:
+        want = rc.score(batch(), diagnostics=True)
+    assert result.items == want.items and all(type(i.n_strat) is int for i in result.items)
+
+
 @pytest.mark.parametrize(
     ("spoil", "message"),
     [
@@ -1462,7 +1542,8 @@ def _spoiled(spoil: Callable[[dict[str, Any]], None]) -> httpx.MockTransport:
         ),
         (lambda a: a.update(recipe="cfl"), "scored with recipe 'cfl', not 'sde2'"),
         (lambda a: a["items"][2].update(correct="false"), "items.2.correct: 'false' is not a"),
-        (lambda a: a["items"][1].update(n_strat=True), "items.1.n_strat: True is not a JSON int"),
+        (lambda a: a["items"][1].update(n_strat=True), "items.1.n_strat: True is not a whole"),
+        (lambda a: a["items"][1].update(uniq=1.5), "items.1.uniq: 1.5 is not a whole"),
         (lambda a: a["rewards"].__setitem__(3, "0.1"), "rewards.3: '0.1' is not a number"),
         (lambda a: a["batch"]["std"].update(oc=None), "batch.std.oc: None is not a number"),
     ],

@@ -22,7 +22,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any
@@ -369,22 +369,19 @@ class _Attempts:
     def request(
         self, http: httpx.Client | httpx.AsyncClient, method: str, url: str, content: bytes | None
     ) -> httpx.Request:
-        """The current attempt's request to ``url``: JSON, with :meth:`timeout` and due by
-        :meth:`due` (both clients build it alike)."""
+        """The current attempt's request to ``url``: JSON, with :meth:`timeout`, its whole
+        answer due that long after it is sent (:class:`_Due`; both clients build it alike)."""
+        timeout = self.timeout()
+        due = _Due(math.inf if timeout.read is None else timeout.read)
+        tracer = due.atrace if isinstance(http, httpx.AsyncClient) else due.trace
         return http.build_request(
             method,
             url,
             content=content,
             headers=_JSON,
-            timeout=self.timeout(),
-            extensions={_DUE: self.due()},
+            timeout=timeout,
+            extensions={_DUE: due, "trace": tracer},
         )
-
-    def due(self) -> float:
-        """When the current attempt's whole answer is due (``time.monotonic``): its
-        :meth:`timeout` from now. httpx's own timeouts bound each wait for bytes only."""
-        limit = self.timeout().read
-        return time.monotonic() + (math.inf if limit is None else limit)
 
     def succeeded(self, url: str, outcome: httpx.Response | httpx.RequestError) -> bool:
         """Record the attempt's outcome; True when :attr:`data` holds the decoded answer.
@@ -502,32 +499,61 @@ def _answer(body: Mapping[str, Any], first: int = 0) -> Callable[[Any, str], Sco
     return read
 
 
-#: The request extension holding when a try's whole answer is due (``time.monotonic``).
-_DUE = "sde2.answer_due"
+#: The request extension holding a try's :class:`_Due`.
+_DUE = "sde2.due"
+_SENDING = ".send_request_headers.started"  # httpcore's trace event, HTTP/1.1 and HTTP/2
 
 
-def _past_due(response: httpx.Response) -> None:
-    """Raise :class:`httpx.ReadTimeout` when ``response``'s try is past its due time."""
-    due = response.request.extensions.get(_DUE)
-    if due is not None and time.monotonic() > due:
-        limit = response.request.extensions["timeout"]["read"]
-        raise httpx.ReadTimeout(
-            f"no whole answer within the request timeout ({limit:g} s)", request=response.request
-        )
+class _Due:
+    """When a try's whole answer is due: ``limit`` seconds (the client's timeout, cut to the
+    policy's deadline) after its request began to be sent. httpx's own timeouts bound each
+    wait for bytes only, and a server sending its answer a byte every 0.05 s held a call
+    with a 1 s timeout for 19 s. A wait for one of the pool's connections is the client's
+    queue, not the server's answer: it has the pool timeout, and the clock starts after it.
+
+    The asyncio client cuts the try at the due time itself (:attr:`cut`); the blocking one,
+    which cannot interrupt a read, checks as the answer arrives (:class:`_DueStream`): its
+    try ends at most one read timeout past due."""
+
+    def __init__(self, limit: float) -> None:
+        self.limit = limit
+        self.at = math.inf  # until the request is sent
+        #: The asyncio client's :func:`asyncio.timeout` around the try, set when it is sent.
+        self.cut: asyncio.Timeout | None = None
+
+    def trace(self, event: str, info: Mapping[str, Any]) -> None:
+        """httpcore's ``trace`` extension (blocking client): the clock starts at sending."""
+        if event.endswith(_SENDING):
+            self.at = time.monotonic() + self.limit
+
+    async def atrace(self, event: str, info: Mapping[str, Any]) -> None:
+        """The asyncio client's ``trace``: :meth:`trace`, and the cut is set to the due time."""
+        self.trace(event, info)
+        if event.endswith(_SENDING) and self.cut is not None and math.isfinite(self.limit):
+            self.cut.reschedule(asyncio.get_running_loop().time() + self.limit)
+
+    def overdue(self, request: httpx.Request) -> httpx.ReadTimeout:
+        """The failure of a try past due (a timeout: retried as one)."""
+        message = f"no whole answer within the request timeout ({self.limit:g} s)"
+        return httpx.ReadTimeout(message, request=request)
+
+    def check(self, request: httpx.Request) -> None:
+        """Raise :meth:`overdue` when the try is past due."""
+        if time.monotonic() > self.at:
+            raise self.overdue(request)
 
 
 class _DueStream(httpx.SyncByteStream):
-    """An answer's body that fails (:func:`_past_due`) once its try is past due: httpx's read
-    timeout bounds each wait for bytes, not the whole answer, and a server sending a byte
-    every 0.05 s held a call with a 1 s timeout for 19 s."""
+    """An answer's body that fails once its try is past due (:class:`_Due`), for the blocking
+    client."""
 
-    def __init__(self, response: httpx.Response) -> None:
-        self._response, self._stream = response, response.stream
+    def __init__(self, response: httpx.Response, due: _Due) -> None:
+        self._request, self._stream, self._due = response.request, response.stream, due
 
     def __iter__(self) -> Iterator[bytes]:
         assert isinstance(self._stream, httpx.SyncByteStream)
         for chunk in self._stream:
-            _past_due(self._response)
+            self._due.check(self._request)
             yield chunk
 
     def close(self) -> None:
@@ -535,33 +561,12 @@ class _DueStream(httpx.SyncByteStream):
         self._stream.close()
 
 
-class _AsyncDueStream(httpx.AsyncByteStream):
-    """:class:`_DueStream` for the asyncio client."""
-
-    def __init__(self, response: httpx.Response) -> None:
-        self._response, self._stream = response, response.stream
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        assert isinstance(self._stream, httpx.AsyncByteStream)
-        async for chunk in self._stream:
-            _past_due(self._response)
-            yield chunk
-
-    async def aclose(self) -> None:
-        assert isinstance(self._stream, httpx.AsyncByteStream)
-        await self._stream.aclose()
-
-
 def _due_by_time(response: httpx.Response) -> None:
-    """The blocking client's response hook: its head came in time, its body must too."""
-    _past_due(response)
-    response.stream = _DueStream(response)
-
-
-async def _async_due_by_time(response: httpx.Response) -> None:
-    """The asyncio client's response hook (:func:`_due_by_time`)."""
-    _past_due(response)
-    response.stream = _AsyncDueStream(response)
+    """The blocking client's response hook: the head came in time, and the body must too."""
+    due = response.request.extensions.get(_DUE)
+    if due is not None:
+        due.check(response.request)
+        response.stream = _DueStream(response, due)
 
 
 def _check_recipe(result: ScoreResult, recipe: str) -> None:
@@ -880,7 +885,6 @@ class AsyncRewardClient(_Base):
             limits=self._limits,
             headers=self._headers,
             transport=transport,
-            event_hooks={"response": [_async_due_by_time]},
         )
 
     async def __aenter__(self) -> AsyncRewardClient:
@@ -930,10 +934,15 @@ class AsyncRewardClient(_Base):
         while True:
             url = attempts.url()
             outcome: httpx.Response | httpx.RequestError
+            request = attempts.request(self._http, method, url, content)
+            due: _Due = request.extensions[_DUE]
             try:
-                outcome = await self._http.send(attempts.request(self._http, method, url, content))
+                async with asyncio.timeout(None) as due.cut:  # set when the request is sent
+                    outcome = await self._http.send(request)
             except httpx.RequestError as exc:
                 outcome = exc
+            except TimeoutError:  # the cut (a cancellation from outside stays one)
+                outcome = due.overdue(request)
             if attempts.succeeded(url, outcome) and attempts.read(url, reader):
                 return attempts
             await self._sleep(attempts.next_wait())

@@ -76,13 +76,23 @@ def _finite_one(value: Any, name: str) -> float:
     return number
 
 
+def _whole(value: Any, name: str) -> int:
+    """``value`` as an ``int`` when it is a whole JSON number (``2`` or ``2.0``: JSON has one
+    kind of number), else a ``ValueError`` naming ``name`` (a boolean or a string is none)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}: {value!r} is not a whole number")
+    return value
+
+
 def _exact(value: Any, kind: type, name: str) -> Any:
-    """``value`` when it is a JSON value of ``kind`` (``bool`` or ``int``; a boolean is no
-    integer), else a ``ValueError`` naming ``name``: ``bool("false")`` is ``True``, and a
-    proxy's quoted ``"false"`` counted as a correct answer."""
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+    """``value`` when it is a JSON value of ``kind`` (``bool`` or ``str``), else a
+    ``ValueError`` naming ``name``: ``bool("false")`` is ``True``, and a proxy's quoted
+    ``"false"`` counted as a correct answer."""
+    if not isinstance(value, kind):
         raise ValueError(
-            f"{name}: {value!r} is not a JSON {'boolean' if kind is bool else kind.__name__}"
+            f"{name}: {value!r} is not a JSON {'boolean' if kind is bool else 'string'}"
         )
     return value
 
@@ -105,11 +115,11 @@ class ItemDiagnostics:
         div, uniq, final = data.get("div"), data.get("uniq"), data.get("final_answer")
         at = f"items.{index}"
         return cls(
-            n_strat=_exact(data["n_strat"], int, f"{at}.n_strat"),
+            n_strat=_whole(data["n_strat"], f"{at}.n_strat"),
             final_answer=None if final is None else _exact(final, str, f"{at}.final_answer"),
             correct=_exact(data["correct"], bool, f"{at}.correct"),
             strategy_correct=_exact(data["strategy_correct"], bool, f"{at}.strategy_correct"),
-            uniq=None if uniq is None else _exact(uniq, int, f"{at}.uniq"),
+            uniq=None if uniq is None else _whole(uniq, f"{at}.uniq"),
             div=None if div is None else _finite_one(div, f"{at}.div"),
         )
 
