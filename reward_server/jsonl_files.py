@@ -16,6 +16,7 @@ import secrets
 import signal
 import stat
 import sys
+import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -115,16 +116,43 @@ def check_output(path: Path, flag: str = "--out", inputs: Iterable[tuple[str, Pa
                     "it reads: name another file"
                 )
     parent = path.resolve().parent
+    shown = parent if path.is_symlink() else path.parent  # a link names its target's folder
     if not parent.is_dir():
-        raise OutputError(f"{flag} {path}: no folder {path.parent}")
+        raise OutputError(f"{flag} {path}: no folder {shown}")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise OutputError(f"{flag} {path}: the folder {path.parent} is not writable")
+        raise OutputError(f"{flag} {path}: the folder {shown} is not writable")
 
 
 def write_atomically(path: Path, lines: Iterable[str]) -> None:
     """Write ``lines`` to a temporary file next to ``path``, then rename it over ``path``: a
     failed write (disk full, file size limit, a value that cannot be encoded) leaves the
-    previous file as it was, and a reader never sees half a file that looks complete."""
+    previous file as it was, and a reader never sees half a file that looks complete. A
+    SIGTERM while writing (``timeout``, a batch scheduler) ends the process as it would
+    (status 143), without leaving the temporary file."""
+    with _terminated_as_exit():
+        _write_atomically(path, lines)
+
+
+@contextlib.contextmanager
+def _terminated_as_exit() -> Iterator[None]:
+    """SIGTERM raises ``SystemExit(143)`` inside the block, so that its clean-up runs (by
+    default the process ends at once); in the main thread only, where Python runs handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def exit_143(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, exit_143)
+    try:
+        yield
+    finally:
+        if previous is not None:  # None: a handler not set from Python, which stays
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _write_atomically(path: Path, lines: Iterable[str]) -> None:
     target = path.resolve() if path.is_symlink() else path
     mode = stat.S_IMODE(target.stat().st_mode) if target.exists() else None
     tmp = target.with_name(f".{target.name}.{secrets.token_hex(4)}.tmp")

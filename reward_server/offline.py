@@ -249,10 +249,12 @@ def report_timeouts(judge: IsolatedMathJudge, limit: float) -> None:
         print(f"{judge.timeouts} math checks ran past {limit} s (not equivalent)", file=sys.stderr)
 
 
-def output_records(score: BatchScore) -> Iterator[dict[str, Any]]:
-    """One JSON-able record per item: diagnostics, components, normalized values, reward."""
+def output_records(score: BatchScore, lines: Sequence[int]) -> Iterator[dict[str, Any]]:
+    """One JSON-able record per item: the input ``line`` it answers (blank lines are no items,
+    so the k-th record need not be line k), diagnostics, components, normalized values, reward."""
     for i, item in enumerate(score.items):
         yield {
+            "line": lines[i],
             **item._asdict(),
             "reward": score.rewards[i],
             "components": {k: v[i] for k, v in score.components.items()},
@@ -329,5 +331,8 @@ def run(args: argparse.Namespace) -> int:
     except (InputError, NonFiniteRewardError) as exc:
         print(f"{command}: {exc}", file=sys.stderr)
         return 2
-    lines = (json.dumps(record, ensure_ascii=False) + "\n" for record in output_records(score))
+    lines = (
+        json.dumps(record, ensure_ascii=False) + "\n"
+        for record in output_records(score, inputs.lines)
+    )
     return emit(command, args.out, lines)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, ClassVar
@@ -36,11 +37,18 @@ def write_run(path: Path, rows: list[object]) -> Path:
         ({"completion": 72}, "line 2: completion: must be a string, got number"),
         ({"completion": ["a"]}, "line 2: completion: must be a string, got array"),
         ({"completion": None, "answer": "4"}, "line 2: completion: must be a string"),
-        ({"num_tokens": 9.9}, "line 2: num_tokens: must be an integer >= 0, got 9.9"),
-        ({"num_tokens": -5}, "line 2: num_tokens: must be an integer >= 0, got -5"),
-        ({"num_tokens": "ten"}, 'line 2: num_tokens: must be an integer >= 0, got "ten"'),
-        ({"num_tokens": True}, "line 2: num_tokens: must be an integer >= 0, got true"),
+        ({"num_tokens": 9.9}, "line 2: num_tokens: must be an integer from 0 to 2^63-1, got 9.9"),
+        ({"num_tokens": -5}, "line 2: num_tokens: must be an integer from 0 to 2^63-1, got -5"),
+        (
+            {"num_tokens": "ten"},
+            'line 2: num_tokens: must be an integer from 0 to 2^63-1, got "ten"',
+        ),
+        ({"num_tokens": True}, "line 2: num_tokens: must be an integer from 0 to 2^63-1, got true"),
         ({"answer_type": None}, "line 2: answer_type: one of numeric, choice, exact, math"),
+        (  # #TOK is a mean of them: one past a float's range ended the run after scoring
+            {"num_tokens": 10**400},
+            "line 2: num_tokens: must be an integer from 0 to 2^63-1, got 1000000000... (401 ",
+        ),
     ],
 )
 def test_wrong_types_are_refused_naming_file_line_and_field(
@@ -48,7 +56,7 @@ def test_wrong_types_are_refused_naming_file_line_and_field(
 ) -> None:
     good = {**GOOD, "num_tokens": 3} if "num_tokens" in bad else GOOD
     runfile = write_run(tmp_path / "r.jsonl", [good, {**GOOD, **bad}])
-    with pytest.raises(ValueError, match=f"r\\.jsonl: {message}"):
+    with pytest.raises(ValueError, match=re.escape(f"r.jsonl: {message}")):
         read_run(f"x={runfile}")
 
 
@@ -170,6 +178,43 @@ def test_a_plot_without_token_counts_is_not_written(
     with caplog.at_level("WARNING", logger="sde2.eval"):
         assert main([*argv, "--plot", str(plot)]) == 0
     assert not plot.exists() and "none of the runs have token counts" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("plot", "message"),
+    [
+        ("-", "a plot is an image file, not stdout"),
+        ("{tmp}/chart", "name the image with one of the suffixes"),  # matplotlib wrote chart.png
+        ("{tmp}/chart.txt", "name the image with one of the suffixes"),  # a traceback after all
+    ],
+)
+def test_a_plot_path_that_cannot_take_the_image_stops_before_scoring(
+    tmp_path: Path,
+    fake_client: type[FakeClient],
+    capsys: pytest.CaptureFixture[str],
+    plot: str,
+    message: str,
+) -> None:
+    runfile = write_run(tmp_path / "r.jsonl", [{**GOOD, "num_tokens": 3}] * 2)
+    argv = ["--reward-url", URL, "--completions", f"a={runfile}", "--completions", f"b={runfile}"]
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--plot", plot.format(tmp=tmp_path)])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+    assert fake_client.requests == [] and not list(tmp_path.glob("chart*"))
+    svg = tmp_path / "chart.SVG"  # the suffix's format, whatever its case
+    assert main([*argv, "--plot", str(svg)]) == 0
+    assert svg.read_bytes().lstrip().startswith(b"<?xml")
+
+
+def test_json_to_stdout_is_the_json_alone(
+    tmp_path: Path, fake_client: type[FakeClient], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--json -`` printed the Markdown table and then the JSON on stdout: no parser read it."""
+    runfile = write_run(tmp_path / "r.jsonl", [GOOD] * 2)
+    assert main(["--reward-url", URL, "--completions", f"x={runfile}", "--json", "-"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["runs"][0]["method"] == "x" and out.endswith("\n")
+    assert "| x |" in err
 
 
 def test_a_refused_request_is_one_line_with_the_servers_reason(

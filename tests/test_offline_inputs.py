@@ -140,13 +140,16 @@ def test_explain_reports_timed_out_math_checks_as_score_does(
     ("out", "message"),
     [
         ("adir", "--out {tmp}/adir: is a folder"),
-        ("nope/x.jsonl", "--out {tmp}/nope/x.jsonl: no folder"),
+        ("nope/x.jsonl", "--out {tmp}/nope/x.jsonl: no folder {tmp}/nope\n"),
+        # A link to a missing folder: that folder is named, not the link's (which exists).
+        ("dangling.jsonl", "--out {tmp}/dangling.jsonl: no folder {tmp}/gone\n"),
     ],
 )
 def test_an_unwritable_out_is_refused_before_the_input_is_read(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], out: str, message: str
 ) -> None:
     (tmp_path / "adir").mkdir()
+    (tmp_path / "dangling.jsonl").symlink_to(tmp_path / "gone" / "x.jsonl")
     src = write_lines(tmp_path / "in.jsonl", ["not json"])  # never read
     assert main(score_argv(src, tmp_path / out)) == 2
     err = capsys.readouterr().err
@@ -272,3 +275,38 @@ def test_an_out_that_is_the_input_is_refused_and_the_input_kept(
         assert f"--out {out}: is the --in file; writing it would replace what it reads" in err
         assert json.loads(src.read_text()) == GOOD
     assert main(score_argv(src, tmp_path / "out.jsonl")) == 0
+
+
+def test_a_sigterm_while_writing_leaves_no_temporary_file(tmp_path: Path) -> None:
+    """``timeout`` and batch schedulers stop a job with SIGTERM: the process ended at once
+    and left a partial ``.NAME.*.tmp`` beside the output; it now exits 143 without it, the
+    previous output as it was."""
+    out = tmp_path / "o.jsonl"
+    out.write_text("previous\n")
+    script = f"""
+import os, signal
+from pathlib import Path
+from reward_server.jsonl_files import write_atomically
+
+def lines():
+    yield "first\\n"
+    os.kill(os.getpid(), signal.SIGTERM)
+    yield "never\\n"
+
+write_atomically(Path({str(out)!r}), lines())
+"""
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, timeout=60, check=False)
+    assert done.returncode == 143
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o.jsonl"]
+    assert out.read_text() == "previous\n"
+
+
+def test_each_record_names_the_input_line_it_answers(tmp_path: Path) -> None:
+    """Blank lines are no items: the second record answered line 3, and nothing in the output
+    said so (joining by line number paired results with the wrong inputs)."""
+    src = tmp_path / "in.jsonl"
+    src.write_text(f"{json.dumps(GOOD)}\n\n{json.dumps({**GOOD, 'answer': '5'})}\n")
+    out = tmp_path / "out.jsonl"
+    assert main(score_argv(src, out)) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["line"], r["correct"]) for r in records] == [(1, True), (3, False)]

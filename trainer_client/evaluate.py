@@ -323,8 +323,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="ACC's 95%% interval: normal, as the paper's tables, or Wilson",
     )
     p.add_argument("--save-completions", type=Path, help="write the generated run as JSONL")
-    p.add_argument("--json", type=Path, help="write the metrics as JSON")
-    p.add_argument("--plot", type=Path, help="PNG of ACC vs #TOK per method (needs matplotlib)")
+    p.add_argument(
+        "--json",
+        type=Path,
+        help="write the metrics as JSON (-: to stdout, the table then to stderr)",
+    )
+    p.add_argument(
+        "--plot",
+        type=Path,
+        help="image of ACC vs #TOK per method, in its suffix's format (.png, .svg, .pdf...)",
+    )
     return p
 
 
@@ -377,11 +385,28 @@ def run_row(path: Path, number: int, record: Any, answer_type: str = "numeric") 
         raise RunFileError(f"{where}: answer_type: one of {', '.join(ANSWER_TYPES)}, got {shown}")
     tokens = record.get("num_tokens")
     if tokens is not None and (
-        isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0
+        isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 <= tokens <= MAX_TOKENS
     ):
-        shown = json.dumps(tokens)
-        raise RunFileError(f"{where}: num_tokens: must be an integer >= 0, got {shown}")
+        whole = isinstance(tokens, int) and not isinstance(tokens, bool)
+        shown = _short(tokens) if whole else json.dumps(tokens)
+        raise RunFileError(f"{where}: num_tokens: must be an integer from 0 to 2^63-1, got {shown}")
     return RunRow(number, completion, gold, answer_type, tokens)
+
+
+#: The largest ``num_tokens`` read (what gRPC's int64 carries): #TOK is a mean of them, and a
+#: count past a float's range ended the run with an OverflowError after scoring it all.
+MAX_TOKENS = 2**63 - 1
+
+
+def _short(number: int) -> str:
+    """An integer for a message, its digits elided past 20.
+
+    >>> _short(12), _short(10**40)
+    ('12', '1000000000... (41 digits)')
+    """
+    digits = str(abs(number))
+    sign = "-" if number < 0 else ""
+    return sign + digits if len(digits) <= 20 else f"{sign}{digits[:10]}... ({len(digits)} digits)"
 
 
 def _lines_list(numbers: Sequence[int], most: int = 10) -> str:
@@ -655,8 +680,32 @@ def located(exc: RewardRequestError, run: Run, start: int) -> RewardRequestError
     return RewardRequestError(f"the reward service refused {'; '.join(named)}", exc.attempts)
 
 
+def plot_formats() -> dict[str, str] | None:
+    """The image formats matplotlib writes (suffix: description); None without matplotlib."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+    except ImportError:
+        return None
+    return dict(FigureCanvasAgg.get_supported_filetypes())
+
+
+def plot_path_problem(path: Path) -> str | None:
+    """Why ``path`` cannot take the plot (checked before the runs are scored), or None.
+    matplotlib picks the format from the suffix, and wrote ``NAME.png`` for a name without
+    one (``/dev/full``, ``-``) while the log said it wrote ``NAME``."""
+    if str(path) == "-":
+        return "a plot is an image file, not stdout: name one (e.g. acc_vs_tokens.png)"
+    formats = plot_formats()
+    suffix = path.suffix.lower().removeprefix(".")
+    if formats is not None and suffix not in formats:
+        known = ", ".join(f".{s}" for s in sorted(formats))
+        return f"name the image with one of the suffixes {known}"
+    return None
+
+
 def plot_runs(rows: Sequence[RunMetrics], path: Path) -> bool:
-    """ACC (with its CI) against #TOK per method; False when matplotlib is missing."""
+    """ACC (with its CI) against #TOK per method, written to ``path`` in its suffix's format;
+    False when matplotlib is missing. ``OSError`` when the file cannot be written."""
     try:
         import matplotlib
 
@@ -678,8 +727,10 @@ def plot_runs(rows: Sequence[RunMetrics], path: Path) -> bool:
     ax.set_title("Accuracy against tokens")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=120, format=path.suffix.lower().removeprefix("."))
+    finally:
+        plt.close(fig)
     return True
 
 
@@ -738,6 +789,8 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             check_output(path, flag, inputs=runs)  # not a file the runs are read from
         except OutputError as exc:
             parser.error(str(exc))
+    if args.plot is not None and (problem := plot_path_problem(args.plot)):
+        parser.error(f"--plot {args.plot}: {problem}")
 
 
 def unscored_path(run: Run) -> Path:
@@ -856,10 +909,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130 if stopped else 2
     if args.model and not args.save_completions:
         unscored_path(runs[0]).unlink(missing_ok=True)  # scored: no longer needed
-    status = emit("sde2-eval", Path("-"), [markdown_table(rows) + "\n"])  # quiet on `| head`
+    table = markdown_table(rows) + "\n"
+    if args.json is not None and str(args.json) == "-":  # stdout is the JSON's alone
+        sys.stderr.write(table)
+        status = 0
+    else:
+        status = emit("sde2-eval", Path("-"), [table])  # quiet on `| head`
     payload = {"runs": [r.as_dict() for r in rows], "meta": run_meta(args, split, runs[0].decoding)}
     if args.json:
-        written = emit("sde2-eval", args.json, [json.dumps(payload, indent=1)])
+        written = emit("sde2-eval", args.json, [json.dumps(payload, indent=1) + "\n"])
         status = status or written
     if args.plot:
         placed = [r.method for r in rows if r.tokens is not None]
@@ -871,8 +929,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "num_tokens on each line, or --tokenizer): no plot",
                 len(placed) or "none",
             )
-        elif plot_runs(rows, args.plot):
-            log.info("plot written to %s", args.plot)
+        else:
+            try:
+                if plot_runs(rows, args.plot):
+                    log.info("plot written to %s", args.plot)
+            except OSError as exc:
+                print(
+                    f"sde2-eval: cannot write {args.plot}: {exc.strerror or exc}", file=sys.stderr
+                )
+                status = status or 1
     return status
 
 
