@@ -58,14 +58,14 @@ def jsonl_lines(path: Path) -> Iterator[tuple[int, str]]:
 
     Lines end at ``\\n`` only (a ``\\r`` before it is dropped): U+2028, U+0085 and their kin may
     stand unescaped inside a JSON string, and ``str.splitlines`` would cut the line there and
-    shift every later number. A leading BOM is accepted (``utf-8-sig``: some editors write one);
-    bytes that are not UTF-8 are an :class:`InputError` naming the line and column.
+    shift every later number. A BOM opening a line is dropped (``utf-8-sig``: some editors write
+    one, and ``cat a.jsonl b.jsonl`` puts the second file's inside: it read "not JSON" at column
+    1 of a line that looked right); bytes that are not UTF-8 are an :class:`InputError` naming
+    the line and column.
     """
     with path.open("rb") as f:
         for number, raw in enumerate(f, start=1):
-            if number == 1:
-                raw = raw.removeprefix(_UTF8_BOM)
-            raw = raw.removesuffix(b"\n").removesuffix(b"\r")
+            raw = raw.removeprefix(_UTF8_BOM).removesuffix(b"\n").removesuffix(b"\r")
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as exc:

@@ -166,6 +166,8 @@ def check_input(path: Path, flag: str = "--in") -> None:
     ...
     reward_server.jsonl_files.InputError: --in /: is a folder; name a JSONL file
     """
+    if str(path) == "-":
+        raise InputError(f"{flag} -: not read from stdin; name a JSONL file (or /dev/stdin)")
     if path.is_dir():
         raise InputError(f"{flag} {path}: is a folder; name a JSONL file")
     if not path.exists():

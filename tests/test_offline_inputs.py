@@ -61,6 +61,10 @@ def test_reading_accepts_a_bom_and_names_lines_not_byte_offsets(
     src.write_bytes(b"\xef\xbb\xbf" + (json.dumps(GOOD) + "\n").encode() * 2)
     assert main(score_argv(src, "-")) == 0
     assert len(capsys.readouterr().out.splitlines()) == 2
+    # Two such files joined (`cat a.jsonl b.jsonl`): the second BOM opens line 3.
+    src.write_bytes(src.read_bytes() * 2)
+    assert main(score_argv(src, "-")) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 4
     latin1 = json.dumps({"completion": "caf\u00e9", "answer": "4"}, ensure_ascii=False).encode(
         "latin-1"
     )
@@ -310,3 +314,14 @@ def test_each_record_names_the_input_line_it_answers(tmp_path: Path) -> None:
     assert main(score_argv(src, out)) == 0
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["line"], r["correct"]) for r in records] == [(1, True), (3, False)]
+
+
+@pytest.mark.parametrize("command", ["score", "explain"])
+def test_stdin_as_input_is_refused_naming_what_works(
+    capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    """``--in -`` read "no such file" (``--out -`` is stdout)."""
+    assert main([command, "--in", "-", *(["--out", "-"] if command == "score" else [])]) == 2
+    assert (
+        "--in -: not read from stdin; name a JSONL file (or /dev/stdin)" in capsys.readouterr().err
+    )
