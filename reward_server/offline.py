@@ -19,7 +19,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,7 @@ from reward_server.core import (
     finish_batch,
     prepare_batch,
 )
+from reward_server.core.answers import MathJudge
 from reward_server.encoders.base import EMBEDDING_DIM, Encoder
 from reward_server.encoders.loading import BACKENDS, Backend, runs_export
 from reward_server.encoders.model_store import (
@@ -222,24 +223,39 @@ def embed_with_progress(
     return encode_with_progress(encoder, texts, show)
 
 
+def counted(judge: MathJudge, tick: Callable[[], object]) -> MathJudge:
+    """``judge``, calling ``tick`` after each check (a progress bar's)."""
+
+    def judged(prediction: str, gold: str) -> bool:
+        verdict = judge(prediction, gold)
+        tick()
+        return verdict
+
+    return judged
+
+
 def prepare_input(
     args: argparse.Namespace, judge: IsolatedMathJudge, diagnostics: bool
 ) -> tuple[InputItems, PreparedBatch]:
     """Read ``--in`` and run the batch's phase 1; every error an :class:`InputError` naming the
     file and line (or the flag), every warning printed so named."""
+    from tqdm import tqdm
+
     params = params_from_flag(args.params)
     inputs = load_items(args.input)
-    try:
-        prepared = prepare_batch(
-            inputs.items,
-            recipe=args.recipe,
-            answer_type=args.answer_type,
-            params=params,
-            diagnostics=diagnostics,
-            math_judge=judge,
-        )
-    except InvalidBatch as exc:
-        raise inputs.batch_error(exc) from None
+    show = args.answer_type == "math" and not args.quiet  # ~10 ms a check: minutes for a file
+    with tqdm(unit="check", desc="math checks", disable=not show) as bar:
+        try:
+            prepared = prepare_batch(
+                inputs.items,
+                recipe=args.recipe,
+                answer_type=args.answer_type,
+                params=params,
+                diagnostics=diagnostics,
+                math_judge=counted(judge, bar.update),
+            )
+        except InvalidBatch as exc:
+            raise inputs.batch_error(exc) from None
     for warning in prepared.warnings:  # scored, but the user should know (a wrong answer column)
         print(f"warning: {inputs.where(warning.loc, warning.message)}", file=sys.stderr)
     return inputs, prepared
