@@ -338,3 +338,93 @@ def test_each_components_share_names_what_it_multiplies(
         weight, shown = hint.removeprefix("w ").split(" × ")
         assert float(weight) == n["weight"]
         assert float(shown) == pytest.approx(factor, abs=1e-4), (key, hint)
+
+
+def _run_one(driver: Any, completion: str, gold: str) -> None:
+    """Paste one completion and its gold, run it, and wait for its row."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    driver.get(driver.current_url.split("/inspect")[0] + "/inspect")
+    box = driver.find_element(By.ID, "completions")
+    driver.execute_script("arguments[0].value = arguments[1];", box, completion[:-1])
+    box.send_keys(completion[-1])
+    driver.find_element(By.ID, "answer").send_keys(gold)
+    driver.find_element(By.ID, "run").click()
+    WebDriverWait(driver, WAIT_S).until(
+        lambda d: len(d.find_elements(By.CSS_SELECTOR, "#summary tbody tr")) == 1
+    )
+
+
+def test_model_text_cannot_reorder_what_the_page_says(server: ServerProcess, browser: Any) -> None:
+    """A right-to-left override in a completion drew "81" as "18", the gold, beside
+    "correct: no"; each bidi control is now a visible mark, and model text is isolated."""
+    from selenium.webdriver.common.by import By
+
+    browser.get(server.url + "/inspect")
+    _run_one(
+        browser, "ok \u202e" + strat("think hard", "91") + "<final_answer>81</final_answer>", "18"
+    )
+    marks = browser.find_elements(By.CSS_SELECTOR, "#completion .control")
+    assert [m.text for m in marks] == ["U+202E"]
+    html = browser.find_element(By.ID, "item-detail").get_attribute("innerHTML")
+    assert "\u202e" not in html  # drawn, not applied
+    answer = browser.find_element(By.CSS_SELECTOR, ".facts dd bdi.model").text
+    assert answer == "81"
+    _run_one(browser, strat("think", "\u202e81") + "<final_answer>\u202e81</final_answer>", "18")
+    assert browser.find_element(By.CSS_SELECTOR, "#summary tbody td bdi.model").text == "U+202E81"
+
+
+def test_long_model_text_is_cut_by_code_points(server: ServerProcess, browser: Any) -> None:
+    """The page cut UTF-16 units where the server counts code points: 60 emoji showed as 35
+    without "…", and an odd cut split a surrogate pair into U+FFFD."""
+    from selenium.webdriver.common.by import By
+
+    browser.get(server.url + "/inspect")
+    final = "a" + "\U0001f600" * 50
+    _run_one(browser, strat("\U0001f600" * 60, "1") + f"<final_answer>{final}</final_answer>", "1")
+    reasoning = browser.find_element(By.CSS_SELECTOR, "#strategies li bdi.model").text
+    assert reasoning == "\U0001f600" * 60
+    cell = browser.find_element(By.CSS_SELECTOR, "#summary tbody td bdi.model").text
+    assert cell == final[:40] + "…" and "\ufffd" not in cell
+
+
+def test_a_second_run_waits_for_the_first_and_odd_answers_are_told(
+    server: ServerProcess, browser: Any
+) -> None:
+    """Ctrl+Enter ran again while the button was disabled, and the older answer could land
+    last; a proxy's answer (a 422 without ``field``, a 200 that is no JSON) broke the page
+    with a TypeError and showed nothing."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.get(server.url + "/inspect")
+    browser.execute_script(
+        """window.calls = 0; const real = window.fetch;
+        window.fetch = async (...args) => { window.calls += 1;
+          await new Promise((r) => setTimeout(r, 1500)); return real(...args); };"""
+    )
+    fill(browser, ["<final_answer>1</final_answer>"], "1")
+    browser.find_element(By.ID, "run").click()
+    fill(browser, ["<final_answer>2</final_answer>"], "1")
+    run_with_keyboard(browser)
+    WebDriverWait(browser, WAIT_S).until(
+        lambda d: len(d.find_elements(By.CSS_SELECTOR, "#summary tbody tr")) == 1
+    )
+    assert browser.execute_script("return window.calls") == 1
+    assert browser.find_element(By.CSS_SELECTOR, "#summary tbody td bdi.model").text == "1"
+    for status, body, message in [
+        (422, '{"detail": [{"msg": "refused"}]}', "body: refused"),
+        (200, "<html>proxy</html>", "200: the answer is not an explanation"),
+        (401, '{"detail": {"why": "no"}}', '401: {"detail":{"why":"no"}}'),
+    ]:
+        browser.execute_script(
+            "window.fetch = async () => new Response(arguments[1], {status: arguments[0]});",
+            status,
+            body,
+        )
+        browser.find_element(By.ID, "run").click()
+        where = "apikey-error" if status == 401 else "general-error"
+        WebDriverWait(browser, WAIT_S).until(
+            lambda d, w=where, m=message: m in d.find_element(By.ID, w).text
+        )

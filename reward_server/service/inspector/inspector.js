@@ -29,6 +29,36 @@ function el(tag, attrs = {}, ...children) {
   return node;
 }
 
+// ---- model text -------------------------------------------------------------------------------
+
+/** Bidirectional controls (embeddings, overrides, isolates, marks): in a model's text they can
+ * make "81" read "18" on the page, so each is drawn as a visible mark instead. */
+const BIDI_CONTROLS = /[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]/gu;
+
+/** ``text`` as nodes, each bidi control a visible mark naming its code point (same count of
+ * code points around them: the completion's offsets still hold). */
+function visible(text) {
+  const nodes = [];
+  let at = 0;
+  for (const match of text.matchAll(BIDI_CONTROLS)) {
+    if (match.index > at) nodes.push(text.slice(at, match.index));
+    const code = match[0].codePointAt(0).toString(16).toUpperCase().padStart(4, "0");
+    nodes.push(el("span", { class: "control", title: `U+${code}, a bidirectional control`, text: `U+${code}` }));
+    at = match.index + match[0].length;
+  }
+  if (at < text.length) nodes.push(text.slice(at));
+  return nodes;
+}
+
+/** Model text (an answer, an outcome, a reasoning): isolated from the text around it, its bidi
+ * controls visible, cut to ``most`` code points ("…" when the text, of ``total`` code points
+ * when the server sent a part, is longer). */
+function modelText(text, most = Infinity, total = 0) {
+  const points = Array.from(text);
+  const cut = points.length > most || total > most;
+  return el("bdi", { class: "model" }, visible(points.slice(0, most).join("")), cut ? "…" : "");
+}
+
 const fmt = (x, digits = 4) =>
   typeof x === "number" && !Number.isInteger(x) ? x.toFixed(digits) : String(x);
 const signed = (x, digits = 6) => (x >= 0 ? "+" : "") + x.toFixed(digits);
@@ -157,9 +187,15 @@ function buildRequest() {
 // ---- run --------------------------------------------------------------------------------------
 
 let last = null; // {request, response}
+let running = false; // a request is in flight: Ctrl+Enter waits for it as the button does
+
+/** An answer's ``detail`` as text (a proxy's may be anything). */
+const detailText = (payload, response) =>
+  typeof payload?.detail === "string" ? payload.detail : JSON.stringify(payload) ?? response.statusText;
 
 async function run(event) {
   if (event) event.preventDefault();
+  if (running) return;
   clearErrors();
   const request = buildRequest();
   if (request.error) {
@@ -168,8 +204,13 @@ async function run(event) {
   }
   const headers = { "content-type": "application/json" };
   const key = $("#apikey").value.trim();
+  if (/[^\u0000-\u00ff]/u.test(key)) {
+    showError("apikey", "an HTTP header cannot carry this key: characters beyond Latin-1");
+    return;
+  }
   if (key) headers.authorization = `Bearer ${key}`;
   $("#status").textContent = "Explaining…";
+  running = true;
   $("#run").disabled = true;
   let response;
   let payload;
@@ -180,15 +221,21 @@ async function run(event) {
       headers,
       body: JSON.stringify(request.body),
     });
-    payload = await response.json().catch(() => ({ detail: response.statusText }));
+    payload = await response.json().catch(() => null);
   } catch (err) {
     $("#status").textContent = "";
     showError("general", `The server did not answer: ${err.message}`);
     return;
   } finally {
+    running = false;
     $("#run").disabled = false;
   }
   $("#status").textContent = `${response.status} ${response.statusText}`.trim();
+  if (response.ok && !Array.isArray(payload?.explanation?.items)) {
+    $("#results").hidden = true;
+    showError("general", `${response.status}: the answer is not an explanation (a proxy's page?)`);
+    return;
+  }
   if (response.ok) {
     last = { request, response: payload };
     render(payload, request);
@@ -198,15 +245,14 @@ async function run(event) {
     return;
   }
   $("#results").hidden = true;
-  if (response.status === 422 && Array.isArray(payload.detail)) {
+  if (response.status === 422 && Array.isArray(payload?.detail)) {
     for (const issue of payload.detail) {
-      showError(inputFor(issue.field, request), `${issue.field}: ${issue.msg}`);
+      const field = typeof issue?.field === "string" ? issue.field : "body";
+      showError(inputFor(field, request), `${field}: ${issue?.msg ?? JSON.stringify(issue)}`);
     }
-  } else if (response.status === 401) {
-    showError("apikey", `${response.status}: ${payload.detail}`);
   } else {
-    const detail = typeof payload.detail === "string" ? payload.detail : JSON.stringify(payload);
-    showError("general", `${response.status}: ${detail}`);
+    const where = response.status === 401 ? "apikey" : "general";
+    showError(where, `${response.status}: ${detailText(payload, response)}`);
   }
 }
 
@@ -222,7 +268,7 @@ function render(payload, request) {
   const tbody = $("#summary tbody");
   tbody.replaceChildren();
   items.forEach((item, k) => {
-    const fa = item.final_answer.text === null ? "none" : item.final_answer.text;
+    const fa = item.final_answer.text === null ? "none" : modelText(item.final_answer.text, 40);
     const row = el(
       "tr",
       { "data-item": k },
@@ -236,7 +282,7 @@ function render(payload, request) {
       el("td", { class: "num", text: item.geometry.uniq }),
       el("td", { class: "num", text: item.chi ? "1" : "0" }),
       el("td", { class: "num", text: item.correct ? "yes" : "no" }),
-      el("td", { text: fa.length > 40 ? fa.slice(0, 40) + "…" : fa }),
+      el("td", {}, fa),
     );
     tbody.append(row);
   });
@@ -327,16 +373,15 @@ function highlighted(item, completion) {
       }
     }
     const covering = spans.filter((s) => s.start <= a && b <= s.end && s.end > s.start);
-    const text = chars.slice(a, b).join("");
+    const text = visible(chars.slice(a, b).join(""));
     if (covering.length === 0) {
-      box.append(text);
+      box.append(...text);
       continue;
     }
     box.append(el("span", {
       class: covering.map((s) => s.cls).join(" "),
       title: covering.map((s) => s.title).join(" · "),
-      text,
-    }));
+    }, text));
   }
   if (completion.length === 0) box.append(el("span", { class: "hint", text: "(empty)" }));
   return box;
@@ -365,8 +410,8 @@ function facts(item) {
   const source = { final_answer: "<final_answer>", answer: "<answer>", strategy: "the last kept strategy's outcome" };
   const dl = el("dl", { class: "facts" });
   const row = (term, ...value) => dl.append(el("dt", { text: term }), el("dd", {}, ...value));
-  row("final answer", fa.text === null ? "none" : `"${fa.text}"${canon(fa.canonical)} from ${source[fa.source]}`);
-  row("gold", `"${item.gold.text}"${canon(item.gold.canonical)}`);
+  row("final answer", ...(fa.text === null ? ["none"] : ['"', modelText(fa.text), `"${canon(fa.canonical)} from ${source[fa.source]}`]));
+  row("gold", '"', modelText(item.gold.text), `"${canon(item.gold.canonical)}`);
   row("correct", item.correct ? "yes: f_ans matches the gold answer" : "no");
   row("χ", item.chi ? "1: a kept strategy's outcome matches" : "0: no strategy outcome matches");
   row("strategies", `${item.n_strat} kept of ${item.blocks_total} blocks`);
@@ -397,7 +442,7 @@ function strategyList(item) {
         ` (κ ${fmt(d.cosine)} > δ ${g.threshold}) `,
       );
     }
-    li.append(`“${block.reasoning.text.slice(0, 70)}${block.reasoning.chars > 70 ? "…" : ""}” → ${outcome.text}`);
+    li.append("“", modelText(block.reasoning.text, 70, block.reasoning.chars), "” → ", modelText(outcome.text));
     li.append(outcome.matches ? " ✓" : " ✗");
     list.append(li);
   }
@@ -506,8 +551,8 @@ function ignoredTable(item) {
       el("td", { text: block.span.join("–") }), el("td", { text: block.reason })));
   }
   for (const entry of item.ignored) {
-    const what = entry.excerpt ? `${entry.kind}: “${entry.excerpt.trim().slice(0, 40)}”` : entry.kind;
-    body.append(el("tr", {}, el("td", { text: what }), el("td", { text: entry.span.join("–") }),
+    const what = entry.excerpt ? [`${entry.kind}: “`, modelText(entry.excerpt.trim(), 40), "”"] : [entry.kind];
+    body.append(el("tr", {}, el("td", {}, ...what), el("td", { text: entry.span.join("–") }),
       el("td", { text: entry.reason })));
   }
   table.append(body);
