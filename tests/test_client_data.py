@@ -178,8 +178,11 @@ def test_train_flags_and_reward_params(tmp_path: Path) -> None:
         reward_params(bad)
     fresh = build_parser().parse_args([*argv, "--output-dir", str(tmp_path), "--resume"])
     assert resume_target(fresh) is None  # nothing to resume yet: start fresh
-    (tmp_path / "checkpoint-3").mkdir()
-    (tmp_path / "checkpoint-12").mkdir()
+    for step in (3, 12):  # the newest by number, not by name
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text(
+            json.dumps({"global_step": step})
+        )
     assert resume_target(fresh) == str(tmp_path / "checkpoint-12")
 
 
@@ -358,6 +361,31 @@ def dead_url() -> str:
         (["--max-grad-norm", "nan"], "--max-grad-norm must be a finite number >= 0, got nan"),
         (["--beta", "-0.1"], "--beta must be a finite number >= 0, got -0.1"),
         (["--output-dir", "{tmp}/run"], "--output-dir {tmp}/run holds checkpoints of an earlier"),
+        # Each of these passed, then trained nothing (exit 0), one step, or failed once loaded.
+        (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+        (["--batch-size", "-2"], "--batch-size must be >= 1, got -2"),
+        (["--max-steps", "0"], "--max-steps must be >= 1, or -1 to run --epochs, got 0"),
+        (["--max-steps", "-7"], "--max-steps must be >= 1, or -1 to run --epochs, got -7"),
+        (
+            ["--epochs", "nan"],
+            "--epochs must be a finite number > 0 (with --max-steps -1), got nan",
+        ),
+        (["--epochs", "0"], "--epochs must be a finite number > 0 (with --max-steps -1), got 0.0"),
+        (
+            ["--limit", "1", "--num-generations", "2", "--batch-size", "4"],
+            "the data holds 1 prompt(s) (after --limit/--sample), one step takes 2",
+        ),
+        # A finished run's adapter and record were replaced without a word.
+        (["--output-dir", "{tmp}/done"], "--output-dir {tmp}/done holds an earlier run (final)"),
+        (
+            ["--resume", "{tmp}/run"],
+            "--resume {tmp}/run: not a whole checkpoint (no trainer_state.json); its "
+            "checkpoints: checkpoint-500",
+        ),
+        (
+            ["--output-dir", "{tmp}/past", "--resume", "--max-steps", "2"],
+            "--resume: {tmp}/past/checkpoint-5 is at step 5, --max-steps 2: nothing left",
+        ),
     ],
 )
 def test_sde2_train_checks_arguments_and_data_before_anything_loads(
@@ -369,6 +397,9 @@ def test_sde2_train_checks_arguments_and_data_before_anything_loads(
 
     write_rows(tmp_path / "bad.jsonl", [GSM, {**GSM, "question": None}])
     (tmp_path / "run" / "checkpoint-500").mkdir(parents=True)  # an earlier run's
+    (tmp_path / "done" / "final").mkdir(parents=True)  # a finished run's
+    (tmp_path / "past" / "checkpoint-5").mkdir(parents=True)
+    (tmp_path / "past" / "checkpoint-5" / "trainer_state.json").write_text('{"global_step": 5}')
     out = tmp_path / "out"
     argv = ["--model", "no-such-org/no-model", "--reward-url", dead_url()]
     argv += ["--data", str(GSM8K_DIR), "--output-dir", str(out)]

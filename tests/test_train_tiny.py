@@ -238,3 +238,50 @@ def test_the_reward_checks_the_trainer_that_calls_it(
     with pytest.raises(ValueError, match=r"reward_weights=\[0.5, 0.0\] \(needs 1 for this"):
         holder.check_trainer_args(weighted)
     holder.check_trainer_args(trainer(holder, length, reward_weights=[1.0, 0.0]))
+
+
+def test_a_sigterm_saves_a_checkpoint_to_resume_from(
+    reward_server: ServerProcess,  # noqa: F811
+    tiny_model: Path,
+    tmp_path: Path,
+) -> None:
+    """SIGTERM (``timeout``, a scheduler) and Ctrl-C ended the run at once: every step since
+    the last save (``--save-steps``, 500) was lost, and nothing was said. The step in progress
+    now ends, a checkpoint is saved, and the run exits 143 naming it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "run"
+    argv = tiny_argv(
+        reward_server.url, tiny_model, out, "--max-steps", "400", "--save-steps", "500"
+    )
+    command = [sys.executable, "-m", "trainer_client.train", *argv]
+    with subprocess.Popen(command, stderr=subprocess.PIPE, text=True) as run:
+        deadline = time.monotonic() + 300
+        while not (out / train.TRAINING_RECORD).exists() and time.monotonic() < deadline:
+            assert run.poll() is None, run.stderr.read() if run.stderr else ""
+            time.sleep(0.2)
+        time.sleep(3)  # a few steps in
+        os.kill(run.pid, signal.SIGTERM)
+        _, err = run.communicate(timeout=300)
+    assert run.returncode == 143, err[-2000:]
+    (checkpoint,) = out.glob("checkpoint-*")
+    step = train.checkpoint_step(checkpoint)
+    assert 1 <= step < 400 and not (out / "final").exists()
+    assert f"training stopped by SIGTERM at step {step}; last checkpoint: {checkpoint}" in err
+    assert "rerun with --resume" in err
+
+
+def test_resume_takes_the_newest_whole_checkpoint(tmp_path: Path) -> None:
+    """A save cut short (no trainer_state.json) was picked as the newest and failed once the
+    model had loaded; it is passed over."""
+    for step, whole in ((2, True), (3, False), (10, True), (11, False)):
+        folder = tmp_path / f"checkpoint-{step}"
+        folder.mkdir()
+        if whole:
+            (folder / train.TRAINER_STATE).write_text(json.dumps({"global_step": step}))
+    assert train.latest_checkpoint(tmp_path) == tmp_path / "checkpoint-10"
+    assert train.latest_checkpoint(tmp_path / "none") is None

@@ -27,13 +27,16 @@ the record is never rewritten with other values.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
 import os
 import random
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -140,10 +143,17 @@ def check_flags(args: argparse.Namespace) -> dict[str, Any]:
         ("--lora-r", args.lora_r),  # PEFT accepts 0 and fails once the model is loaded
         ("--lora-alpha", args.lora_alpha),  # 0 scales the adapter to nothing: nothing learns
         ("--max-new-tokens", args.max_new_tokens),  # TRL refuses 0 once the model is loaded
+        ("--batch-size", args.batch_size),  # 0 was read as one group; -2 failed once loaded
     )
     for flag, value in counts:
         if value is not None and value < 1:
             raise FlagError(f"{flag} must be >= 1, got {value}")
+    if args.max_steps == 0 or args.max_steps < -1:  # 0 trained one step, -7 none (exit 0)
+        raise FlagError(f"--max-steps must be >= 1, or -1 to run --epochs, got {args.max_steps}")
+    if args.max_steps == -1 and not (math.isfinite(args.epochs) and args.epochs > 0):
+        raise FlagError(
+            f"--epochs must be a finite number > 0 (with --max-steps -1), got {args.epochs}"
+        )
     check_reward_flags(args)
     if args.limit is not None and args.sample is not None:
         raise FlagError("--limit and --sample: give one (the first N questions, or N at random)")
@@ -151,8 +161,8 @@ def check_flags(args: argparse.Namespace) -> dict[str, Any]:
         ModelRef.parse(args.model, args.gguf_file).check()
     except ValueError as exc:
         raise FlagError(str(exc)) from None
-    if args.resume and args.resume != "latest" and not Path(args.resume).is_dir():
-        raise FlagError(f"--resume: no checkpoint folder {args.resume}")
+    if args.resume and args.resume != "latest":
+        check_checkpoint(Path(args.resume))
     if not 0 <= args.warmup_ratio < 1:  # TRL reads a warmup of 1 or more as a step count
         raise FlagError(f"--warmup-ratio must be in [0, 1), got {args.warmup_ratio}")
     if not 0 <= args.lora_dropout < 1:  # PEFT accepts it; torch's Dropout fails once loaded
@@ -177,7 +187,49 @@ def check_flags(args: argparse.Namespace) -> dict[str, Any]:
             f"{', ...' if len(earlier) > 3 else ''}): continue it with --resume, or give "
             "another --output-dir"
         )
+    if (out / "final").exists() and not args.resume:  # its adapter and record were replaced
+        raise FlagError(
+            f"--output-dir {out} holds an earlier run (final): continue it with --resume, or "
+            "give another --output-dir"
+        )
     return checked_reward_params(args)
+
+
+#: What a checkpoint folder holds once the trainer has saved it whole (it writes the state last).
+TRAINER_STATE = "trainer_state.json"
+
+
+def check_checkpoint(folder: Path) -> None:
+    """Refuse (``FlagError``) a ``--resume`` folder that is no whole checkpoint: a run's
+    output folder (its ``checkpoint-N`` are named), or a save cut short. Both failed only
+    once the model was loaded."""
+    if not folder.is_dir():
+        raise FlagError(f"--resume: no checkpoint folder {folder}")
+    if not (folder / TRAINER_STATE).is_file():
+        inside = sorted(p.name for p in folder.glob("checkpoint-*"))
+        hint = f"; its checkpoints: {', '.join(inside)}" if inside else ""
+        raise FlagError(f"--resume {folder}: not a whole checkpoint (no {TRAINER_STATE}){hint}")
+
+
+def checkpoint_step(folder: Path) -> int:
+    """The step a whole checkpoint was saved at (its ``trainer_state.json``)."""
+    return int(json.loads((folder / TRAINER_STATE).read_text())["global_step"])
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    """The newest whole checkpoint in ``out`` (``--resume``), a save cut short (no
+    ``trainer_state.json``: a kill while saving) passed over with a warning; transformers'
+    own pick takes the highest number whatever it holds."""
+    numbered = []
+    for folder in out.glob("checkpoint-*") if out.is_dir() else []:
+        suffix = folder.name.removeprefix("checkpoint-")
+        if suffix.isdigit() and folder.is_dir():
+            numbered.append((int(suffix), folder))
+    for _, folder in sorted(numbered, reverse=True):
+        if (folder / TRAINER_STATE).is_file():
+            return folder
+        log.warning("--resume: %s was not saved whole (no %s); passed over", folder, TRAINER_STATE)
+    return None
 
 
 def check_sampling(temperature: float, top_p: float, *, greedy_allowed: bool) -> None:
@@ -237,6 +289,20 @@ def check_reward_flags(args: argparse.Namespace) -> None:
     except ValueError as exc:
         flag = "--reward-retries" if "max_attempts" in str(exc) else "--reward-deadline"
         raise FlagError(f"{flag}: {exc}") from None
+
+
+def check_enough_prompts(args: argparse.Namespace, prompts: int) -> None:
+    """Refuse data that cannot fill one step (``FlagError``): the trainer ran no step, said
+    nothing and saved the untouched adapter as ``final`` (exit 0), or failed once loaded."""
+    processes = int(os.environ.get("WORLD_SIZE") or 1)
+    per_step = per_device_batch(args) * args.grad_accum * processes // args.num_generations
+    if prompts < per_step:
+        raise FlagError(
+            f"the data holds {prompts} prompt(s) (after --limit/--sample), one step takes "
+            f"{per_step}: --batch-size ({per_device_batch(args)}) x --grad-accum "
+            f"({args.grad_accum}) x {processes} process(es) / --num-generations "
+            f"({args.num_generations})"
+        )
 
 
 def per_device_batch(args: argparse.Namespace) -> int:
@@ -469,6 +535,54 @@ def record_checkpoints(record: dict[str, Any]) -> Any:
     return RecordCheckpoints()
 
 
+class SignalStop:
+    """A first SIGINT or SIGTERM (Ctrl-C, ``timeout``, a scheduler's stop) turned into a
+    checkpoint and a stop at the end of the step in progress: either ended the process at
+    once, and every step since the last save (``--save-steps``, 500) was lost without a word.
+    A second one stops at once. :attr:`received`: the signal, once one came."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+
+    def handle(self, signum: int, frame: object) -> None:
+        if self.received is not None:
+            raise SystemExit(128 + signum)
+        self.received = signum
+        log.warning(
+            "%s: saving a checkpoint once this step ends, then stopping (again: stop now)",
+            signal.Signals(signum).name,
+        )
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """The handlers, for the block (main thread only, where Python runs them)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        kinds = (signal.SIGINT, signal.SIGTERM)
+        previous = {kind: signal.signal(kind, self.handle) for kind in kinds}
+        try:
+            yield
+        finally:
+            for kind, handler in previous.items():
+                if handler is not None:
+                    signal.signal(kind, handler)
+
+    def callback(self) -> Any:
+        """The ``TrainerCallback`` that saves and stops at the step's end once a signal came."""
+        from transformers import TrainerCallback
+
+        stop = self
+
+        class StopOnSignal(TrainerCallback):
+            def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+                if stop.received is not None:
+                    control.should_save = True
+                    control.should_training_stop = True
+
+        return StopOnSignal()
+
+
 def read_training_record(path: Path) -> dict[str, Any]:
     """The record written by :func:`write_training_record` at ``path``; a :class:`ValueError`
     naming the file when it cannot be read or is not a JSON object."""
@@ -625,6 +739,11 @@ def build_dataset(
         log.warning("dropped %d prompts longer than %d tokens", len(rows) - len(kept), budget)
     if not kept:
         raise SystemExit("no prompt fits in --max-length minus --max-new-tokens")
+    if len(kept) < len(rows):
+        try:
+            check_enough_prompts(args, len(kept))
+        except FlagError as exc:
+            raise FlagError(f"{exc}, once the prompts over --max-length are dropped") from None
     return Dataset.from_list(kept)
 
 
@@ -759,33 +878,42 @@ def _bf16_ok() -> bool:
 
 
 def resume_target(args: argparse.Namespace) -> str | None:
-    """The checkpoint to resume from, or None (a fresh run, also when none exists yet)."""
+    """The checkpoint to resume from, or None (a fresh run, also when none exists yet); a
+    checkpoint at or past ``--max-steps`` is refused (``FlagError``: it trained one step more,
+    and wrote ``final`` from it)."""
     if not args.resume:
         return None
-    if args.resume != "latest":
-        if not Path(args.resume).is_dir():
-            raise SystemExit(f"--resume: no checkpoint folder {args.resume}")
-        return str(args.resume)
-    from transformers.trainer_utils import get_last_checkpoint
+    if args.resume == "latest":
+        target = latest_checkpoint(Path(args.output_dir))
+        if target is None:
+            log.warning("--resume: no checkpoint in %s yet; starting fresh", args.output_dir)
+            return None
+    else:
+        target = Path(args.resume)
+        check_checkpoint(target)
+    step = checkpoint_step(target)
+    if 0 < args.max_steps <= step:
+        raise FlagError(
+            f"--resume: {target} is at step {step}, --max-steps {args.max_steps}: nothing "
+            "left to train (raise --max-steps)"
+        )
+    log.info("resuming from %s (step %d)", target, step)
+    return str(target)
 
-    last = get_last_checkpoint(args.output_dir) if Path(args.output_dir).is_dir() else None
-    if last is None:
-        log.warning("--resume: no checkpoint in %s yet; starting fresh", args.output_dir)
-    return last
 
-
-def how_to_continue(last: str | None) -> str:
-    """What to do after the reward service stopped the training: ``--resume`` only when a
-    checkpoint exists (it was advised after a failure at step 0, with nothing to resume).
+def how_to_continue(last: str | Path | None, first: str = "fix the reward service and ") -> str:
+    """What to do after the training stopped (``first``: what to do before): ``--resume``
+    only when a checkpoint exists (it was advised after a failure at step 0, with nothing to
+    resume).
 
     >>> how_to_continue(None)
     'no checkpoint was saved: fix the reward service and run the same command again'
-    >>> how_to_continue("out/checkpoint-500")
-    'last checkpoint: out/checkpoint-500; fix the reward service and rerun with --resume'
+    >>> how_to_continue("out/checkpoint-500", first="")
+    'last checkpoint: out/checkpoint-500; rerun with --resume'
     """
     if last is None:
-        return "no checkpoint was saved: fix the reward service and run the same command again"
-    return f"last checkpoint: {last}; fix the reward service and rerun with --resume"
+        return f"no checkpoint was saved: {first}run the same command again"
+    return f"last checkpoint: {last}; {first}rerun with --resume"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -799,6 +927,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         params = check_flags(args)
         examples = training_examples(args) if local_data(args) else None
         check_grpo_flags(args)
+        if examples is not None:
+            check_enough_prompts(args, len(examples))
         quantize = use_4bit(args)
         target = resume_target(args)
         config = grpo_config(args, quantize_4bit=quantize, cuda=_cuda())
@@ -813,16 +943,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.output_dir)
     write_training_record(out, record)  # the checkpoints' folder: a resumed run has it too
     trainer.add_callback(record_checkpoints(record))
+    stop = SignalStop()
+    trainer.add_callback(stop.callback())
     try:
-        trainer.train(resume_from_checkpoint=target)
+        with stop.installed():
+            trainer.train(resume_from_checkpoint=target)
     except RewardServiceError as exc:
         # No step is ever taken on invented rewards: stop, say why, say how to continue.
-        from transformers.trainer_utils import get_last_checkpoint
-
-        last = get_last_checkpoint(args.output_dir) if Path(args.output_dir).is_dir() else None
         log.error("training stopped at step %d: %s", trainer.state.global_step, exc)
-        log.error("%s", how_to_continue(last))
+        log.error("%s", how_to_continue(latest_checkpoint(out)))
         return 2
+    if stop.received is not None:
+        name = signal.Signals(stop.received).name
+        step = trainer.state.global_step
+        log.error(
+            "training stopped by %s at step %d; %s",
+            name,
+            step,
+            how_to_continue(latest_checkpoint(out), first=""),
+        )
+        return 128 + stop.received
     trainer.save_model(str(out / "final"))
     write_training_record(out / "final", record)
     (out / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
