@@ -1068,19 +1068,16 @@ def test_a_retry_after_of_no_time_keeps_the_backoff(header: str) -> None:
 
 
 @contextlib.contextmanager
-def spoiling_proxy(upstream: str, spoil: Callable[[dict[str, Any]], None]) -> Iterator[str]:
-    """A real HTTP proxy in front of ``upstream`` that passes each request on and answers the
-    upstream's JSON after ``spoil`` changed it, written by Python's ``json`` (which writes a
-    NaN as ``NaN``, as some servers and proxies do)."""
+def answering_server(answer: Callable[[Any, bytes], bytes]) -> Iterator[str]:
+    """A real keep-alive HTTP server (a thread per connection) answering each POST with 200
+    and the JSON bytes ``answer(handler, body)`` returns."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
         def do_POST(self) -> None:  # the stdlib's name
-            body = self.rfile.read(int(self.headers["content-length"]))
-            headers = {k: v for k, v in self.headers.items() if k.lower() == "authorization"}
-            answer = httpx.post(upstream + self.path, content=body, headers=headers).json()
-            spoil(answer)
-            data = json.dumps(answer).encode()
+            data = answer(self, self.rfile.read(int(self.headers["content-length"])))
             self.send_response(200)
             self.send_header("content-type", "application/json")
             self.send_header("content-length", str(len(data)))
@@ -1091,6 +1088,7 @@ def spoiling_proxy(upstream: str, spoil: Callable[[dict[str, Any]], None]) -> It
             pass
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -1098,6 +1096,20 @@ def spoiling_proxy(upstream: str, spoil: Callable[[dict[str, Any]], None]) -> It
     finally:
         server.shutdown()
         server.server_close()
+
+
+def spoiling_proxy(upstream: str, spoil: Callable[[dict[str, Any]], None]) -> Any:
+    """A real HTTP proxy in front of ``upstream`` that passes each request on and answers the
+    upstream's JSON after ``spoil`` changed it, written by Python's ``json`` (which writes a
+    NaN as ``NaN``, as some servers and proxies do)."""
+
+    def answer(handler: Any, body: bytes) -> bytes:
+        key = {k: v for k, v in handler.headers.items() if k.lower() == "authorization"}
+        spoiled = httpx.post(upstream + handler.path, content=body, headers=key).json()
+        spoil(spoiled)
+        return json.dumps(spoiled).encode()
+
+    return answering_server(answer)
 
 
 def _set(path: str, value: float) -> Callable[[dict[str, Any]], None]:
@@ -1412,36 +1424,15 @@ def dripping_server(body: bytes, gap: float, head_too: bool = False) -> Iterator
         thread.join(10)
 
 
-@contextlib.contextmanager
-def slow_server(body: bytes, delay: float) -> Iterator[str]:
+def slow_server(body: bytes, delay: float) -> Any:
     """A real keep-alive HTTP server answering ``body`` (200, JSON) ``delay`` seconds after
     each request, several at once."""
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+    def answer(handler: Any, request: bytes) -> bytes:
+        time.sleep(delay)
+        return body
 
-        def do_POST(self) -> None:  # the stdlib's name
-            self.rfile.read(int(self.headers["content-length"]))
-            time.sleep(delay)
-            self.send_response(200)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    return answering_server(answer)
 
 
 def _answer_bytes(items: list[dict[str, Any]]) -> bytes:
