@@ -285,3 +285,6 @@ def test_resume_takes_the_newest_whole_checkpoint(tmp_path: Path) -> None:
             (folder / train.TRAINER_STATE).write_text(json.dumps({"global_step": step}))
     assert train.latest_checkpoint(tmp_path) == tmp_path / "checkpoint-10"
     assert train.latest_checkpoint(tmp_path / "none") is None
+    (tmp_path / "checkpoint-10" / train.TRAINER_STATE).write_text("{")
+    with pytest.raises(train.FlagError, match=r"checkpoint-10/trainer_state\.json cannot be read"):
+        train.checkpoint_step(tmp_path / "checkpoint-10")

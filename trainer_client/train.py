@@ -212,8 +212,16 @@ def check_checkpoint(folder: Path) -> None:
 
 
 def checkpoint_step(folder: Path) -> int:
-    """The step a whole checkpoint was saved at (its ``trainer_state.json``)."""
-    return int(json.loads((folder / TRAINER_STATE).read_text())["global_step"])
+    """The step a whole checkpoint was saved at (its ``trainer_state.json``); ``FlagError``
+    naming the file when it cannot be read."""
+    path = folder / TRAINER_STATE
+    try:
+        step = json.loads(path.read_text())["global_step"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise FlagError(f"--resume: {path} cannot be read ({type(exc).__name__}: {exc})") from None
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise FlagError(f"--resume: {path}: global_step is not a step number: {step!r}")
+    return step
 
 
 def latest_checkpoint(out: Path) -> Path | None:
