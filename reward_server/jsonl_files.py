@@ -16,12 +16,13 @@ import secrets
 import signal
 import stat
 import sys
-import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pydantic_core
+
+from reward_server.signal_handlers import handling
 
 #: The exit status after the reader of stdout went away (``| head``): what a shell reports for a
 #: Unix tool that SIGPIPE ended.
@@ -129,27 +130,13 @@ def write_atomically(path: Path, lines: Iterable[str]) -> None:
     previous file as it was, and a reader never sees half a file that looks complete. A
     SIGTERM while writing (``timeout``, a batch scheduler) ends the process as it would
     (status 143), without leaving the temporary file."""
-    with _terminated_as_exit():
+    with handling([signal.SIGTERM], _exit_with_status):  # the main thread only
         _write_atomically(path, lines)
 
 
-@contextlib.contextmanager
-def _terminated_as_exit() -> Iterator[None]:
-    """SIGTERM raises ``SystemExit(143)`` inside the block, so that its clean-up runs (by
-    default the process ends at once); in the main thread only, where Python runs handlers."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def exit_143(signum: int, frame: object) -> None:
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, exit_143)
-    try:
-        yield
-    finally:
-        if previous is not None:  # None: a handler not set from Python, which stays
-            signal.signal(signal.SIGTERM, previous)
+def _exit_with_status(signum: int, frame: object) -> None:
+    """A signal as ``SystemExit(128 + signum)``: the shell's status for it, after clean-up."""
+    raise SystemExit(128 + signum)
 
 
 def _write_atomically(path: Path, lines: Iterable[str]) -> None:

@@ -689,6 +689,15 @@ def plot_formats() -> dict[str, str] | None:
     return dict(FigureCanvasAgg.get_supported_filetypes())
 
 
+def plot_format(path: Path) -> str:
+    """The image format ``path`` names: its suffix, lower case, without the dot.
+
+    >>> plot_format(Path("runs/ACC.SVG")), plot_format(Path("plot"))
+    ('svg', '')
+    """
+    return path.suffix.lower().removeprefix(".")
+
+
 def plot_path_problem(path: Path) -> str | None:
     """Why ``path`` cannot take the plot (checked before the runs are scored), or None.
     matplotlib picks the format from the suffix, and wrote ``NAME.png`` for a name without
@@ -696,8 +705,7 @@ def plot_path_problem(path: Path) -> str | None:
     if str(path) == "-":
         return "a plot is an image file, not stdout: name one (e.g. acc_vs_tokens.png)"
     formats = plot_formats()
-    suffix = path.suffix.lower().removeprefix(".")
-    if formats is not None and suffix not in formats:
+    if formats is not None and plot_format(path) not in formats:
         known = ", ".join(f".{s}" for s in sorted(formats))
         return f"name the image with one of the suffixes {known}"
     return None
@@ -728,7 +736,7 @@ def plot_runs(rows: Sequence[RunMetrics], path: Path) -> bool:
     ax.grid(alpha=0.3)
     fig.tight_layout()
     try:
-        fig.savefig(path, dpi=120, format=path.suffix.lower().removeprefix("."))
+        fig.savefig(path, dpi=120, format=plot_format(path))
     finally:
         plt.close(fig)
     return True

@@ -35,7 +35,6 @@ import os
 import random
 import signal
 import sys
-import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -44,6 +43,7 @@ from pydantic import ValidationError
 
 from reward_server.core import RECIPES, RewardParams
 from reward_server.jsonl_files import json_type
+from reward_server.signal_handlers import handling
 from trainer_client.datasets import (
     DATASETS,
     DEFAULT_SOURCES,
@@ -564,17 +564,8 @@ class SignalStop:
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
         """The handlers, for the block (main thread only, where Python runs them)."""
-        if threading.current_thread() is not threading.main_thread():
+        with handling([signal.SIGINT, signal.SIGTERM], self.handle):
             yield
-            return
-        kinds = (signal.SIGINT, signal.SIGTERM)
-        previous = {kind: signal.signal(kind, self.handle) for kind in kinds}
-        try:
-            yield
-        finally:
-            for kind, handler in previous.items():
-                if handler is not None:
-                    signal.signal(kind, handler)
 
     def callback(self) -> Any:
         """The ``TrainerCallback`` that saves and stops at the step's end once a signal came."""
