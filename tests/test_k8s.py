@@ -49,10 +49,10 @@ def kubectl() -> str:
     return found
 
 
-def render(overlay: str) -> list[dict[str, Any]]:
-    """``kubectl kustomize deploy/k8s/<overlay>`` as a list of objects."""
+def render(overlay: str, tree: Path = K8S) -> list[dict[str, Any]]:
+    """``kubectl kustomize deploy/k8s/<overlay>`` (or another ``tree``'s) as a list of objects."""
     proc = subprocess.run(
-        [kubectl(), "kustomize", str(K8S / overlay)],
+        [kubectl(), "kustomize", str(tree / overlay)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -287,6 +287,33 @@ def test_gpu_overlay() -> None:
     literal = {k: str(e["value"]) for k, e in env.items() if "value" in e}
     assert load_settings(environ=literal).provider == "cuda"
     assert gpu["HorizontalPodAutoscaler"]["spec"]["minReplicas"] == 1
+
+
+def _set_image(kustomization: Path, entry: dict[str, str]) -> None:
+    """What ``kustomize edit set image sde2-reward-server=NAME:TAG`` writes into a folder's
+    kustomization (its one entry for the image, replaced)."""
+    doc = yaml.safe_load(kustomization.read_text())
+    others = [i for i in doc.get("images", []) if i["name"] != "sde2-reward-server"]
+    doc["images"] = [*others, {"name": "sde2-reward-server", **entry}]
+    kustomization.write_text(yaml.safe_dump(doc))
+
+
+def test_a_registry_set_in_the_base_never_puts_gpu_pods_on_the_cpu_image(tmp_path: Path) -> None:
+    """The README's registry steps: set in the base alone, the GPU pods still name the :gpu
+    image (the overlay renamed the base's image by name, and the renamed one slipped past it:
+    CPU image, provider cuda, a crash loop); set in each folder, each gets its own."""
+    tree = tmp_path / "k8s"
+    shutil.copytree(K8S, tree)
+    registry = "registry.example.com/sde2-reward-server"
+
+    def image_of(overlay: str) -> str:
+        return str(server_container(by_kind(render(overlay, tree))["Deployment"])["image"])
+
+    _set_image(tree / "base" / "kustomization.yaml", {"newName": registry, "newTag": "v1"})
+    assert image_of("base") == f"{registry}:v1"
+    assert image_of("overlays/gpu") == "sde2-reward-server:gpu"
+    _set_image(tree / "overlays/gpu" / "kustomization.yaml", {"newName": registry, "newTag": "gpu"})
+    assert image_of("overlays/gpu") == f"{registry}:gpu"
 
 
 # --- podman kube play ----------------------------------------------------------------------------

@@ -20,7 +20,10 @@ import asyncio
 import contextlib
 import math
 import os
+import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -402,6 +405,21 @@ def test_ingress_refuses_before_reading_the_body(cluster: Cluster) -> None:
     assert _post(cluster.ray_url, "/v1/score", diagnostic_request()).status_code == 200
 
 
+def test_replicas_log_at_the_log_level(cluster: Cluster) -> None:
+    """``log_level`` (info by default) reaches the replicas' ``reward_server`` loggers: each
+    scorer's pipeline writes "encoder ... ready" to its worker log."""
+    import ray
+
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path())
+    line = re.compile(r"INFO reward_server\.service\.pipeline: encoder .* ready in \d")
+    found = [
+        path.name
+        for path in logs.rglob("*")
+        if path.is_file() and line.search(path.read_text(errors="replace"))
+    ]
+    assert len(found) >= RAY_ARGS["num_replicas"], sorted(p.name for p in logs.rglob("*"))
+
+
 def test_client_disconnect_is_counted(cluster: Cluster) -> None:
     """A client that gives up mid-request is counted as ``sde2-reward serve`` counts it (status
     499, failure reason ``client_disconnect``) by the replica that was scoring it."""
@@ -443,6 +461,10 @@ def test_no_scorer_replica_no_hang(cluster: Cluster) -> None:
             time.sleep(0.5)
             health = httpx.get(base + "/healthz", timeout=30)
         assert (health.status_code, health.json()) == (200, {"status": "ok"})
+        t0 = time.monotonic()  # a balancer's HEAD probe too: it was relayed, a 503 after 1 s
+        head = httpx.head(base + "/healthz", timeout=30)
+        assert (head.status_code, head.content) == (200, b"") and time.monotonic() - t0 < 1
+        assert head.headers["content-length"] == health.headers["content-length"]
         for method, path, budget in (("GET", "/readyz", 1), ("POST", "/v1/score", 3)):
             t0 = time.monotonic()
             body = diagnostic_request() if method == "POST" else None
@@ -615,6 +637,25 @@ def test_docs_name_real_ray_commands() -> None:
         assert "serve run --port" not in text and "serve run --host" not in text
     with pytest.raises(ValueError, match="serve start --http-port"):
         split_args({"port": 9000})
+
+
+@pytest.mark.parametrize(("level", "written"), [("debug", ["DEBUG", "INFO"]), ("warning", [])])
+def test_log_level_sets_what_a_replica_writes(level: str, written: list[str]) -> None:
+    """What :func:`use_log_level` lets through, in a process of its own (loggers are global)."""
+    script = (
+        "import logging\n"
+        "from reward_server.service.ray_app import use_log_level\n"
+        f"use_log_level({level!r})\n"
+        "log = logging.getLogger('reward_server.service.pipeline')\n"
+        "log.debug('a debug record'); log.info('an info record')\n"
+    )
+    got = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
+    assert got.returncode == 0, got.stderr
+    lines = got.stderr.splitlines()
+    assert [line.split()[0] for line in lines] == written, got.stderr
+    assert all("reward_server.service.pipeline: a" in line for line in lines)
 
 
 def test_arguments_are_checked_at_build_time() -> None:

@@ -533,6 +533,7 @@ class Scorer:
         from reward_server.service.serve import build_encoder
 
         settings = settings_from_args(setting_args, options)
+        use_log_level(settings.log_level)
         tune_malloc_for(settings.backend, settings.provider)
         self.settings = settings
         self.service = ScoringService(
@@ -651,6 +652,19 @@ def call_error(exc: ServiceError) -> ScoreCallError:
     return ScoreCallError(exc.http_status, exc.detail, float(retry) if retry else None)
 
 
+def use_log_level(level: str) -> None:
+    """``log_level`` for this replica's ``reward_server`` loggers, written to its stderr (which
+    Ray Serve sends to the replica's log, adding the time). Ray configures its own loggers only:
+    ours went by Ray's root logger, at info whatever ``log_level`` said."""
+    logger = logging.getLogger("reward_server")
+    logger.setLevel(level.upper())
+    if not logger.handlers:
+        handler = logging.StreamHandler()  # sys.stderr as it is now: Ray's, in a replica
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False  # written once, whatever handlers the root logger gains
+
+
 def _forwarded(response: Any) -> Forwarded:
     """A Starlette response as the ingress sends it."""
     return Forwarded(
@@ -691,6 +705,7 @@ class Ingress:
         self.options = options or RayOptions()
         # This replica's own environment (SDE2_API_KEY), as the scorer replicas read theirs.
         self.settings = settings_from_args(setting_args or {}, self.options)
+        use_log_level(self.settings.log_level)
         # The service's own constant-time key check; this service is never started.
         self.is_authorized = ScoringService(self.settings, loader=_no_encoder).is_authorized
         self.bodies = 0  # requests with a body held now (one event loop: no lock)
@@ -741,8 +756,9 @@ class Ingress:
         from reward_server.service.http_scoring import read_body
         from reward_server.service.ops_routes import SCORING_PATHS, healthz
 
-        if request.method == "GET" and route == "/healthz":
-            return _forwarded(JSONResponse(await healthz()))
+        if request.method in ("GET", "HEAD") and route == "/healthz":  # HEAD: a balancer's probe
+            answer = _forwarded(JSONResponse(await healthz()))
+            return answer if request.method == "GET" else dataclasses.replace(answer, body=b"")
         if request.method != "POST" or route not in SCORING_PATHS:
             # No route reads a body here: the app answers (a GET, or 404 / 405 / 307) unread,
             # as sde2-reward serve does, so no body is held or shipped for it.
