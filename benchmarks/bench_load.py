@@ -51,8 +51,10 @@ class LevelResult:
     concurrency: int
     seconds: float
     latencies: list[float] = field(default_factory=list)
+    #: Requests without a 2xx answer: an error status, or none (a timeout, a reset).
     non_2xx: int = 0
-    statuses: dict[int, int] = field(default_factory=dict)
+    #: Those by status, or by the transport error's name.
+    statuses: dict[int | str, int] = field(default_factory=dict)
     mismatches: int = 0
     completions: int = 0
     #: Requests answered per worker process (pid), when the workers are known; None counts
@@ -122,21 +124,28 @@ def run_level(
     counter = iter(range(10**9))
     stop_at = time.monotonic() + duration
 
+    def failed(what: int | str) -> None:
+        with lock:
+            result.non_2xx += 1
+            result.statuses[what] = result.statuses.get(what, 0) + 1
+
     def client_loop(held: Client) -> None:
         client = held.http
         while time.monotonic() < stop_at:
             with lock:
                 i = next(counter) % len(bodies)
             t0 = time.monotonic()
-            r = client.post("/v1/score", json=bodies[i])
+            try:
+                r = client.post("/v1/score", json=bodies[i])
+            except httpx.TransportError as exc:  # no answer (a timeout, a reset): a failure
+                failed(type(exc).__name__)  # it had ended this client's thread, uncounted
+                continue
             elapsed = time.monotonic() - t0
-            ok = r.is_success
-            same = ok and close(r.json(), expected[i])
+            if not r.is_success:
+                failed(r.status_code)
+                continue
+            same = close(r.json(), expected[i])
             with lock:
-                if not ok:
-                    result.non_2xx += 1
-                    result.statuses[r.status_code] = result.statuses.get(r.status_code, 0) + 1
-                    continue
                 result.latencies.append(elapsed)
                 result.completions += len(bodies[i]["items"])
                 if len(held.workers) > 1:  # held.worker: the one that sent r

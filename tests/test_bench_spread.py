@@ -10,6 +10,7 @@ import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx
 import pytest
 
 from benchmarks import bench_load
@@ -141,3 +142,19 @@ def test_an_answer_that_closes_its_connection_is_credited_to_its_worker() -> Non
                 assert _worker_answering(client) == os.getpid()
         finally:
             client.http.close()
+
+
+def test_a_request_without_an_answer_counts_as_a_failure() -> None:
+    """A timeout (a server that accepts and never answers) is a failed request of the level,
+    named, and the client goes on: it had ended the client's thread uncounted, and the run
+    said "OK" with exit status 0."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # the kernel accepts; nobody reads
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        client = bench_load.Client(url)
+        client.http = httpx.Client(base_url=url, timeout=0.05)
+        body = {"items": [{"completion": "x", "answer": "1"}]}
+        result = bench_load.run_level([client], [body], [{}], duration=0.3)
+    assert result.latencies == [] and result.non_2xx >= 2, result
+    assert set(result.statuses) == {"ReadTimeout"} and sum(result.statuses.values()) == (
+        result.non_2xx
+    )

@@ -463,6 +463,12 @@ def test_metrics_count_what_was_answered() -> None:
         assert c.post("/v1/score", json={"items": [one]}).status_code == 200
         assert registry.get_sample_value("sde2_request_items_count") == 1
         assert c.get("/v1/info").status_code == 200
+        # An empty /get_reward (a 200 with nothing scored) is one count of each histogram too.
+        empty = {"query": [], "prompts": [], "labels": []}
+        assert c.post("/get_reward", json=empty).status_code == 200
+        assert registry.get_sample_value("sde2_request_items_count") == 2
+        total = {"phase": "total"}
+        assert registry.get_sample_value("sde2_request_phase_seconds_count", total) == 2
     info = {"route": "/v1/info", "status": "200"}
     assert registry.get_sample_value("sde2_requests_total", info) == 1
 

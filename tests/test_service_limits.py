@@ -388,6 +388,37 @@ def test_jobs_dropped_in_a_batch_the_encoder_fails_are_counted() -> None:
     assert metrics.registry.get_sample_value("sde2_batch_dropped_jobs_total") == 1
 
 
+def test_abandoned_queued_jobs_leave_the_queue_at_once() -> None:
+    """Jobs whose callers left while queued are taken out of the queue then, not when the
+    worker reaches them: the backlog that admission reads, the queue gauges and the dropped
+    counter say so at once, and a live request their work would have refused is taken."""
+    metrics = DepthWatch()
+    encoder = SlowEncoder(delay=0.0)
+    encoder.gate.clear()
+    batcher = Batcher(encoder, capacity=8, batch_tokens=256, max_backlog_seconds=20,
+                      observer=metrics)  # fmt: skip
+    batcher._tokens_per_second = 100.0  # a known rate: a 256-token job is ~2.6 s of backlog
+    blocker = batcher.submit(["hold the worker"], time.monotonic() + 60)
+    assert encoder.entered.wait(5)
+    long_texts = [f"queued text {i} " + "w" * 1200 for i in range(1)]  # 256 estimated tokens
+    queued = [batcher.submit(long_texts, time.monotonic() + 60) for _ in range(3)]
+    assert metrics.wait_for(queued=3)
+    for future in queued:
+        future.abandon()
+    assert metrics.wait_for(queued=0)
+    gauge = metrics.registry.get_sample_value
+    assert gauge("sde2_queue_depth") == 0 and gauge("sde2_queue_tokens") == 0
+    assert gauge("sde2_batch_dropped_jobs_total") == 3
+    # ~8 s of dead work ahead of it would outlast this deadline (a 429 before): now taken.
+    live = batcher.submit(long_texts, time.monotonic() + 6)
+    encoder.gate.set()
+    assert live.result(10).embeddings.shape == (1, 384)
+    assert blocker.result(10).embeddings.shape == (1, 384)
+    assert sum(call.count(long_texts[0]) for call in encoder.calls) == 1  # the live one only
+    batcher.close(5)
+    assert gauge("sde2_batch_dropped_jobs_total") == 3  # each counted once
+
+
 def test_a_request_dropped_midway_leaves_the_worker_and_the_metrics_sound() -> None:
     """Two requests in one batch, one past its deadline after the first chunk: the other gets its
     rows, the dedup counter stays sound (the dropped request's texts were encoded but are not

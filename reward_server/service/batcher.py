@@ -36,7 +36,7 @@ import string
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -121,15 +121,21 @@ class JobFuture(Future[EncodeResult]):
     """The future :meth:`Batcher.submit` returns; :meth:`abandon` also stops a running job."""
 
     abandoned = False
+    #: Takes the queued job out of its batcher's queue (set by :meth:`Batcher.submit`).
+    withdraw: Callable[[], None] | None = None
 
     def abandon(self) -> None:
-        """The caller gave up (deadline, disconnect): skip the job if queued, and stop encoding
-        its texts at the next chunk if it is running (a running future cannot be cancelled)."""
+        """The caller gave up (deadline, disconnect): take the job out of the queue, and stop
+        encoding its texts at the next chunk if it is running (a running future cannot be
+        cancelled). Left queued until the worker reached it, its work counted in the backlog
+        that admission and ``Retry-After`` read (live requests were refused for it) and in the
+        queue gauges."""
         self.abandoned = True
-        self.cancel()
+        if self.cancel() and self.withdraw is not None:
+            self.withdraw()
 
 
-@dataclass
+@dataclass(eq=False)  # one job is one submission: found in the queue by identity
 class _Job:
     texts: list[str]
     #: :func:`estimate_tokens` of each text, once: admission, chunking and the throughput
@@ -154,7 +160,6 @@ class BatchRecord:
     distinct_texts: int
     tokens: int
     seconds: float
-    dropped: int  # jobs skipped because their deadline passed or their caller gave up
 
 
 class BatchObserver:
@@ -162,6 +167,10 @@ class BatchObserver:
 
     def on_batch(self, record: BatchRecord) -> None:
         """Called after each encoder call."""
+
+    def on_dropped(self, jobs: int) -> None:
+        """Called when queued jobs are skipped: their deadline passed or their caller gave up
+        (taken out of the queue, or stopped in a batch)."""
 
     def on_depth(self, admitted: int, queued_requests: int, queued_tokens: int) -> None:
         """Called whenever the admitted or queued counts change."""
@@ -307,7 +316,19 @@ class Batcher:
             self._queued_tokens += job.tokens
             self._notify_depth_locked()
             self._cond.notify_all()
+        job.future.withdraw = lambda: self._withdraw(job)
         return job.future
+
+    def _withdraw(self, job: _Job) -> None:
+        """Take an abandoned ``job`` out of the queue (a no-op once the worker took it)."""
+        with self._cond:
+            try:
+                self._jobs.remove(job)
+            except ValueError:
+                return
+            self._queued_tokens -= job.tokens
+            self._notify_depth_locked()
+        self._report_dropped(1)
 
     def lookup(self, texts: Sequence[str]) -> EncodeResult | None:
         """The embeddings of ``texts`` when the encoder has them all without model work (every
@@ -438,10 +459,18 @@ class Batcher:
             distinct_texts=len({t for job in live for t in job.texts}),
             tokens=tokens,
             seconds=seconds,
-            dropped=len(taken) - len(live) - failed,
         )
         try:
             self.observer.on_batch(record)
+        except Exception:  # metrics must never break serving
+            log.exception("batch observer failed")
+        self._report_dropped(len(taken) - len(live) - failed)
+
+    def _report_dropped(self, jobs: int) -> None:
+        if not jobs:
+            return
+        try:
+            self.observer.on_dropped(jobs)
         except Exception:  # metrics must never break serving
             log.exception("batch observer failed")
 

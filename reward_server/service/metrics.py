@@ -228,14 +228,16 @@ class Metrics(BatchObserver):
     def on_batch(self, record: BatchRecord) -> None:
         """Batcher hook: one encoder call finished."""
         self._sync_shared()
-        if record.dropped:
-            self.dropped.inc(record.dropped)
         if not record.requests:
             return
         self.batch_requests.observe(record.requests)
         self.batch_texts.observe(record.distinct_texts)
         self.batch_tokens.observe(record.tokens)
         self.deduplicated.inc(record.texts - record.distinct_texts)
+
+    def on_dropped(self, jobs: int) -> None:
+        """Batcher hook: queued jobs skipped (deadline or a gone caller)."""
+        self.dropped.inc(jobs)
 
     def on_depth(self, admitted: int, queued_requests: int, queued_tokens: int) -> None:
         """Batcher hook: admission or queue changed."""

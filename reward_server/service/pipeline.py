@@ -585,6 +585,7 @@ class ScoringService:
             if parsed is None:
                 spent = time.monotonic() - t0
                 timings = dict.fromkeys(("parse", "total"), spent) | _NO_WORK
+                self._observe(timings, items=0)
                 return Scored(_nothing_scored(), timings, self.encoder_name)
             request, prepared, cached = parsed
             if explain:
@@ -644,9 +645,14 @@ class ScoringService:
             "reward": t3 - t2,
             "total": t3 - t0,
         }
-        self.metrics.observe_phases(timings)
-        self.metrics.items.observe(len(request.items))  # scored: a refused request's are not
+        self._observe(timings, items=len(request.items))
         return Scored(score, timings, self.encoder_name, explanation)
+
+    def _observe(self, timings: dict[str, float], items: int) -> None:
+        """A scored request's phases and items (a refused request's are not: each scored
+        request is one count of every phase histogram and of the items')."""
+        self.metrics.observe_phases(timings)
+        self.metrics.items.observe(items)
 
     def _ready_batcher(self) -> Batcher:
         """The batcher, or :class:`NotReady` while the model loads (or after it failed to)."""
