@@ -234,3 +234,25 @@ def test_openrlhf_hook_refuses_an_answer_it_would_log_or_train_on_wrongly(
         _check(answer, 1)
     good = {"rewards": [0.5], "scores": [1.0], "extra_logs": {"oc": [1.0], "n_strat": [2.0]}}
     assert _check(good, 1) is good
+
+
+def test_openrlhf_hook_retries_until_a_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hook's retries: until ``SDE2_REWARD_DEADLINE`` (600 s by default), not six tries
+    (spent in ~15 s against a server refusing a large step with 429 for a minute); each
+    variable's bad value is refused naming it."""
+    from trainer_client import openrlhf
+    from trainer_client.retry import TRAINER_DEADLINE, RetryPolicy
+
+    for var in ("SDE2_MAX_ATTEMPTS", "SDE2_REWARD_DEADLINE"):
+        monkeypatch.delenv(var, raising=False)
+    assert openrlhf._retry() == RetryPolicy(max_attempts=None, deadline=TRAINER_DEADLINE)
+    monkeypatch.setenv("SDE2_MAX_ATTEMPTS", "2")
+    monkeypatch.setenv("SDE2_REWARD_DEADLINE", "30")
+    assert openrlhf._retry() == RetryPolicy(max_attempts=2, deadline=30.0)
+    bad_values = [("SDE2_MAX_ATTEMPTS", "0"), ("SDE2_MAX_ATTEMPTS", "2.5"),
+                  ("SDE2_REWARD_DEADLINE", "nan"), ("SDE2_REWARD_DEADLINE", "soon")]  # fmt: skip
+    for var, bad in bad_values:
+        with monkeypatch.context() as env:
+            env.setenv(var, bad)
+            with pytest.raises(ValueError, match=rf"^{var} must be .*{bad!r}"):
+                openrlhf._retry()

@@ -15,7 +15,6 @@ import importlib.util
 import json
 import os
 import pickle
-import re
 import subprocess
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -28,7 +27,7 @@ from reward_server.core.params import AnswerType
 from reward_server.encoders.base import Encoder
 from reward_server.encoders.loading import load_encoder
 from tests.client_fixtures import running_server
-from tests.server_process import requests_served
+from tests.server_process import ServerProcess, requests_served
 from tests.test_openrlhf import COMPLETIONS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -74,18 +73,6 @@ CASES: list[tuple[dict[str, Any], str, AnswerType, int | None]] = [
         "sde2",
         "choice",
         None,
-    ),
-    # A per-row response length (cfl's length term; ignored by sde2, so it must not break it).
-    (
-        {
-            "data_source": "openai/gsm8k",
-            "response": COMPLETIONS[0],
-            "ground_truth": "72",
-            "extra_info": {"num_tokens": 1500},
-        },
-        "sde2",
-        "numeric",
-        1500,
     ),
 ]
 
@@ -242,8 +229,7 @@ MEDMCQA = {
 def test_verl_remote_manager_nested_params_and_the_recipe_per_run(tmp_path: Path) -> None:
     """verl's own managers and batch assembly on what the README documents beyond the basics."""
     one = gsm8k(COMPLETIONS[0])
-    cfl_rows = [gsm8k(COMPLETIONS[0], num_tokens=1500), gsm8k(COMPLETIONS[2])]
-    bad_lengths: list[Any] = [1500.9, True, -1, "1500"]
+    cfl_rows = [gsm8k(COMPLETIONS[0]), gsm8k(COMPLETIONS[2])]
     spec = {
         "runs": [
             # Ray ships the function to an actor: it must pickle (by reference, not its globals).
@@ -264,7 +250,7 @@ def test_verl_remote_manager_nested_params_and_the_recipe_per_run(tmp_path: Path
                 "overrides": [f"+{KWARGS}.params.weights.sdd=0"],
                 "cases": [one],
             },
-            # The recipe set per run: one batch, assembled by verl, per-row length honoured.
+            # The recipe set per run: one batch, assembled by verl, lengths in words.
             {
                 "name": "cfl_per_run",
                 "manager": "batch",
@@ -280,10 +266,17 @@ def test_verl_remote_manager_nested_params_and_the_recipe_per_run(tmp_path: Path
                     gsm8k(COMPLETIONS[0], recipe="cfl"),
                 ],
             },
+            # One length per prompt (or per run) is every completion's in a group: refused.
             {
                 "name": "num_tokens",
                 "manager": "naive",
-                "cases": [gsm8k(COMPLETIONS[0], num_tokens=v) for v in bad_lengths],
+                "cases": [gsm8k(COMPLETIONS[0], num_tokens=1500)],
+            },
+            {
+                "name": "num_tokens_per_run",
+                "manager": "naive",
+                "overrides": [f"+{KWARGS}.num_tokens=1500"],
+                "cases": [one],
             },
         ]
     }
@@ -306,16 +299,16 @@ def test_verl_remote_manager_nested_params_and_the_recipe_per_run(tmp_path: Path
     assert "error" not in batch, batch
     want = [expected(c, recipe="cfl") for c in cfl_rows]
     assert batch["scores"] == pytest.approx(want, abs=1e-6)
-    assert want[0] != pytest.approx(expected(one, recipe="cfl"))  # num_tokens was used
     assert {"oc", "fa", "len", "acc"} <= set(batch["extra_keys"])
 
     error = got["recipe_per_row"]["error"]
     assert error.startswith("ValueError: extra_info['recipe']"), error
     assert f"{KWARGS}.recipe" in error
 
-    for value, result in zip(bad_lengths, got["num_tokens"], strict=True):
-        assert result["error"].startswith("ValueError: num_tokens must be an integer >= 0"), value
-        assert result["error"].endswith(repr(value))
+    for run, where in (("num_tokens", "extra_info"), ("num_tokens_per_run", "reward_kwargs.")):
+        (result,) = got[run]
+        assert result["error"].startswith(f"ValueError: {where}"), result
+        assert "num_tokens: verl passes compute_score no response length" in result["error"]
 
 
 class _Config(Mapping[str, Any]):
@@ -350,11 +343,20 @@ def test_verl_hook_pickles_by_reference_and_refuses_bad_inputs_before_any_reques
     from trainer_client.verl import compute_score
 
     dead: dict[str, Any] = {"url": "http://127.0.0.1:1", "max_attempts": 1}  # nothing listens there
-    for value in (1500.9, True, -1, "1500"):
-        with pytest.raises(
-            ValueError, match=r"num_tokens must be an integer >= 0.*" + re.escape(repr(value))
-        ):
-            compute_score("gsm8k", COMPLETIONS[0], "72", {"num_tokens": value}, **dead)
+    # verl gives no response length: one per prompt or per run made cfl's length term constant
+    # within each group (it was sent as every completion's).
+    no_length = "num_tokens: verl passes compute_score no response length"
+    with pytest.raises(ValueError, match=rf"^extra_info {no_length}"):
+        compute_score("gsm8k", COMPLETIONS[0], "72", {"num_tokens": 1500}, **dead)
+    with pytest.raises(ValueError, match=rf"^reward_kwargs\.{no_length}"):
+        compute_score("gsm8k", COMPLETIONS[0], "72", num_tokens=1500, **dead)
+    # Retries: bounded by a deadline (six fixed tries gave up within a busy server's backlog).
+    for bad in ({"max_attempts": 0}, {"max_attempts": 1.5}, {"deadline": 0}, {"deadline": "9"}):
+        name = next(iter(bad))
+        with pytest.raises(ValueError, match=rf"reward_kwargs\.{name} must be"):
+            compute_score("gsm8k", COMPLETIONS[0], "72", url=dead["url"], **bad)
+    with pytest.raises(ValueError, match=r"reward_kwargs\.api_key must be a string"):
+        compute_score("gsm8k", COMPLETIONS[0], "72", api_key=123, **dead)
     with pytest.raises(
         ValueError, match=r"extra_info\['recipe'\] = 'cfl': set the recipe once per run"
     ):
@@ -376,6 +378,33 @@ def test_verl_hook_pickles_by_reference_and_refuses_bad_inputs_before_any_reques
         compute_score(
             "gsm8k", COMPLETIONS[0], "72", recipe="cfl", params={"weights": {"sd": 0}}, **dead
         )
+
+
+def test_verl_hook_sends_the_key_it_is_given_and_retries_until_a_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``reward_kwargs.api_key`` reaches the server (the README said so; the setting was
+    refused), and the hook's client retries until a deadline, not six tries (spent in ~15 s
+    against a server refusing a 2,048-sample step with 429 for a minute)."""
+    from trainer_client import _verl_impl
+    from trainer_client.retry import TRAINER_DEADLINE, RetryPolicy, RewardRequestError
+    from trainer_client.verl import compute_score
+
+    monkeypatch.delenv("SDE2_API_KEY", raising=False)
+    server = ServerProcess(None, env={"SDE2_API_KEY": "verl-key"}).start()
+    try:
+        with pytest.raises(RewardRequestError, match="401"):
+            compute_score("openai/gsm8k", COMPLETIONS[0], "72", url=server.url, max_attempts=1)
+        got = compute_score("openai/gsm8k", COMPLETIONS[0], 72, url=server.url, api_key="verl-key")
+    finally:
+        server.stop()
+    assert got["score"] == pytest.approx(expected(gsm8k(COMPLETIONS[0])), abs=1e-6)
+    (client,) = [
+        c
+        for (url, _, key), c in _verl_impl._sync_clients.items()
+        if (url, key) == (server.url, "verl-key")
+    ]
+    assert client.retry == RetryPolicy(max_attempts=None, deadline=TRAINER_DEADLINE)
 
 
 #: verl's scorer modules that judge an answer by mathematical equivalence (MATH's

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import difflib
+import math
 import numbers
 import os
 import threading
@@ -22,10 +23,10 @@ from typing import Any, TypeVar
 from reward_server.core.answers import gold_text
 from trainer_client.client import AsyncRewardClient, RewardClient
 from trainer_client.results import ScoreResult
-from trainer_client.retry import RetryPolicy
+from trainer_client.retry import TRAINER_DEADLINE, RetryPolicy
 from trainer_client.sharding import check_weights, params_to_json
 
-_Key = tuple[str, int]  # (URLs, max attempts)
+_Key = tuple[str, RetryPolicy, str | None]  # (URLs, retries, API key)
 _sync_clients: dict[_Key, RewardClient] = {}
 # Keyed weakly by event loop: an AsyncClient is bound to its loop, and a dead loop's clients go.
 _async_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[_Key, AsyncRewardClient]]
@@ -68,7 +69,9 @@ def _option(name: str, extra_info: Mapping[str, Any] | None, kwargs: Mapping[str
 
 #: The ``reward_kwargs`` this reward reads, and the keyword arguments verl's reward loop adds to
 #: every call when a reward model router is configured (ignored here).
-SETTINGS = ("url", "reward_url", "recipe", "answer_type", "params", "num_tokens", "max_attempts")
+SETTINGS = (
+    "url", "reward_url", "api_key", "recipe", "answer_type", "params", "max_attempts", "deadline"
+)  # fmt: skip
 VERL_ARGUMENTS = ("reward_router_address", "reward_model_tokenizer")
 
 
@@ -85,6 +88,8 @@ def _check_names(kwargs: Mapping[str, Any]) -> None:
     for name in kwargs:
         if name in SETTINGS or name in VERL_ARGUMENTS:
             continue
+        if name == "num_tokens":
+            raise ValueError(f"reward_kwargs.{NO_LENGTH}")
         close = difflib.get_close_matches(name.replace("-", "_"), SETTINGS, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ValueError(
@@ -94,7 +99,7 @@ def _check_names(kwargs: Mapping[str, Any]) -> None:
 
 
 def _key(extra_info: Mapping[str, Any] | None, kwargs: Mapping[str, Any]) -> _Key:
-    """Which client serves this call: its URL(s) and its number of tries (the call's keyword
+    """Which client serves this call: its URL(s), retries and key (the call's keyword
     arguments checked first)."""
     _check_names(kwargs)
     url = _option("reward_url", extra_info, kwargs) or kwargs.get("url")
@@ -104,7 +109,39 @@ def _key(extra_info: Mapping[str, Any] | None, kwargs: Mapping[str, Any]) -> _Ke
             "no reward server URL: set extra_info['reward_url'], pass url= through "
             "reward.custom_reward_function.reward_kwargs, or export SDE2_URL=http://host:8000"
         )
-    return str(url), int(kwargs.get("max_attempts") or 6)
+    key = kwargs.get("api_key")
+    if key is not None and not isinstance(key, str):
+        raise ValueError(f"reward_kwargs.api_key must be a string, got {type(key).__name__}")
+    return str(url), _retry(kwargs), key or None  # None: the client reads SDE2_API_KEY
+
+
+def _retry(kwargs: Mapping[str, Any]) -> RetryPolicy:
+    """``max_attempts`` (default: as many as the deadline allows) and ``deadline`` (seconds,
+    default :data:`~trainer_client.retry.TRAINER_DEADLINE`). Six tries, the old default, were
+    spent in ~15 s against a server shedding a large step's load with 429 for a minute.
+
+    >>> _retry({}).max_attempts, _retry({}).deadline
+    (None, 600.0)
+    >>> _retry({"deadline": 0})
+    Traceback (most recent call last):
+    ...
+    ValueError: reward_kwargs.deadline must be a finite number > 0, got 0
+    """
+    attempts, deadline = kwargs.get("max_attempts"), kwargs.get("deadline", TRAINER_DEADLINE)
+    if attempts is not None and (
+        isinstance(attempts, bool) or not isinstance(attempts, numbers.Integral) or attempts < 1
+    ):
+        raise ValueError(f"reward_kwargs.max_attempts must be an integer >= 1, got {attempts!r}")
+    if (
+        isinstance(deadline, bool)
+        or not isinstance(deadline, numbers.Real)
+        or not math.isfinite(deadline)
+        or deadline <= 0
+    ):
+        raise ValueError(f"reward_kwargs.deadline must be a finite number > 0, got {deadline!r}")
+    return RetryPolicy(
+        max_attempts=None if attempts is None else int(attempts), deadline=float(deadline)
+    )
 
 
 def _params(extra_info: Mapping[str, Any] | None, kwargs: Mapping[str, Any]) -> dict[str, Any]:
@@ -142,20 +179,13 @@ def _recipe(extra_info: Mapping[str, Any] | None, kwargs: Mapping[str, Any]) -> 
     return str(kwargs.get("recipe") or "sde2")
 
 
-def _num_tokens(extra_info: Mapping[str, Any] | None, kwargs: Mapping[str, Any]) -> int | None:
-    """The response length for ``cfl``'s length term: an integer count, never a coerced one.
-
-    ``int()`` would turn ``1500.9`` into 1500 and ``True`` into 1 without a word; a wrong length
-    changes the reward, so anything but a non-negative integer is an error.
-    """
-    value = _option("num_tokens", extra_info, kwargs)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-        raise ValueError(
-            f"num_tokens must be an integer >= 0 (the response's length in tokens), got {value!r}"
-        )
-    return int(value)
+#: Why ``num_tokens`` is refused (``reward_kwargs`` or ``extra_info``).
+NO_LENGTH = (
+    "num_tokens: verl passes compute_score no response length, and this value (one per run in "
+    "reward_kwargs, one per prompt in extra_info) would be every completion's length in a group, "
+    "where cfl's length term then adds nothing to the advantages; leave it out: the server "
+    "counts each response's words"
+)
 
 
 def _request(
@@ -170,10 +200,9 @@ def _request(
         gold = gold_text(ground_truth)
     except ValueError as exc:
         raise ValueError(f"ground_truth of a {data_source!r} sample: {exc}") from None
+    if extra_info and extra_info.get("num_tokens") is not None:
+        raise ValueError(f"extra_info {NO_LENGTH}")
     item: dict[str, Any] = {"completion": solution_str, "answer": gold}
-    num_tokens = _num_tokens(extra_info, kwargs)
-    if num_tokens is not None:
-        item["num_tokens"] = num_tokens
     recipe = _recipe(extra_info, kwargs)
     params = _params(extra_info, kwargs)
     check_weights(recipe, params, "reward_kwargs params.weights.{}")
@@ -202,11 +231,12 @@ def _as_verl(result: ScoreResult) -> dict[str, Any]:
 
 
 def _cached(clients: dict[_Key, Client], key: _Key, make: Callable[..., Client]) -> Client:
-    """The client of ``clients`` for ``key`` (URLs, attempts), made on first use: one pooled
-    client per server set, reused across the reward loop's samples."""
+    """The client of ``clients`` for ``key`` (URLs, retries, key), made on first use: one
+    pooled client per server set, reused across the reward loop's samples."""
     client = clients.get(key)
     if client is None:
-        client = clients[key] = make(key[0], retry=RetryPolicy(max_attempts=key[1]))
+        urls, retry, api_key = key
+        client = clients[key] = make(urls, retry=retry, api_key=api_key)
     return client
 
 

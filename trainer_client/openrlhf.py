@@ -11,7 +11,9 @@ backoff, ``Retry-After`` and replica failover, and the bearer key from ``SDE2_AP
 Configuration is by environment (OpenRLHF passes nothing else): ``SDE2_URL`` (one URL, or several
 comma-separated replicas), ``SDE2_API_KEY``, and optionally ``SDE2_RECIPE`` (a recipe the server
 knows, ``sde2`` by default), ``SDE2_ANSWER_TYPE`` (``numeric``, ``choice``, ``exact``, ``math``) and
-``SDE2_MAX_ATTEMPTS`` (tries per sample, default 6).
+``SDE2_MAX_ATTEMPTS`` (tries per sample, default: as many as the deadline allows) and
+``SDE2_REWARD_DEADLINE`` (seconds a sample's retries may take, default 600: a load-shedding
+server's backlog or a replica's restart is waited out; six fixed tries were spent in ~15 s).
 
 The server's ``/get_reward`` route does the scoring (one definition of how a query is split from
 its prompt and how a numeric label is read), unnormalized since a call holds one sample. The
@@ -29,6 +31,7 @@ level (visible whatever OpenRLHF's log level) and raises.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 from collections.abc import Sequence
@@ -37,18 +40,18 @@ from urllib.parse import urlencode
 
 from trainer_client.client import RewardClient
 from trainer_client.results import finite
-from trainer_client.retry import RetryPolicy
+from trainer_client.retry import TRAINER_DEADLINE, RetryPolicy
 
 log = logging.getLogger("trainer_client.openrlhf")
 
 ROUTE = "/get_reward"
 
-_clients: dict[tuple[str, str | None, int], RewardClient] = {}
+_clients: dict[tuple[str, str | None, RetryPolicy], RewardClient] = {}
 _lock = threading.Lock()
 
 
 def _client() -> RewardClient:
-    """One pooled client per (URLs, key, attempts): ``reward_func`` runs in many threads."""
+    """One pooled client per (URLs, key, retries): ``reward_func`` runs in many threads."""
     urls = os.environ.get("SDE2_URL", "")
     if not urls.strip():
         raise ValueError(
@@ -56,13 +59,28 @@ def _client() -> RewardClient:
             "comma-separated) in the environment OpenRLHF's rollout workers run in"
         )
     key = os.environ.get("SDE2_API_KEY") or None
-    attempts = int(os.environ.get("SDE2_MAX_ATTEMPTS", "6"))
+    retry = _retry()
     with _lock:
-        client = _clients.get((urls, key, attempts))
+        client = _clients.get((urls, key, retry))
         if client is None:
-            retry = RetryPolicy(max_attempts=attempts)
-            client = _clients[(urls, key, attempts)] = RewardClient(urls, retry=retry, api_key=key)
+            client = _clients[(urls, key, retry)] = RewardClient(urls, retry=retry, api_key=key)
         return client
+
+
+def _retry() -> RetryPolicy:
+    """``SDE2_MAX_ATTEMPTS`` and ``SDE2_REWARD_DEADLINE``, or a ``ValueError`` naming the one
+    that is not a number of the kind it takes."""
+    attempts = os.environ.get("SDE2_MAX_ATTEMPTS", "").strip()
+    deadline = os.environ.get("SDE2_REWARD_DEADLINE", "").strip()
+    if attempts and not (attempts.isdigit() and int(attempts) >= 1):
+        raise ValueError(f"SDE2_MAX_ATTEMPTS must be an integer >= 1, got {attempts!r}")
+    try:
+        seconds = float(deadline) if deadline else TRAINER_DEADLINE
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"SDE2_REWARD_DEADLINE must be a finite number > 0, got {deadline!r}")
+    return RetryPolicy(max_attempts=int(attempts) if attempts else None, deadline=seconds)
 
 
 def _route() -> str:

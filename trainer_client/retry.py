@@ -86,6 +86,13 @@ def parse_retry_after(value: str | None, now: float | None = None) -> float | No
     return max(0.0, when.timestamp() - (time.time() if now is None else now))
 
 
+#: Seconds a trainer's reward call keeps retrying by default (``sde2-train --reward-deadline``,
+#: the verl and OpenRLHF hooks): a replica's restart or a load-shedding server's backlog fits
+#: (a 2,048-sample verl step on a 2-core server was refused with 429 for 60-80 s, past a fixed
+#: six tries), and a server that stays down stops the training after it.
+TRAINER_DEADLINE = 600.0
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     """Exponential backoff with jitter, bounded by attempts and by total time.

@@ -54,7 +54,7 @@ from trainer_client.datasets import (
 from trainer_client.help_format import DefaultsShown
 from trainer_client.modeling import ModelRef
 from trainer_client.prompts import add_prompt_flag, prompt_style
-from trainer_client.retry import RetryPolicy, RewardServiceError
+from trainer_client.retry import TRAINER_DEADLINE, RetryPolicy, RewardServiceError
 from trainer_client.sharding import check_weights, params_issues
 
 log = logging.getLogger("sde2.train")
@@ -682,7 +682,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--reward-deadline",
         type=float,
-        default=600.0,
+        default=TRAINER_DEADLINE,
         help="give up on a batch after this many seconds of retries (training then stops)",
     )
 

@@ -16,9 +16,9 @@ defined in :mod:`trainer_client._verl_impl` it is pickled by reference, and the 
 
 One sample per request means batch normalization would zero every component (SPEC §7), so these
 functions score with ``normalize=false``: ``score`` is ``Σ_k w_k · R_k`` and verl's GRPO advantage
-normalizes within each prompt's group. verl 0.9.1 passes no response length, so ``num_tokens``
-(for the ``cfl`` length term, an integer ≥ 0) is taken from ``extra_info["num_tokens"]`` or a
-``num_tokens`` keyword when present; otherwise the server counts words.
+normalizes within each prompt's group. verl 0.9.1 passes no response length, so the server
+counts each response's words (``cfl``'s length term); ``num_tokens`` in ``extra_info`` or the
+keywords is refused: one value per prompt or per run would be every completion's in a group.
 
 The recipe is set per run (a ``recipe`` keyword, default ``sde2``); ``extra_info["recipe"]`` is
 refused, because the recipe decides the result's keys and verl logs a batch under the keys of its
@@ -27,8 +27,10 @@ is an error naming the field.
 
 The server URL comes from ``extra_info["reward_url"]``, then a ``url`` keyword (set it with
 ``reward.custom_reward_function.reward_kwargs``), then the ``SDE2_URL`` environment variable;
-several comma-separated URLs are tried in turn on failures. ``max_attempts`` (a keyword) bounds the
-tries per sample (default 6); when they run out :class:`~trainer_client.retry.RewardServiceError`
+several comma-separated URLs are tried in turn on failures. The key is an ``api_key`` keyword,
+else ``SDE2_API_KEY`` in the scoring process's environment. ``deadline`` (seconds, default 600)
+and ``max_attempts`` (default: as many as the deadline allows) bound a sample's retries; when they
+run out :class:`~trainer_client.retry.RewardServiceError`
 propagates and verl's reward loop stops: no sample is ever scored with an invented reward. Clients
 are cached per URL (and per event loop for the async variant) so connections are pooled across
 the reward loop.
