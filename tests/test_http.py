@@ -432,6 +432,11 @@ def test_get_reward_finds_the_prompt_after_special_tokens_or_refuses(client: Any
     assert r.status_code == 422
     assert [d["field"] for d in r.json()["detail"]] == ["prompts.0"]
     assert "does not occur in query[0]" in r.json()["detail"][0]["msg"]
+    # The usual cause, OpenRLHF's cut of a long prompt's start, is named with its remedy.
+    cut = {"query": [prompt[9:] + c], "prompts": [prompt], "labels": ["18"]}
+    r = client.post("/get_reward", json=cut)
+    assert r.status_code == 422 and "from the left" in r.json()["detail"][0]["msg"]
+    assert "raise --max_len" in r.json()["detail"][0]["msg"]
 
 
 def test_info_and_metrics(client: Any) -> None:

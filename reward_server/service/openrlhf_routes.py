@@ -81,7 +81,11 @@ def openrlhf_items(request: OpenRLHFRequest) -> list[ScoreItem]:
             issues.append(issue(("labels", i), msg, "empty_label"))
         start = query.find(prompt)
         if start < 0:
-            msg = f"does not occur in query[{i}]: the response cannot be separated from its prompt"
+            msg = (
+                f"does not occur in query[{i}]: the response cannot be separated from its prompt "
+                "(OpenRLHF cuts a prompt longer than --max_len minus --max_new_tokens from the "
+                "left, and sends it whole: raise --max_len or shorten the prompts)"
+            )
             issues.append(issue(("prompts", i), msg, "prompt_not_in_query"))
         if not issues:
             items.append(ScoreItem(query[start + len(prompt) :], answer, prompt, None, None))
