@@ -41,12 +41,10 @@ from reward_server.core import (
 )
 from reward_server.core.answers import MathJudge
 from reward_server.encoders.base import EMBEDDING_DIM, Encoder
-from reward_server.encoders.loading import BACKENDS, Backend, runs_export
+from reward_server.encoders.loading import BACKENDS, Backend, model_problem
 from reward_server.encoders.model_store import (
     ModelExportError,
     ModelLoadError,
-    is_export,
-    local_model_folder,
 )
 from reward_server.field_names import unknown_field_hint
 from reward_server.jsonl_files import (
@@ -179,18 +177,10 @@ def check_input(path: Path, flag: str = "--in") -> None:
 
 def check_model(backend: Backend, model: str | None) -> None:
     """Refuse a ``--model`` that names no usable folder before the parse (the encoder loads only
-    after it, which may be minutes later). A name that is no local path is a hub id, tried when
-    the encoder loads."""
-    if model is None:
-        return
-    try:
-        folder = local_model_folder(model)
-    except FileNotFoundError as exc:
-        raise InputError(f"--model: {exc}") from None
-    if folder is not None and not runs_export(backend) and is_export(folder):
-        raise InputError(
-            f"--model: {folder} is an ONNX export; the {backend} backend needs the model folder"
-        )
+    after it, which may be minutes later): :func:`~reward_server.encoders.loading.model_problem`."""
+    problem = model_problem(backend, model)
+    if problem is not None:
+        raise InputError(f"--model: {problem}")
 
 
 def encode_with_progress(encoder: Encoder, texts: Sequence[str], show: bool) -> np.ndarray:

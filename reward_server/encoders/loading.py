@@ -100,6 +100,23 @@ def runs_export(backend: Backend) -> bool:
     return backend != "torch"
 
 
+def model_problem(backend: Backend, model: str | None) -> str | None:
+    """Why ``model`` cannot serve ``backend``, told before anything loads (loading may come
+    minutes later, after a parse or in a server's background), or None. Checks the path only:
+    a name that is no local path is a hub id, tried when the encoder loads."""
+    from reward_server.encoders.model_store import is_export, local_model_folder
+
+    if model is None:
+        return None
+    try:
+        folder = local_model_folder(model)
+    except FileNotFoundError as exc:
+        return str(exc)
+    if folder is not None and not runs_export(backend) and is_export(folder):
+        return f"{folder} is an ONNX export; the {backend} backend needs the model folder"
+    return None
+
+
 #: The backends that run the ONNX export (``--backend`` choices of the encoder benchmarks).
 EXPORT_BACKENDS: tuple[Backend, ...] = tuple(b for b in BACKENDS if runs_export(b))
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import math
 import os
 import re
@@ -30,6 +31,13 @@ _AT_LEAST_ONE = (
 )  # fmt: skip
 _POSITIVE = ("request_timeout", "math_timeout", "header_timeout", "body_timeout")
 _MAX_BODY = 2**31 - 1
+#: The largest integer any setting takes: what the libraries given them (gRPC, onnxruntime)
+#: hold in a C int; a larger one was a traceback there, or a 500 on every math request.
+_MAX_INT = 2**31 - 1
+#: Processes, threads and streams: more than a machine runs (99999999999999999999 workers was
+#: a MemoryError while the list of processes was built).
+_MAX_COUNT = 1024
+_COUNTS = ("workers", "math_workers", "intra_op_threads", "encoder_streams")
 _BEARER_KEY = re.compile(r"[\x21-\x7e]+")
 #: The longest duration any setting may take (a year): longer overflows the waits it bounds.
 MAX_SECONDS = 365 * 86400
@@ -68,8 +76,9 @@ class Settings:
         default=1,
         metadata={
             "help": "server processes sharing the ports through SO_REUSEPORT, each with its own "
-            "encoder and batcher (CPU threads are split between them; /metrics, whichever "
-            "answers it, adds up all of them)"
+            "encoder, batcher, queue capacity and cache (CPU threads are split between them; "
+            "/metrics, whichever answers it, adds up all of them; /v1/info's limits are each "
+            "process's)"
         },
     )
     intra_op_threads: int | None = field(
@@ -211,6 +220,7 @@ class Settings:
     math_timeout: float = field(
         default=2.0,
         metadata={
+            "info": "math_timeout_s",  # it decides verdicts: a check past it is not equivalent
             "help": "seconds one answer_type=math equivalence check may run (in a child process "
             "that is killed after it); a check that runs out counts as not equivalent for its "
             "request and is never cached (one starved of CPU is retried once)"
@@ -258,6 +268,11 @@ class Settings:
         for name in ("intra_op_threads", "encoder_streams", "encoder_batch_tokens", "chunk_tokens"):
             value = getattr(self, name)
             rules.append((name, value is None or value >= 1, "an integer >= 1 (or unset)"))
+        for f in dataclasses.fields(self):
+            value, most = getattr(self, f.name), _MAX_COUNT if f.name in _COUNTS else _MAX_INT
+            if isinstance(value, int) and value > most:
+                rules.append((f.name, False, f"at most {most}"))
+        rules.extend(self._combination_rules())
         # Sizes past 2**31 - 1 do not fit gRPC's (32-bit) message limit.
         rules.append(("max_body_bytes", self.max_body_bytes <= _MAX_BODY, f"at most {_MAX_BODY}"))
         # An Authorization header and gRPC metadata carry printable ASCII: any other key could
@@ -283,6 +298,26 @@ class Settings:
                 )
                 raise ValueError(f"{name} ({flag}{env_name(name)}) must be {rule}, got {got}")
 
+    def _combination_rules(self) -> list[tuple[str, bool, str]]:
+        """Settings that cannot work together, refused before any export or load (found after
+        an export of half a minute, in the background, as exit 1)."""
+        export_only = ("encoder_streams", "encoder_batch_tokens")
+        if self.backend == "torch":  # the reference runs the model itself, not an export
+            return [
+                ("variant", self.variant == "fp32", "fp32 with --backend torch (no export)"),
+                *(
+                    (name, getattr(self, name) is None, "unset with --backend torch (no export)")
+                    for name in export_only
+                ),
+            ]
+        if self.backend != "onnx":  # OpenVINO and CTranslate2 run the fp32 export on the CPU
+            return [
+                ("provider", self.provider == "cpu", f"cpu with --backend {self.backend}"),
+                ("variant", self.variant == "fp32", f"fp32 with --backend {self.backend}"),
+            ]
+        fp16_ok = self.variant != "fp16" or self.provider == "cuda"
+        return [("variant", fp16_ok, "fp32 or int8 on --provider cpu (fp16 is for CUDA only)")]
+
     def public(self, unenforced: Collection[str] = ()) -> dict[str, Any]:
         """What ``/v1/info`` (and gRPC ``Info``) report of the settings, as ``limits``: each field
         whose metadata names its ``info`` key, except the ``unenforced`` ones (limits of a
@@ -299,6 +334,14 @@ class Settings:
 #: Each setting's type, resolved from its annotation (which this module's ``from __future__``
 #: import keeps as text).
 _FIELD_TYPES: dict[str, Any] = typing.get_type_hints(Settings)
+_FIELD_SECRET = {f.name: bool(f.metadata.get("secret")) for f in dataclasses.fields(Settings)}
+#: ``SDE2_*`` variables that are no server setting but are read elsewhere in the project (the
+#: client and its trainer hooks, the image's build and user, the tests): not reported as unknown.
+OTHER_VARIABLES = frozenset(
+    {"SDE2_CACHE_DIR", "SDE2_URL", "SDE2_MAX_ATTEMPTS", "SDE2_REWARD_DEADLINE", "SDE2_RECIPE",
+     "SDE2_ANSWER_TYPE", "SDE2_UID", "SDE2_ARTIFACTS", "SDE2_VERL_PYTHON", "SDE2_GSM8K",
+     "SDE2_BASE_IMAGE", "SDE2_DEBIAN_MIRROR", "SDE2_PODMAN_DIR", "SDE2_REBUILD_BASE"}
+)  # fmt: skip
 
 
 def env_name(name: str) -> str:
@@ -317,8 +360,9 @@ class _Kind:
 
 def _kind(name: str) -> _Kind:
     """The :class:`_Kind` of the field ``name``: ``int``, ``float``, ``str``, a ``Literal`` of
-    strings, or one of these or ``None`` (an optional number is unset by "" or "none"; an optional
-    string is taken as given, so that a key spelled "none" stays a key)."""
+    strings, or one of these or ``None`` (an optional setting is unset by "" or "none", the model
+    included, which then is the embedded default; a secret is taken as given, so that a key
+    spelled "none" stays a key)."""
     hint = _FIELD_TYPES[name]
     args = typing.get_args(hint)
     optional = type(None) in args
@@ -327,7 +371,7 @@ def _kind(name: str) -> _Kind:
         return _Kind(str, typing.get_args(base))
     if base not in (int, float, str):
         raise TypeError(f"setting {name}: no parser for {hint!r}")
-    if optional and base is not str:
+    if optional and (base is not str or not _FIELD_SECRET.get(name, False)):
         return _Kind(_or_none(base))
     return _Kind(base)
 
@@ -379,11 +423,35 @@ def host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
+def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
+    """A line for each ``SDE2_*`` variable that is no setting (nor one of
+    :data:`OTHER_VARIABLES`, nor a test's ``SDE2_TEST_*``), naming the setting it resembles:
+    such a variable is ignored, and ``SDE2_APIKEY`` left the scoring routes open.
+
+    >>> unknown_variables({"SDE2_APIKEY": "k", "SDE2_URL": "http://h", "SDE2_PORT": "80"})
+    ['SDE2_APIKEY is no setting, ignored (did you mean SDE2_API_KEY?)']
+    """
+    environ = os.environ if environ is None else environ
+    settings = [env_name(f.name) for f in dataclasses.fields(Settings)]
+    lines = []
+    for name in sorted(environ):
+        if not name.startswith("SDE2_") or name.startswith("SDE2_TEST_"):
+            continue
+        if name in settings or name in OTHER_VARIABLES:
+            continue
+        close = difflib.get_close_matches(name, settings, n=1, cutoff=0.75)
+        lines.append(
+            f"{name} is no setting, ignored" + (f" (did you mean {close[0]}?)" if close else "")
+        )
+    return lines
+
+
 def load_settings(
     args: argparse.Namespace | None = None, environ: Mapping[str, str] | None = None
 ) -> Settings:
     """Flags first (one given as "none" included), then ``SDE2_*`` environment variables, then
-    the defaults."""
+    the defaults. An empty variable is as if unset (an unset shell or compose variable expands
+    to ""): ``SDE2_HOST=`` bound every interface, ``SDE2_MODEL=`` loaded the current folder."""
     environ = os.environ if environ is None else environ
     flags = vars(args) if args is not None else {}
     values: dict[str, Any] = {}
@@ -392,8 +460,8 @@ def load_settings(
             values[f.name] = flags[f.name]
         elif env_name(f.name) in environ:
             raw = environ[env_name(f.name)]
-            if f.metadata.get("env") and not raw:
-                continue  # SDE2_API_KEY= (an unset shell variable) means no key, not ""
+            if not raw.strip():
+                continue  # SDE2_API_KEY= means no key, SDE2_HOST= the default address
             try:
                 values[f.name] = _kind(f.name).convert(raw)
             except ValueError as exc:

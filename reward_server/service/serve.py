@@ -48,7 +48,13 @@ from concurrent.futures import wait as wait_for_futures
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from reward_server.service.config import Settings, env_only_help, load_settings
+from reward_server.encoders.loading import model_problem
+from reward_server.service.config import (
+    Settings,
+    env_only_help,
+    load_settings,
+    unknown_variables,
+)
 from reward_server.service.config import add_arguments as add_settings_arguments
 from reward_server.service.memory import tune_malloc_for
 from reward_server.service.sockets import reuse_port_sockets, taken_port
@@ -480,9 +486,19 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"sde2-reward serve: {exc}", file=sys.stderr)
         return 2
+    problem = model_problem(settings.backend, settings.model)
+    if problem is not None:  # else found once the port is bound, as exit 1
+        print(f"sde2-reward serve: model (--model / SDE2_MODEL): {problem}", file=sys.stderr)
+        return 2
     tune_malloc_for(settings.backend, settings.provider)
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    for line in unknown_variables():  # SDE2_APIKEY had left the scoring routes open unsaid
+        log.warning("%s", line)
+    log.info(
+        "scoring routes %s",
+        "need the key of SDE2_API_KEY" if settings.api_key else "are open: no SDE2_API_KEY",
     )
     if settings.workers > 1:
         return _run_workers(settings)
