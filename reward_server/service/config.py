@@ -398,9 +398,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "default": argparse.SUPPRESS,
             "type": _kind(f.name).convert,
             "choices": _kind(f.name).choices,
-            "help": f"{f.metadata['help']} (env {env_name(f.name)}; default {f.default})",
+            "help": f"{f.metadata['help']} (env {env_name(f.name)}{_default_help(f)})",
         }
         parser.add_argument(flag, **kwargs)
+
+
+def _default_help(f: dataclasses.Field[Any]) -> str:
+    """``; default X`` for ``--help``, unless the help names its default itself (an unset
+    one: "default: usable CPUs" read beside "default None")."""
+    return "" if "default" in f.metadata["help"] else f"; default {f.default}"
 
 
 def env_only_help() -> list[str]:
