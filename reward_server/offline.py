@@ -254,7 +254,12 @@ def prepare_input(
 def report_timeouts(judge: IsolatedMathJudge, limit: float) -> None:
     """Say how many math checks ran out of time: each counted as not equivalent."""
     if judge.timeouts:
-        print(f"{judge.timeouts} math checks ran past {limit} s (not equivalent)", file=sys.stderr)
+        checks = "1 math check" if judge.timeouts == 1 else f"{judge.timeouts} math checks"
+        print(
+            f"{checks} ran past {limit} s, counted as not equivalent (each named above by its "
+            "answer and gold)",
+            file=sys.stderr,
+        )
 
 
 def output_records(score: BatchScore, lines: Sequence[int]) -> Iterator[dict[str, Any]]:

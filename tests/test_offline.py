@@ -104,7 +104,7 @@ def test_offline_math_survives_a_pathological_answer(
     assert main([*args, "--quiet", "--math-timeout", "1"]) == 0
     captured = capsys.readouterr()
     assert [json.loads(line)["correct"] for line in captured.out.splitlines()] == [False, True]
-    assert "1 math checks ran past 1.0 s" in captured.err
+    assert "1 math check ran past 1.0 s" in captured.err
     with pytest.raises(SystemExit) as exc:  # an argument error: usage and exit status 2
         main([*args, "--math-timeout", "0"])
     assert exc.value.code == 2
