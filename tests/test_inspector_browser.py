@@ -251,6 +251,18 @@ def test_bad_input_shows_the_422_next_to_its_input(
     assert "rewards are format rewards" in browser.find_element(By.ID, "answer-error").text
     assert browser.find_element(By.ID, "results").is_displayed()
     assert "invalid-input" not in browser.find_element(By.ID, "answer").get_attribute("class")
+    # Each warning on a line of its own next to its input: two weights the recipe does not sum
+    # were read as one warning (only items.N.answer and labels.N started one).
+    params = browser.find_element(By.ID, "params")
+    params.send_keys('{"weights": {"rd": 0, "len": 0}}')
+    browser.find_element(By.ID, "run").click()
+    WebDriverWait(browser, WAIT_S).until(
+        lambda d: "params.weights" in d.find_element(By.ID, "params-error").text
+    )
+    lines = browser.find_element(By.ID, "params-error").text.splitlines()
+    assert [line.split(":")[1] for line in lines] == [" params.weights.len", " params.weights.rd"]
+    assert "params.weights" not in browser.find_element(By.ID, "answer-error").text
+    params.clear()
     # A line that is no JSON is caught before sending, naming the line.
     completions = browser.find_element(By.ID, "completions")
     completions.send_keys("\n{not json")

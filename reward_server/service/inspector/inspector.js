@@ -122,10 +122,11 @@ function showError(name, message) {
 }
 
 /** A scored batch's warnings (x-sde2-warning headers: fetch joins their lines with ", "; each
- * starts with the field it names, or counts the rest). */
+ * starts with the field it names, such as items.3.answer or params.weights.sd, or counts the
+ * rest). */
 function warningsOf(headers) {
   const joined = headers.get("x-sde2-warning");
-  return joined ? joined.split(/, (?=(?:items\.\d+\.answer|labels\.\d+): |and \d+ more warnings$)/) : [];
+  return joined ? joined.split(/, (?=[a-z_]+(?:\.\w+)*: |and \d+ more warnings$)/) : [];
 }
 
 /** A warning next to its input: the answer stands, the input is not marked invalid. */
