@@ -223,7 +223,7 @@ class Settings:
             "info": "math_timeout_s",  # it decides verdicts: a check past it is not equivalent
             "help": "seconds one answer_type=math equivalence check may run (in a child process "
             "that is killed after it); a check that runs out counts as not equivalent for its "
-            "request and is never cached (one starved of CPU is retried once)"
+            "request and is never cached (one starved of CPU is retried once)",
         },
     )
     math_workers: int = field(
