@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import math
 import re
 import string
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -785,3 +787,21 @@ def test_a_job_submitted_while_the_batcher_closes_is_served_or_refused() -> None
         done, pending = wait(futures, timeout=1.0)
         served, lost = served + len(done), lost + len(pending)
     assert lost == 0 and served > 0
+
+
+def test_a_finished_job_is_freed_without_the_cycle_collector() -> None:
+    """A job's future held the withdraw closure, which held the job, which held the future: each
+    answered request's embeddings and texts waited for a cyclic GC pass."""
+    batcher = Batcher(HashEncoder(), capacity=4, batch_tokens=1000)
+    gc.disable()
+    try:
+        first = batcher.submit(["a first text"], time.monotonic() + 5)
+        first.result(5)
+        freed = weakref.ref(first)
+        del first
+        # The worker keeps its latest batch until the next one: run another.
+        batcher.submit(["a second text"], time.monotonic() + 5).result(5)
+        assert freed() is None
+    finally:
+        gc.enable()
+        batcher.close(5)

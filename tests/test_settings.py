@@ -83,6 +83,9 @@ def test_an_empty_variable_is_unset_and_model_none_is_the_default() -> None:
     env = {"SDE2_HOST": "", "SDE2_MODEL": " ", "SDE2_PORT": "", "SDE2_API_KEY": ""}
     s = load_settings(None, env)
     assert (s.host, s.model, s.port, s.api_key) == ("127.0.0.1", None, 8000, None)
+    for blank in (" ", "\n"):  # a key of blanks is refused, never "no key": the routes open
+        with pytest.raises(ValueError, match=r"api_key .* printable ASCII without spaces"):
+            load_settings(None, {"SDE2_API_KEY": blank})
     flags = parser().parse_args(["--model", "none"])
     assert load_settings(flags, {"SDE2_MODEL": "/models/x"}).model is None
     assert load_settings(parser().parse_args(["--model", "./none"]), {}).model == "./none"

@@ -326,6 +326,7 @@ class Batcher:
                 self._jobs.remove(job)
             except ValueError:
                 return
+            job.future.withdraw = None  # it held the job, which holds the future: a cycle
             self._queued_tokens -= job.tokens
             self._notify_depth_locked()
         self._report_dropped(1)
@@ -362,6 +363,8 @@ class Batcher:
             budget -= job.tokens
             taken.append(job)
         self._queued_tokens -= sum(j.tokens for j in taken)
+        for job in taken:  # out of the queue: nothing to withdraw, and no cycle to collect
+            job.future.withdraw = None
         return taken
 
     def _run(self) -> None:

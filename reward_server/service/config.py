@@ -466,8 +466,10 @@ def load_settings(
             values[f.name] = flags[f.name]
         elif env_name(f.name) in environ:
             raw = environ[env_name(f.name)]
-            if not raw.strip():
-                continue  # SDE2_API_KEY= means no key, SDE2_HOST= the default address
+            # SDE2_API_KEY= means no key, SDE2_HOST= the default address; a key of blanks is
+            # refused below, never taken as no key (a Secret holding a newline opened the routes).
+            if not (raw if f.metadata.get("secret") else raw.strip()):
+                continue
             try:
                 values[f.name] = _kind(f.name).convert(raw)
             except ValueError as exc:
