@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -314,7 +315,9 @@ def test_a_web_stack_that_fails_to_import_lets_the_loading_end_first(
         assert "terminate called" not in done.stderr
 
 
-def test_workers_refuse_a_taken_port_and_die_with_their_supervisor(onnx_model_dir: Path) -> None:
+def test_workers_refuse_a_taken_port_and_die_with_their_supervisor(
+    onnx_model_dir: Path, tmp_path: Path
+) -> None:
     """A second server on the ports of one running with ``--workers``, or on a port any
     socket holds, exits 3 with the error before starting workers (with ``SO_REUSEPORT`` it
     used to start and share the ports). A supervisor killed outright takes its workers with
@@ -353,14 +356,19 @@ def test_workers_refuse_a_taken_port_and_die_with_their_supervisor(onnx_model_di
         held = ServerProcess(onnx_model_dir, "--workers", "2", port=port).start(wait=False)
         assert held.wait(120) == 3, held.log_tail()
         assert "Address already in use" in held.log(), held.log_tail()
-    # A model folder that is not there: one line naming it, as one process says it (was a
-    # traceback from the supervisor).
+    # A model folder that is not there: refused before any worker starts, naming it.
     missing = ServerProcess(Path("/nonexistent/model"), "--workers", "2")
-    assert missing.start(wait=False).wait(120) == 1, missing.log_tail()
-    assert "loading the encoder failed: FileNotFoundError: model '/nonexistent/model': no such" in (
-        missing.log()
-    )
-    assert "Traceback" not in missing.log()
+    assert missing.start(wait=False).wait(120) == 2, missing.log_tail()
+    assert "model (--model / SDE2_MODEL): model '/nonexistent/model': no such" in missing.log()
+    # An export that cannot load: one line naming why, as one process says it (was a
+    # traceback from the supervisor).
+    broken = tmp_path / "broken-export"
+    shutil.copytree(onnx_model_dir, broken)
+    (broken / "model.onnx").write_bytes(b"not an onnx graph")
+    failing = ServerProcess(broken, "--workers", "2")
+    assert failing.start(wait=False).wait(120) == 1, failing.log_tail()
+    assert "loading the encoder failed: " in failing.log(), failing.log_tail()
+    assert "Traceback" not in failing.log()
 
 
 def test_load_benchmark_runs_end_to_end(

@@ -264,7 +264,9 @@ async def _watch_loading(service: ScoringService, stop: _Stop) -> None:
         stop.failed = True
         stop.request()
     else:
-        log.info("ready: %s", service.encoder_name)
+        key = service.settings.api_key is not None
+        routes = "need the key of SDE2_API_KEY" if key else "are open: no SDE2_API_KEY"
+        log.info("ready: %s; scoring routes %s", service.encoder_name, routes)
 
 
 async def _ready_before_stop(watcher: asyncio.Task[None], stop: _Stop) -> bool:
@@ -496,10 +498,6 @@ def run(args: argparse.Namespace) -> int:
     )
     for line in unknown_variables():  # SDE2_APIKEY had left the scoring routes open unsaid
         log.warning("%s", line)
-    log.info(
-        "scoring routes %s",
-        "need the key of SDE2_API_KEY" if settings.api_key else "are open: no SDE2_API_KEY",
-    )
     if settings.workers > 1:
         return _run_workers(settings)
     taken = taken_port(settings)  # the flags named, as for workers
