@@ -89,6 +89,9 @@ def test_an_empty_variable_is_unset_and_model_none_is_the_default() -> None:
     flags = parser().parse_args(["--model", "none"])
     assert load_settings(flags, {"SDE2_MODEL": "/models/x"}).model is None
     assert load_settings(parser().parse_args(["--model", "./none"]), {}).model == "./none"
+    # Blanks around a text are dropped, as around a number (a host " 127.0.0.1" could not bind).
+    spaced = load_settings(parser().parse_args(["--host", " 127.0.0.1 "]), {"SDE2_MODEL": " m "})
+    assert (spaced.host, spaced.model) == ("127.0.0.1", "m")
 
 
 @pytest.mark.parametrize(

@@ -371,16 +371,20 @@ def _kind(name: str) -> _Kind:
         return _Kind(str, typing.get_args(base))
     if base not in (int, float, str):
         raise TypeError(f"setting {name}: no parser for {hint!r}")
-    if optional and (base is not str or not _FIELD_SECRET.get(name, False)):
-        return _Kind(_or_none(base))
-    return _Kind(base)
+    secret = _FIELD_SECRET.get(name, False)
+    # A text is taken without surrounding blanks (--host " 127.0.0.1" was an exit 3, "cannot
+    # bind"), as a number is; a secret exactly as given.
+    convert: Callable[[str], Any] = str.strip if base is str and not secret else base
+    if optional and not secret:
+        return _Kind(_or_none(convert))
+    return _Kind(convert)
 
 
 def _or_none(convert: Callable[[str], Any]) -> Callable[[str], Any]:
     """``convert``, except that "" and "none" (any case) give ``None``."""
 
     def parse(text: str) -> Any:
-        return None if text.lower() in ("", "none") else convert(text)
+        return None if text.strip().lower() in ("", "none") else convert(text)
 
     parse.__name__ = getattr(convert, "__name__", "value")  # argparse names it in its errors
     return parse
