@@ -279,15 +279,18 @@ def output_records(score: BatchScore, lines: Sequence[int]) -> Iterator[dict[str
 def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
     """``--recipe`` and ``--answer-type``, their choices read from the core (the registered
     recipes when the parser is built, and :data:`ANSWER_TYPES`)."""
-    parser.add_argument("--recipe", choices=list(RECIPES), default="sde2")
-    parser.add_argument("--answer-type", choices=ANSWER_TYPES, default="numeric")
+    parser.add_argument("--recipe", choices=list(RECIPES), default="sde2", help="default sde2")
+    matcher = "the answer matcher (default numeric)"
+    parser.add_argument("--answer-type", choices=ANSWER_TYPES, default="numeric", help=matcher)
 
 
 def add_encoder_arguments(parser: argparse.ArgumentParser) -> None:
     """``--backend`` (choices from :data:`BACKENDS`), ``--model`` and ``--quiet``: how the offline
     commands load the encoder and whether they show its progress."""
-    parser.add_argument("--backend", choices=BACKENDS, default="onnx")
-    parser.add_argument("--model", default=None, help="ONNX folder, HF folder or hub id")
+    parser.add_argument("--backend", choices=BACKENDS, default="onnx", help="default onnx")
+    parser.add_argument(
+        "--model", default=None, help="ONNX folder, HF folder or hub id (default: the embedded one)"
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -297,7 +300,8 @@ def add_math_timeout_argument(parser: argparse.ArgumentParser) -> None:
         "--math-timeout",
         type=math_timeout,
         default=2.0,
-        help="seconds one answer-type=math check may run before it counts as not equivalent",
+        help="seconds one answer-type=math check may run before it counts as not equivalent "
+        "(default 2)",
     )
 
 
