@@ -9,7 +9,7 @@
 #
 # Environment (all optional):
 #   IMAGE              image name           (localhost/sde2-reward-server:latest, :gpu with --gpu)
-#   BASE_IMAGE         base of both stages  (localhost/sde2-base:bookworm when present, made by
+#   BASE_IMAGE         base of the stages   (localhost/sde2-base:bookworm when present, made by
 #                                            podman-setup.sh; else python:3.11-slim-bookworm;
 #                                            with --gpu: nvidia/cuda:13.0.1-cudnn-runtime-ubuntu24.04)
 #   EXPORT_BASE_IMAGE  --gpu only: base of the export stage (same default as the CPU BASE_IMAGE)
@@ -22,8 +22,8 @@
 # Prints the image id, the build time and the image size; labels the image with
 # org.sde2.source-hash (sources + Dockerfile + build arguments) for --if-changed, and
 # org.sde2.image (its name). After a rebuild, the untagged images that earlier builds of the same
-# name left (the replaced image, its builder stage) are removed: each rebuild would otherwise keep
-# ~2.7 GB. The builder stage of this build stays, as the layer cache of the next one.
+# name left (the replaced image, its exporter and builder stages) are removed: each rebuild would
+# otherwise keep ~2.7 GB. This build's stages stay, as the layer cache of the next one.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -40,7 +40,7 @@ while [ $# -gt 0 ]; do
         --if-changed) if_changed=1 ;;
         --print-hash) print_hash=1 ;;
         --) shift; extra=("$@"); break ;;
-        -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0 ;;
         *) echo "unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
     shift
@@ -107,6 +107,10 @@ source_hash="$(
             [ -f "$f" ] && printf '%s %s\n' "$(sha256sum <"$f" | cut -c1-64)" "$f"
         done
         printf '%s\n' "${build_args[@]}"
+        # What goes to podman build after --, and which base image (by id: a rebuilt base of
+        # the same name is another build).
+        printf 'extra %s\n' "${extra[@]+"${extra[@]}"}"
+        "${podman_cmd[@]}" image inspect --format '{{.Id}}' "$base" 2>/dev/null || true
     } | sha256sum | cut -c1-16
 )"
 

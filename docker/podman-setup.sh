@@ -5,9 +5,10 @@
 #   1. installs podman, runc, catatonit and debootstrap with apt (Debian/Ubuntu, as root) when missing;
 #   2. writes the containers.conf podman needs here (no systemd, no rlimit changes allowed):
 #        [containers] default_ulimits = []   and   [engine] cgroup_manager = "cgroupfs";
-#   3. when base images cannot be pulled (no registry access), builds a Debian bookworm root with
-#      debootstrap (python3, python3-venv, python3-pip) and imports it as a local stand-in for
-#      python:3.11-slim-bookworm.
+#   3. when the local base image is missing (this project's machines cannot pull base images; none
+#      is tried), builds a Debian bookworm root with debootstrap (python3, python3-venv,
+#      python3-pip) and imports it as a local stand-in for python:3.11-slim-bookworm. With a
+#      registry at hand, build with `docker build` (or `podman build`) on the real base instead.
 #
 # Environment (all optional):
 #   SDE2_PODMAN_DIR    where containers.conf is written     (default: docker/.podman in the repo)
@@ -15,7 +16,7 @@
 #   SDE2_DEBIAN_MIRROR mirror for debootstrap               (default: http://deb.debian.org/debian)
 #   SDE2_REBUILD_BASE  set to 1 to rebuild the base image even if present
 #
-# After it, use docker/build.sh (or `source docker/podman-env.sh` for the podman flags).
+# After it, use docker/build.sh.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"

@@ -568,7 +568,7 @@ def _image_ids(*filters: str) -> dict[str, str]:
 
 def test_rebuild_removes_what_earlier_builds_left(tmp_path: Path) -> None:
     """A rebuild after a source change leaves no untagged image of the earlier build (each kept
-    ~2.7 GB), and keeps this build's builder stage, the layer cache of the next one.
+    ~2.7 GB), and keeps this build's exporter and builder stages, the layer cache of the next.
 
     Built from a copy of the checkout (its files, not what git ignores: 2 MB), so that a source
     can change without touching it, into an image name of its own (removed at the end with what
@@ -606,9 +606,9 @@ def test_rebuild_removes_what_earlier_builds_left(tmp_path: Path) -> None:
             "the image the rebuild replaced is still there, untagged"
         )
         left = _image_ids("dangling=true", ours)
-        # What is left untagged: this build's builder stage only (its layers are the cache).
+        # What is left untagged: this build's two stages only (their layers are the cache).
         assert set(left.values()) == {second_hash}, left
-        assert len(left) == 1, left
+        assert len(left) == 2, left
     finally:
         for image_id in _image_ids(ours):
             podman("rmi", "-f", image_id, check=False, timeout=300)

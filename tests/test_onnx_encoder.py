@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import threading
 from pathlib import Path
@@ -430,6 +431,35 @@ def test_cuda_missing_from_the_build_is_a_clear_error() -> None:
     assert check_provider_available("cpu", ["CPUExecutionProvider"]) == "CPUExecutionProvider"
     with pytest.raises(ValueError):
         check_provider_available("tpu", ["CPUExecutionProvider"])  # type: ignore[arg-type]
+
+
+def test_cuda_libraries_of_nvidia_wheels_are_loaded_before_a_cuda_session(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """onnxruntime-gpu with NVIDIA's pip wheels (the GPU image's ``ORT_GPU_EXTRAS``): its CUDA
+    provider finds their libraries only once loaded (``import torch`` does, the server does
+    not), so :func:`load_cuda_libraries` has onnxruntime load them; without the wheels (a CUDA
+    base's system libraries) it does nothing. The CUDA session itself needs the lent GPU."""
+    from types import SimpleNamespace
+
+    from reward_server.encoders.onnx_runtime import load_cuda_libraries
+
+    calls: list[str] = []
+
+    def preload_dlls() -> None:  # as onnxruntime's, which prints what it cannot load
+        calls.append("preload")
+        print("Failed to load libcudnn.so.9: no such file")
+
+    ort = SimpleNamespace(preload_dlls=preload_dlls)
+    load_cuda_libraries(ort)
+    assert calls == []  # no nvidia-* wheels here: nothing to load
+    (tmp_path / "nvidia" / "cu13").mkdir(parents=True)  # what the nvidia-* wheels install
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="reward_server.encoders.onnx_runtime"):
+        load_cuda_libraries(ort)
+    assert calls == ["preload"]
+    assert "Failed to load libcudnn.so.9" in caplog.text
+    load_cuda_libraries(SimpleNamespace())  # an onnxruntime older than preload_dlls: no error
 
 
 def test_silent_cpu_fallback_is_detected() -> None:

@@ -22,6 +22,8 @@ fraction of the speed.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 from collections.abc import Sequence
 from functools import partial
@@ -116,6 +118,26 @@ def check_provider_available(provider: Provider, available: Sequence[str] | None
             f"available: {list(available)}{hint}"
         )
     return wanted
+
+
+def load_cuda_libraries(ort: Any) -> None:
+    """Load the CUDA and cuDNN libraries of NVIDIA's pip wheels (``nvidia-*``, as
+    ``onnxruntime-gpu[cuda,cudnn]`` installs them), when there are such wheels, before a CUDA
+    session: onnxruntime's CUDA provider names them without a path that reaches the wheels'
+    folders, and finds them only when something loaded them first (``import torch`` does; this
+    server imports no torch, so the provider could not start). A CUDA base image's system
+    libraries need nothing: without the wheels this does nothing. What ``preload_dlls`` prints
+    about a library it cannot load goes to the log."""
+    import importlib.util
+
+    preload = getattr(ort, "preload_dlls", None)  # onnxruntime >= 1.21
+    if preload is None or importlib.util.find_spec("nvidia") is None:
+        return
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        preload()
+    if printed.getvalue().strip():
+        log.warning("loading CUDA from NVIDIA's wheels: %s", " ".join(printed.getvalue().split()))
 
 
 def check_session_provider(provider: Provider, session_providers: Sequence[str]) -> None:
@@ -237,6 +259,8 @@ class OnnxEncoder(BatchedEncoder):
             else [ort_provider]
         )
         disabled = list(CPU_DISABLED_OPTIMIZERS) if self.provider == "cpu" else []
+        if self.provider == "cuda":
+            load_cuda_libraries(ort)
         graph = self.model_dir / MODEL_FILE
         try:
             session = ort.InferenceSession(
