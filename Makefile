@@ -79,7 +79,8 @@ test-container: setup-dev
 	bash docker/podman-setup.sh
 	$(PY) -m pytest -m container
 
-# The sde2-reward-server image (podman here, docker elsewhere: see docker/README.md).
+# The sde2-reward-server image, built with podman by docker/build.sh (with Docker: `docker build
+# -f docker/Dockerfile -t sde2-reward-server .`, see docker/README.md).
 image:
 	bash docker/build.sh
 
