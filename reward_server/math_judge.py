@@ -34,6 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Any
 
+from reward_server.parent_death import die_with_parent
+
 log = logging.getLogger(__name__)
 
 #: Pairs longer than this (characters, both sides) are not cached: the cache stays small.
@@ -444,20 +446,6 @@ def _preview(text: str, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def _die_with_parent(parent: int) -> None:
-    """Linux: SIGKILL this child when its parent dies, even mid-check (a killed server must not
-    leave a child computing ``9^(9^(9^9))`` for hours). Elsewhere the closed pipe ends it after
-    the check."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        import signal
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
-    if os.getppid() != parent:  # the parent died before the line above took effect
-        sys.exit(0)
-
-
 def _reply_channel() -> IO[str]:
     """The pipe to the parent, taken off fd 1 so that anything the libraries print goes to
     stderr instead of into the protocol."""
@@ -468,5 +456,5 @@ def _reply_channel() -> IO[str]:
 
 
 if __name__ == "__main__":  # the child process of :class:`IsolatedMathJudge`
-    _die_with_parent(int(sys.argv[1]))
+    die_with_parent(int(sys.argv[1]))
     serve_checks(sys.stdin, _reply_channel())

@@ -783,3 +783,119 @@ def test_an_fp16_graph_that_cannot_run_on_this_cuda_is_left_unmeasured(
     assert why == (
         "the fp16 graph runs on CUDA only, and it did not run here (CUDA failure 2: out of memory)"
     )
+
+
+def test_a_killed_exports_leftovers_and_a_manifestless_entry_are_cleared(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Under the entry's lock, before exporting: the work folders a killed export left (~170 MB
+    each, never removed) go, and the store's own entry without a manifest is exported again (every
+    start failed on it: "holds no export: nothing there is replaced")."""
+    models = tmp_path / "models"
+    target = models / "all-MiniLM-L6-v2-fp32"
+    leftovers = [models / ".all-MiniLM-L6-v2-fp32.k1ll3d", models / ".all-MiniLM-L6-v2-fp32.x"]
+    for folder in leftovers:
+        (folder / "stage").mkdir(parents=True)
+        (folder / "raw.onnx").write_bytes(b"half a graph")
+    other = models / ".all-MiniLM-L6-v2-int8.k1ll3d"  # another entry's: not this lock's
+    other.mkdir(parents=True)
+    write_fake_export(target)
+    (target / "manifest.json").unlink()
+    seen: list[bool] = []
+
+    def fake_export(source: str | None, out_dir: Path, variant: str, **_: object) -> Path:
+        seen.append(out_dir.exists())
+        write_fake_export(out_dir)
+        return out_dir
+
+    monkeypatch.setattr(model_store, "export_in_subprocess", fake_export)
+    assert model_store.ensure_default_model(root=tmp_path) == target
+    assert seen == [False] and model_store.is_export(target)
+    assert not any(folder.exists() for folder in leftovers) and other.is_dir()
+
+
+def test_a_refusal_recorded_while_waiting_for_the_lock_is_not_exported_again(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Processes queued on the lock (``--workers N``) each ran the export the first had just
+    seen refused (minutes each, for an int8 gate)."""
+    target = tmp_path / "models" / "all-MiniLM-L6-v2-int8"
+
+    def no_export(*_: object, **__: object) -> Path:
+        raise AssertionError("exported again after a refusal")
+
+    monkeypatch.setattr(model_store, "export_in_subprocess", no_export)
+    errors: list[BaseException] = []
+
+    def ensure() -> None:
+        try:
+            model_store.ensure_default_model("int8", root=tmp_path)
+        except BaseException as exc:
+            errors.append(exc)
+
+    with model_store.file_lock(tmp_path / "locks" / "all-MiniLM-L6-v2-int8.lock"):
+        waiter = threading.Thread(target=ensure)
+        waiter.start()
+        time.sleep(0.5)  # queued on the lock
+        model_store._remember_refusal(target, (), "export refused: 99.25% < 99.50%")
+    waiter.join(10)
+    assert len(errors) == 1 and isinstance(errors[0], model_store.ModelExportError), errors
+    assert "99.25% < 99.50%" in str(errors[0]) and "remembered in" in str(errors[0])
+
+
+def test_a_full_disk_is_one_line_naming_the_folder(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An OSError deep in torch's export was a traceback, its last lines the message."""
+
+    def full(*_: object, **__: object) -> Path:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(onnx_export, "export_model", full)
+    out = tmp_path / "m"
+    assert onnx_export.main(["--out", str(out)]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"export failed: cannot write {out} ([Errno 28] No space left on device)"
+    ]
+
+
+def test_an_export_ends_with_the_process_that_started_it(tmp_path: Path) -> None:
+    """A server killed while it exported left the export running (re-parented to PID 1) beside
+    the one its restart began."""
+    script = (
+        "import sys; from pathlib import Path\n"
+        "from reward_server.encoders import model_store\n"
+        "model_store.ensure_default_model(root=Path(sys.argv[1]))\n"
+    )
+    starter = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], cwd=REPO)
+    try:
+        deadline = time.monotonic() + 60
+        while not (child := _export_children(tmp_path)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert child, "no export started"
+        time.sleep(3)  # into its quiet work (imports, tracing), where it writes nothing
+    finally:
+        starter.kill()
+        starter.wait(10)
+    # At once: an orphan went on until its next write to the closed pipe (or to the end).
+    deadline = time.monotonic() + 2
+    while _export_children(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _export_children(tmp_path) == []
+
+
+def _export_children(root: Path) -> list[int]:
+    """Pids of exporters writing into ``root``'s store (from ``/proc``)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"reward_server.encoders.onnx_export" in args and any(
+            str(root).encode() in a for a in args
+        ):
+            found.append(int(proc.name))
+    return found

@@ -23,6 +23,7 @@ import mmap
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -241,7 +242,7 @@ def export_in_subprocess(
     ``export_args`` are extra ``sde2-reward export`` options (e.g. ``--fidelity-texts 100``).
     """
     cmd = [sys.executable, "-m", "reward_server.encoders.onnx_export", "--out", str(out_dir)]
-    cmd += ["--variant", variant, "--overwrite"]
+    cmd += ["--variant", variant, "--overwrite", "--parent-pid", str(os.getpid())]
     if source is not None:
         cmd += ["--source", source]
     cmd += list(export_args)
@@ -314,8 +315,23 @@ def _run_child(cmd: Sequence[str], timeout_s: float) -> subprocess.CompletedProc
 
 
 def _tail(proc: subprocess.CompletedProcess[str]) -> str:
-    """The last lines a failed child wrote (its error, usually)."""
-    return "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+    r"""Why a child failed: the exporter's own ``export failed:`` / ``export refused:`` lines
+    when it wrote some (they came last, under its progress bars and torch's warnings), else the
+    last lines it wrote; and the signal that ended it, if one did.
+
+    >>> done = subprocess.CompletedProcess([], 1, "", "Loading 100%\nexport failed: no disk")
+    >>> _tail(done)
+    'export failed: no disk'
+    >>> _tail(subprocess.CompletedProcess([], -9, "", "TracerWarning: ..."))
+    'killed by SIGKILL; its last lines:\nTracerWarning: ...'
+    """
+    lines = (proc.stderr or proc.stdout or "").strip().splitlines()
+    own = [line for line in lines if line.startswith(("export failed:", _REFUSED))]
+    text = "\n".join(own or lines[-15:])
+    if proc.returncode < 0:
+        name = signal.Signals(-proc.returncode).name
+        text = f"killed by {name}; its last lines:\n{text}" if text else f"killed by {name}"
+    return text
 
 
 def _ensure(
@@ -337,6 +353,9 @@ def _ensure(
         with file_lock(root / "locks" / f"{entry}-{variant}.lock"):
             if is_current_export(target, variant):  # another process made it while we waited
                 return target
+            if not stale and (refused := remembered_refusal(target, export_args)) is not None:
+                raise ModelExportError(refused)  # refused while we waited: not again, at length
+            _clear_for_export(target)
             if stale:
                 log.info("%s was exported by an older graph recipe: exporting it again", target)
             return export_in_subprocess(source, target, variant, export_args=export_args)
@@ -353,6 +372,22 @@ def _ensure(
             raise
         log.warning("serving %s as it is: exporting it again failed (%s)", target, exc)
         return target
+
+
+def _clear_for_export(target: Path) -> None:
+    """Under the entry's lock, before exporting into ``target`` (a folder of the store's own):
+    what a killed export left (its ``.NAME.*`` work folders, ~170 MB each, were never removed),
+    and a folder that holds no export (its manifest gone: every start failed on it, "holds no
+    export: nothing there is replaced")."""
+    for leftover in target.parent.glob(f".{target.name}.*"):
+        if leftover.is_dir():
+            log.info("removing %s, left by an export that did not finish", leftover)
+            shutil.rmtree(leftover, ignore_errors=True)
+    if target.is_dir() and not (target / MANIFEST_FILE).is_file():
+        log.warning(
+            "%s holds no complete export (no %s): exporting it again", target, MANIFEST_FILE
+        )
+        shutil.rmtree(target)
 
 
 def ensure_default_model(

@@ -770,16 +770,26 @@ def run(args: argparse.Namespace) -> int:
     except (FileExistsError, FileNotFoundError, ValueError, ModelExportError) as exc:
         print(f"export failed: {exc}", file=sys.stderr)
         return 1
+    except OSError as exc:  # a full disk: one line naming the folder, not the trace's last lines
+        print(f"export failed: cannot write {args.out} ({exc})", file=sys.stderr)
+        return 1
     manifest = json.loads((out / MANIFEST_FILE).read_text(encoding="utf-8"))
     print(json.dumps({"out": str(out), "fidelity": manifest["fidelity"]}, indent=2))
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m reward_server.encoders.onnx_export`` (used by the model store subprocess)."""
+    """``python -m reward_server.encoders.onnx_export`` (used by the model store subprocess,
+    which names itself with ``--parent-pid``: the export ends with it)."""
     parser = argparse.ArgumentParser(prog="python -m reward_server.encoders.onnx_export")
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.parent_pid is not None:
+        from reward_server.parent_death import die_with_parent
+
+        die_with_parent(args.parent_pid)
+    return run(args)
 
 
 if __name__ == "__main__":
