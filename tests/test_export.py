@@ -899,3 +899,25 @@ def _export_children(root: Path) -> list[int]:
         ):
             found.append(int(proc.name))
     return found
+
+
+def test_a_server_stopped_while_it_exports_stops_at_once(tmp_path: Path) -> None:
+    """SIGTERM during the first start's export waited for the export, the load and the
+    warm-up (up to two minutes: past a stop timeout's kill); the export is ended instead."""
+    from tests.server_process import ServerProcess
+
+    server = ServerProcess(None, env={"SDE2_CACHE_DIR": str(tmp_path)}).start(wait=False)
+    try:
+        deadline = time.monotonic() + 60
+        while not _export_children(tmp_path) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _export_children(tmp_path), server.log_tail()
+        time.sleep(1)
+        stopped_at = time.monotonic()
+        server.terminate()
+        server.wait(60)
+        assert time.monotonic() - stopped_at < 5, server.log_tail()
+        assert _export_children(tmp_path) == []
+        assert "stopped" in server.log(), server.log_tail()
+    finally:
+        server.kill()

@@ -26,6 +26,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -303,15 +304,43 @@ def remembered_refusal(out_dir: Path, export_args: Sequence[str] = ()) -> str | 
     return f"{record.get('refused')}\n({again})"
 
 
+#: The export children running now (:func:`stop_exports` ends them).
+_children: set[subprocess.Popen[str]] = set()
+_children_lock = threading.Lock()
+
+
 def _run_child(cmd: Sequence[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
     """Run one of the package's modules in a child Python, its output captured."""
     env = dict(os.environ)
     # The package may be used from a source checkout rather than installed: make it importable.
     pkg_root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
-    return subprocess.run(
-        list(cmd), env=env, capture_output=True, text=True, timeout=timeout_s, check=False
-    )
+    with subprocess.Popen(
+        list(cmd), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as child:
+        with _children_lock:
+            _children.add(child)
+        try:
+            out, err = child.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.communicate()
+            raise
+        finally:
+            with _children_lock:
+                _children.discard(child)
+    return subprocess.CompletedProcess(list(cmd), child.returncode, out, err)
+
+
+def stop_exports() -> None:
+    """End the exports running now (their callers get a :class:`ModelExportError`): a server
+    asked to stop while it exported its model waited for the export, then the load and the
+    warm-up, up to two minutes, past a stop timeout's kill."""
+    with _children_lock:
+        running = list(_children)
+    for child in running:
+        with contextlib.suppress(OSError):
+            child.terminate()
 
 
 def _tail(proc: subprocess.CompletedProcess[str]) -> str:

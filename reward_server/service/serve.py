@@ -48,6 +48,7 @@ from concurrent.futures import wait as wait_for_futures
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from reward_server.encoders import model_store
 from reward_server.encoders.loading import model_problem
 from reward_server.service.config import (
     Settings,
@@ -154,6 +155,7 @@ async def serve_async(
         )
     except BaseException:
         if loaded is not None:  # exiting inside onnxruntime aborts the process (see below)
+            model_store.stop_exports()
             wait_for_futures([loaded], timeout=_LOAD_WAIT)
         raise
     service.start()  # loading goes on (the app's lifespan would start it only once bound)
@@ -175,7 +177,9 @@ async def serve_async(
         if watcher is not None:
             watcher.cancel()
         # Exiting while the loading thread is inside onnxruntime aborts the process ("terminate
-        # called without an active exception", exit 134): let loading end first (bounded).
+        # called without an active exception", exit 134): let loading end first (bounded), an
+        # export of the model ended rather than waited for.
+        model_store.stop_exports()
         await loop.run_in_executor(None, service.wait_loaded, _LOAD_WAIT)
         await loop.run_in_executor(None, service.close)
         for sig in (signal.SIGTERM, signal.SIGINT):
