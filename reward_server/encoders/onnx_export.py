@@ -61,7 +61,7 @@ from reward_server.encoders.model_store import (
     sha256_file,
 )
 from reward_server.encoders.reference import embedding_size
-from reward_server.encoders.tokenization import save_configured_tokenizer
+from reward_server.encoders.tokenization import TOKENIZER_FILE, save_configured_tokenizer
 
 if TYPE_CHECKING:
     from onnxruntime.transformers.fusion_options import FusionOptions
@@ -450,12 +450,33 @@ def _check_target(out_dir: Path, overwrite: bool) -> None:
 def _stage_tokenizer(src: SourceModel, stage: Path, max_len: int) -> Path:
     """A new folder ``stage`` holding the configured tokenizer and its side files."""
     stage.mkdir()
-    save_configured_tokenizer(src.folder, stage, max_len)
+    tokenizer_dir = src.folder
+    if not (src.folder / TOKENIZER_FILE).is_file():  # a slow tokenizer's files (vocab.txt)
+        tokenizer_dir = _converted_tokenizer(src.folder, stage.parent / "tokenizer")
+    save_configured_tokenizer(tokenizer_dir, stage, max_len)
     for name in _TOKENIZER_SIDE_FILES:
         if (src.folder / name).is_file():
             shutil.copy2(src.folder / name, stage / name)
     _stage_licence(src.folder, stage)
     return stage
+
+
+def _converted_tokenizer(folder: Path, out: Path) -> Path:
+    """A folder ``out`` holding the ``tokenizer.json`` that transformers converts from
+    ``folder``'s slow tokenizer files (``vocab.txt`` and its config), as sentence-transformers
+    does when it loads such a folder: it was refused ("no tokenizer.json") though it loads.
+    The export's fidelity check then compares the graph and this tokenizer with that model."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), use_fast=True)
+    except (OSError, ValueError) as exc:
+        raise FileNotFoundError(f"no {TOKENIZER_FILE} in {folder}, and none made: {exc}") from None
+    if not tokenizer.is_fast:
+        raise FileNotFoundError(f"no {TOKENIZER_FILE} in {folder}, and no fast tokenizer made")
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.backend_tokenizer.save(str(out / TOKENIZER_FILE))
+    return out
 
 
 def _stage_licence(source: Path, stage: Path) -> None:
