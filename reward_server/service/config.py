@@ -30,9 +30,9 @@ _AT_LEAST_ONE = (
     "max_request_tokens", "math_workers", "max_explain_cells",
 )  # fmt: skip
 _POSITIVE = ("request_timeout", "math_timeout", "header_timeout", "body_timeout")
-_MAX_BODY = 2**31 - 1
 #: The largest integer any setting takes: what the libraries given them (gRPC, onnxruntime)
-#: hold in a C int; a larger one was a traceback there, or a 500 on every math request.
+#: hold in a C int; a larger one was a traceback there, or a 500 on every math request. (A body
+#: past it would not fit gRPC's 32-bit message limit either.)
 _MAX_INT = 2**31 - 1
 #: Processes, threads and streams: more than a machine runs (99999999999999999999 workers was
 #: a MemoryError while the list of processes was built).
@@ -273,8 +273,6 @@ class Settings:
             if isinstance(value, int) and value > most:
                 rules.append((f.name, False, f"at most {most}"))
         rules.extend(self._combination_rules())
-        # Sizes past 2**31 - 1 do not fit gRPC's (32-bit) message limit.
-        rules.append(("max_body_bytes", self.max_body_bytes <= _MAX_BODY, f"at most {_MAX_BODY}"))
         # An Authorization header and gRPC metadata carry printable ASCII: any other key could
         # never be sent, and every client would get a 401 no one can explain.
         key_ok = self.api_key is None or _BEARER_KEY.fullmatch(self.api_key) is not None
