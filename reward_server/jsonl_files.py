@@ -22,7 +22,7 @@ from typing import Any
 
 import pydantic_core
 
-from reward_server.signal_handlers import handling
+from reward_server.signal_handlers import exit_with_status, handling
 
 #: The exit status after the reader of stdout went away (``| head``): what a shell reports for a
 #: Unix tool that SIGPIPE ended.
@@ -130,13 +130,8 @@ def write_atomically(path: Path, lines: Iterable[str]) -> None:
     previous file as it was, and a reader never sees half a file that looks complete. A
     SIGTERM while writing (``timeout``, a batch scheduler) ends the process as it would
     (status 143), without leaving the temporary file."""
-    with handling([signal.SIGTERM], _exit_with_status):  # the main thread only
+    with handling([signal.SIGTERM], exit_with_status):  # the main thread only
         _write_atomically(path, lines)
-
-
-def _exit_with_status(signum: int, frame: object) -> None:
-    """A signal as ``SystemExit(128 + signum)``: the shell's status for it, after clean-up."""
-    raise SystemExit(128 + signum)
 
 
 def _write_atomically(path: Path, lines: Iterable[str]) -> None:

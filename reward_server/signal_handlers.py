@@ -11,6 +11,12 @@ from types import FrameType
 Handler = Callable[[int, FrameType | None], object]
 
 
+def exit_with_status(signum: int, frame: FrameType | None) -> None:
+    """A signal as ``SystemExit(128 + signum)``: the shell's status for it, after the clean-up
+    that an exit runs and a default handler's end skips."""
+    raise SystemExit(128 + signum)
+
+
 @contextlib.contextmanager
 def handling(signals: Iterable[signal.Signals], handler: Handler) -> Iterator[None]:
     """``handler`` for each of ``signals`` within the block, the previous handlers after it.

@@ -35,15 +35,16 @@ import os
 import random
 import signal
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from pydantic import ValidationError
 
 from reward_server.core import RECIPES, RewardParams
 from reward_server.jsonl_files import json_type
-from reward_server.signal_handlers import handling
+from reward_server.signal_handlers import exit_with_status, handling
 from trainer_client.datasets import (
     DATASETS,
     DEFAULT_SOURCES,
@@ -552,20 +553,18 @@ class SignalStop:
     def __init__(self) -> None:
         self.received: int | None = None
 
-    def handle(self, signum: int, frame: object) -> None:
+    def handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received is not None:
-            raise SystemExit(128 + signum)
+            exit_with_status(signum, frame)
         self.received = signum
         log.warning(
             "%s: saving a checkpoint once this step ends, then stopping (again: stop now)",
             signal.Signals(signum).name,
         )
 
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[None]:
+    def installed(self) -> contextlib.AbstractContextManager[None]:
         """The handlers, for the block (main thread only, where Python runs them)."""
-        with handling([signal.SIGINT, signal.SIGTERM], self.handle):
-            yield
+        return handling([signal.SIGINT, signal.SIGTERM], self.handle)
 
     def callback(self) -> Any:
         """The ``TrainerCallback`` that saves and stops at the step's end once a signal came."""
