@@ -275,6 +275,61 @@ def test_a_sigterm_saves_a_checkpoint_to_resume_from(
     assert "rerun with --resume" in err
 
 
+def test_a_reward_service_outage_saves_the_finished_steps(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reward server dies after step 1 and stays down past ``--reward-deadline``: the run
+    stopped with exit code 2 and no checkpoint (the next was due at ``--save-steps``), so every
+    step since the last save was lost. It now saves ``checkpoint-1`` first, holding the weights
+    step 1 left (the failed step had not touched them), and a resume from it on a new server
+    finishes the run."""
+    from safetensors.torch import load_file
+    from transformers import TrainerCallback
+
+    from tests.client_fixtures import running_server
+
+    out = tmp_path / "run"
+    after_step_1: dict[str, torch.Tensor] = {}
+    build = train.build_trainer
+
+    def build_with_an_outage(*args: Any, **kwargs: Any) -> Any:
+        trainer, holder = build(*args, **kwargs)
+
+        class ServerDiesAfterStep1(TrainerCallback):
+            def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+                if state.global_step == 1:
+                    after_step_1.update(
+                        (name, p.detach().clone())
+                        for name, p in kw["model"].named_parameters()
+                        if p.requires_grad
+                    )
+                    server.kill()
+
+        trainer.add_callback(ServerDiesAfterStep1())
+        return trainer, holder
+
+    argv = tiny_argv("", tiny_model, out, "--max-steps", "3", "--reward-deadline", "3")
+    with running_server() as server, monkeypatch.context() as patched:
+        patched.setattr(train, "build_trainer", build_with_an_outage)
+        argv[argv.index("--reward-url") + 1] = server.url
+        assert train.main(argv) == 2
+    checkpoint = out / "checkpoint-1"
+    assert train.latest_checkpoint(out) == checkpoint and train.checkpoint_step(checkpoint) == 1
+    assert (checkpoint / "optimizer.pt").is_file() and (
+        checkpoint / train.TRAINING_RECORD
+    ).is_file()
+    saved = load_file(checkpoint / "adapter_model.safetensors")
+    assert after_step_1 and len(saved) == len(after_step_1)
+    for name, value in after_step_1.items():
+        key = name.removeprefix("base_model.model.").replace(".default.weight", ".weight")
+        assert torch.equal(saved["base_model.model." + key], value), name
+    with running_server() as server:
+        argv[argv.index("--reward-url") + 1] = server.url
+        assert train.main([*argv, "--resume"]) == 0
+    assert train.checkpoint_step(train.latest_checkpoint(out) or out) == 3
+    assert (out / "final" / "adapter_config.json").is_file()
+
+
 def test_resume_takes_the_newest_whole_checkpoint(tmp_path: Path) -> None:
     """A save cut short (no trainer_state.json) was picked as the newest and failed once the
     model had loaded; it is passed over."""

@@ -21,7 +21,8 @@ Checkpoints go to ``--output-dir`` every ``--save-steps``, each with the run's
 folder) with optimizer, scheduler and RNG state, and with the run's settings: a resume command
 whose prompt, reward, data, model, quantization, LoRA, decoding or GRPO settings differ from the
 run's record is refused (exit status 2, each differing flag named with its recorded value), and
-the record is never rewritten with other values.
+the record is never rewritten with other values. A run stopped by the reward service (out for
+longer than ``--reward-deadline``) or by a signal saves a checkpoint of the steps it finished first.
 """
 
 from __future__ import annotations
@@ -581,6 +582,34 @@ class SignalStop:
         return StopOnSignal()
 
 
+def save_after_failure(trainer: Any, out: Path, record: dict[str, Any]) -> Path | None:
+    """A checkpoint of the steps done when a reward failure stopped the run, and the newest
+    whole checkpoint (``None``: none, as at step 0).
+
+    The reward is asked for at a step's start, before its backward pass (TRL generates and
+    scores at the first micro-step of an optimizer step), so the model, the optimizer and the
+    scheduler are those of the last finished step: the checkpoint is the one ``--save-steps``
+    would have written there. Without it a service out for longer than the reward deadline lost
+    every step since the last save (500 by default). A failed save is said and passed over:
+    the run's error is the reward's.
+    """
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    step = trainer.state.global_step
+    folder = out / f"{PREFIX_CHECKPOINT_DIR}-{step}"
+    if step > 0 and not (folder / TRAINER_STATE).is_file():
+        try:
+            trainer._save_checkpoint(trainer.model, trial=None)
+            if trainer.is_world_process_zero():
+                write_training_record(folder, record)
+            log.info("saved %s: the %d steps done", folder, step)
+        except Exception as exc:  # a full disk: the reward's failure is the one to report
+            log.error(
+                "could not save a checkpoint at step %d: %s: %s", step, type(exc).__name__, exc
+            )
+    return latest_checkpoint(out)
+
+
 def read_training_record(path: Path) -> dict[str, Any]:
     """The record written by :func:`write_training_record` at ``path``; a :class:`ValueError`
     naming the file when it cannot be read or is not a JSON object."""
@@ -949,7 +978,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RewardServiceError as exc:
         # No step is ever taken on invented rewards: stop, say why, say how to continue.
         log.error("training stopped at step %d: %s", trainer.state.global_step, exc)
-        log.error("%s", how_to_continue(latest_checkpoint(out)))
+        log.error("%s", how_to_continue(save_after_failure(trainer, out, record)))
         return 2
     if stop.received is not None:
         name = signal.Signals(stop.received).name
