@@ -254,6 +254,24 @@ def test_bad_input_shows_the_422_next_to_its_input(
     # Each warning on a line of its own next to its input: two weights the recipe does not sum
     # were read as one warning (only items.N.answer and labels.N started one).
     params = browser.find_element(By.ID, "params")
+    # A threshold in the parameters and another in δ: said, not replaced by δ's without a word.
+    params.send_keys('{"similarity_threshold": 0.5}')
+    browser.find_element(By.ID, "run").click()
+    WebDriverWait(browser, WAIT_S).until(
+        lambda d: (
+            d.find_element(By.ID, "delta-error").text
+            == "δ (0.8) and the parameters' similarity_threshold (0.5) differ: clear one of them"
+        )
+    )
+    fill(browser, GROUP[:2], "####", delta="0.5")  # the same value in both: sent
+    browser.find_element(By.ID, "run").click()
+    WebDriverWait(browser, WAIT_S).until(
+        lambda d: (
+            "(δ = 0.5)" in d.find_element(By.ID, "results").text
+            and d.find_element(By.ID, "delta-error").text == ""
+        )
+    )
+    params.clear()
     params.send_keys('{"weights": {"rd": 0, "len": 0}}')
     browser.find_element(By.ID, "run").click()
     WebDriverWait(browser, WAIT_S).until(

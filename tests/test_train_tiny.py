@@ -330,6 +330,41 @@ def test_a_reward_service_outage_saves_the_finished_steps(
     assert (out / "final" / "adapter_config.json").is_file()
 
 
+def test_lora_targets_are_module_names_checked_before_the_load(
+    reward_server: ServerProcess,  # noqa: F811
+    tiny_model: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--lora-target q_proj,v_proj`` went to PEFT as one regular expression, which matched no
+    module; any name the model lacks failed only once the weights were loaded. Names separated
+    by commas are a list now, and a name the model lacks is refused before the load, with the
+    model's layer names."""
+    from trainer_client import modeling
+
+    out = tmp_path / "run"
+    assert (
+        train.main(tiny_argv(reward_server.url, tiny_model, out, "--lora-target=q_proj,v_proj"))
+        == 0
+    )
+    adapter = json.loads((out / "final" / "adapter_config.json").read_text())
+    assert sorted(adapter["target_modules"]) == ["q_proj", "v_proj"]
+
+    def no_load(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(modeling, "load_model", no_load)
+    argv = tiny_argv(reward_server.url, tiny_model, tmp_path / "bad", "--lora-target", "qproj")
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--lora-target: no module named 'qproj'; the model's linear layers: " in err
+    assert "q_proj" in err and "lm_head" in err
+    with pytest.raises(SystemExit):
+        train.build_parser().parse_args(["--lora-target", "q_proj,,v_proj"])
+    assert "module names separated by commas" in capsys.readouterr().err
+
+
 def test_resume_takes_the_newest_whole_checkpoint(tmp_path: Path) -> None:
     """A save cut short (no trainer_state.json) was picked as the newest and failed once the
     model had loaded; it is passed over."""

@@ -150,6 +150,46 @@ def load_model(ref: ModelRef, *, quantize_4bit: bool = False, for_training: bool
     return model
 
 
+def lora_target_issue(model: Any, targets: str | list[str]) -> str | None:
+    """Why PEFT would find no layer for ``targets`` (module names, matched as PEFT matches a
+    list: the whole dotted name or its last parts) in ``model``, else ``None``: a wrong name
+    failed only once the weights were loaded, in PEFT's words. ``"all-linear"`` always has
+    layers. ``model`` may be a skeleton on the meta device (:func:`model_skeleton`).
+
+    >>> import torch
+    >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    >>> lora_target_issue(net, ["0"]) is None, lora_target_issue(net, ["q_proj"])
+    (True, "no module named 'q_proj'; the model's linear layers: 0")
+    """
+    import torch
+
+    if targets == "all-linear":
+        return None
+    names = [name for name, _ in model.named_modules() if name]
+    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if not missing:
+        return None
+    linear = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d)
+    layers = dict.fromkeys(
+        n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, linear)
+    )
+    return (
+        f"no module named {', '.join(map(repr, missing))}; the model's linear layers: "
+        + ", ".join(layers)
+    )
+
+
+def model_skeleton(ref: ModelRef) -> Any:
+    """The causal LM's modules without weights (the meta device: no memory, no reading of the
+    weights): what is known of the model before the minutes of its load."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(ref.name_or_path, **ref.kwargs())
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
 def _forget_gguf_quantization(model: Any) -> None:
     """GGUF weights are dequantized to ordinary float tensors on load, but the model keeps a GGUF
     quantizer tag, and ``Trainer`` refuses to train "GGUF-quantized" models. The tensors are

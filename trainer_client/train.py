@@ -667,7 +667,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lora-r", type=int, default=64, help="LoRA rank")
     g.add_argument("--lora-alpha", type=int, default=32, help="LoRA scaling alpha")
     g.add_argument("--lora-dropout", type=float, default=0.0, help="LoRA dropout, in [0, 1)")
-    g.add_argument("--lora-target", default="all-linear", help="LoRA target modules")
+    g.add_argument(
+        "--lora-target",
+        type=lora_targets,
+        default="all-linear",
+        help="LoRA target modules: all-linear, or names separated by commas (q_proj,v_proj)",
+    )
 
     g = p.add_argument_group("data")
     g.add_argument("--dataset", choices=DATASETS, default="gsm8k", help="which task's answers")
@@ -800,6 +805,7 @@ def build_trainer(
         has_chat_template,
         load_model,
         load_tokenizer,
+        model_skeleton,
     )
     from trainer_client.trl import SDE2Reward
 
@@ -811,8 +817,11 @@ def build_trainer(
     examples = examples if examples is not None else training_examples(args)
 
     ref = ModelRef.parse(args.model, args.gguf_file)
+    if model is None and not ref.gguf_file:  # (a GGUF file's config is read with its weights)
+        check_lora_target(args.lora_target, model_skeleton(ref))
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(ref)
     model = model if model is not None else load_model(ref, quantize_4bit=quantize)
+    check_lora_target(args.lora_target, model)
     conversational = has_chat_template(tokenizer)
     dataset = build_dataset(args, tokenizer, conversational, examples)
     answer_type = dataset[0]["answer_type"]
@@ -877,6 +886,34 @@ def grpo_config(args: argparse.Namespace, *, quantize_4bit: bool, cuda: bool) ->
         log_completions=True,
         num_completions_to_print=args.num_generations,
     )
+
+
+def lora_targets(value: str) -> str | list[str]:
+    """``--lora-target``: ``all-linear``, or module names separated by commas. The text went to
+    PEFT whole, which reads a string as one regular expression: ``q_proj,v_proj`` matched no
+    module, and the run failed once the model was loaded.
+
+    >>> lora_targets("all-linear"), lora_targets(" q_proj, v_proj")
+    ('all-linear', ['q_proj', 'v_proj'])
+    """
+    if value.strip() == "all-linear":
+        return "all-linear"
+    names = [name.strip() for name in value.split(",")]
+    if not all(names):
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: module names separated by commas (q_proj,v_proj), or all-linear"
+        )
+    return names
+
+
+def check_lora_target(targets: str | list[str], model: Any) -> None:
+    """A :class:`FlagError` when ``--lora-target`` names no layer of ``model`` (a skeleton before
+    the load, where the config tells the modules: PEFT said so only once the weights were in)."""
+    from trainer_client.modeling import lora_target_issue
+
+    issue = lora_target_issue(model, targets)
+    if issue is not None:
+        raise FlagError(f"--lora-target: {issue}")
 
 
 def lora_config(args: argparse.Namespace) -> Any:

@@ -2,7 +2,11 @@
 
 ``/v1/explain`` goes through exactly the path ``/v1/score`` takes (the same body model, limits,
 auth, admission and error statuses: :func:`~reward_server.service.http_scoring.run_scoring`)
-with the explanation switched on, so its numbers are those of ``/v1/score``.
+with the explanation switched on, so its numbers are those of ``/v1/score`` with diagnostics on,
+given the same embeddings. An embedding the cache does not hold is computed in whatever batch
+the encoder makes of the moment's texts (the explanation embeds every item's strategies, the
+reward only those of items with ``χ = 0``), and a text's embedding moves with its batch's
+padding by a few 1e-8: two requests may then differ in the last digits (1e-9 on a reward here).
 
 The inspector is three static files shipped inside the package (no CDN, no network: the page's
 Content-Security-Policy allows only this server) that call ``/v1/explain`` from the browser.

@@ -171,9 +171,18 @@ function buildRequest() {
   const delta = $("#delta").value.trim();
   if (delta !== "") {
     // Sent as typed when it is no number, so the server names the field in its 422.
-    params.similarity_threshold = /^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$/.test(delta)
-      ? Number(delta)
-      : delta;
+    const typed = /^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$/.test(delta) ? Number(delta) : delta;
+    // One value in two places: the one written into the parameters was replaced without a word.
+    if ("similarity_threshold" in params && params.similarity_threshold !== typed) {
+      return {
+        error: [
+          "delta",
+          `δ (${delta}) and the parameters' similarity_threshold ` +
+            `(${JSON.stringify(params.similarity_threshold)}) differ: clear one of them`,
+        ],
+      };
+    }
+    params.similarity_threshold = typed;
   }
   const body = {
     items: read.items,
