@@ -215,7 +215,8 @@ class Running:
         self.service = service
 
     async def __aenter__(self) -> Running:
-        self.server, self.port = create_server(self.service, "127.0.0.1", 0)
+        self.front = create_server(self.service, "127.0.0.1", 0)
+        self.server, self.port = self.front.server, self.front.port
         await self.server.start()
         self.channel = insecure_channel(f"127.0.0.1:{self.port}")
         self.stub = RewardStub(self.channel)

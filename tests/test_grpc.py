@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import re
 import time
 import tomllib
@@ -39,7 +40,20 @@ async def test_score_matches_http_and_in_process_exactly(hashed: Running) -> Non
     want = reference_response(body, HashEncoder())
     assert_same_response(got, want)
     with http_client(hashed.service) as c:
-        assert c.post("/v1/score", json=body).json() == got
+        via_http = c.post("/v1/score", json=body).json()
+    assert via_http == got
+    # In HTTP's order too (components, their batch means, params): a protobuf map has none,
+    # and columns built from the keys came out in another order over gRPC.
+    assert json.dumps(via_http) == json.dumps(got)
+    cfl = {"items": step_items(seed=12), "recipe": "cfl", "params": {"length_target": 64}}
+    with http_client(hashed.service) as c:
+        cfl_http = c.post("/v1/score", json=cfl).json()
+    cfl_grpc = response_to_dict(await hashed.stub.Score(request_from_dict(cfl)))
+    assert json.dumps(cfl_http) == json.dumps(cfl_grpc) and list(cfl_http["components"]) == [
+        "oc",
+        "fa",
+        "len",
+    ]
 
 
 async def test_unset_fields_take_defaults_and_nulls_survive(hashed: Running) -> None:
@@ -330,7 +344,8 @@ async def test_calls_in_progress_are_bounded_past_the_queue(
 async def test_an_ipv6_host_is_bracketed_for_grpc() -> None:
     from reward_server.service.grpc_server import create_server
 
-    server, port = create_server(make_service(), "::1", 0)
+    front = create_server(make_service(), "::1", 0)
+    server, port = front.server, front.port
     await server.start()
     try:
         async with grpc.aio.insecure_channel(f"[::1]:{port}") as channel:
@@ -526,6 +541,13 @@ async def test_calls_the_client_ends_are_counted() -> None:
             {"items": [{"completion": "a", "answer": "1", "num_tokens": 2**70}]},
             "items.0.num_tokens: Value out of range",
         ),
+        # A misspelled field is refused whatever its value (a None one was dropped unsaid).
+        (
+            {"items": [{"completion": "a", "answer": "1", "num_token": None}]},
+            "items.0.num_token: not a field of sde2.v1's Item",
+        ),
+        # An integer no double holds: it raised a bare OverflowError naming no field.
+        ({"items": [], "params": {"lambda_oc": 10**400}}, "params.lambda_oc: int too large"),
     ],
 )
 def test_request_from_dict_refuses_what_the_message_would_carry_otherwise(

@@ -488,6 +488,7 @@ def test_a_drain_that_overruns_its_timeout_answers_503_and_unavailable(
     import grpc
 
     from reward_server.service.grpc_client import RewardStub, request_from_dict
+    from reward_server.service.grpc_messages import pb
 
     args = ("--math-timeout", "20", "--request-timeout", "60", "--drain-timeout", "1")
     slow = {"items": slow_math_items(1, 7), "answer_type": "math"}
@@ -510,6 +511,12 @@ def test_a_drain_that_overruns_its_timeout_answers_503_and_unavailable(
                 pytest.fail("the two slow requests were not admitted:\n" + server.log_tail())
             t0 = time.monotonic()
             server.terminate()
+            # A call that comes during the drain, on the open channel: UNAVAILABLE, which
+            # clients retry elsewhere (gRPC's own stop answered it CANCELLED, which they do not).
+            time.sleep(0.3)
+            with pytest.raises(grpc.RpcError) as late:
+                stub.Score(request_from_dict(slow), timeout=30)
+            health = stub.Health(pb.HealthRequest(), timeout=30)
             answer = via_http.result(30)
             http_s = time.monotonic() - t0
             with pytest.raises(grpc.RpcError) as refused:
@@ -519,6 +526,9 @@ def test_a_drain_that_overruns_its_timeout_answers_503_and_unavailable(
         assert 0.8 < http_s < 1.9  # at the drain's end, not before, not at uvicorn's cancel
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "shutting down" in (refused.value.details() or "")
+        assert late.value.code() == grpc.StatusCode.UNAVAILABLE, late.value
+        assert "send to another replica" in (late.value.details() or "")
+        assert health.status == pb.HealthResponse.Status.NOT_SERVING
         assert server.wait(60) == 0, server.log_tail()
         assert "answered 503 shutting_down" in server.log()
         assert "Exception in ASGI application" not in server.log()

@@ -10,6 +10,10 @@ import grpc
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
+from reward_server.core.components import COMPONENTS
+from reward_server.core.params import RewardParams
+from reward_server.core.recipes import RECIPES
+from reward_server.core.scoring import ItemResult
 from reward_server.service.grpc_messages import (
     METHODS,
     PARAM_FIELDS,
@@ -45,8 +49,8 @@ CHANNEL_OPTIONS = (("grpc.max_receive_message_length", -1),)
 
 def insecure_channel(target: str) -> grpc.aio.Channel:
     """An asyncio channel to ``target`` (``host:port``) that takes any answer the server
-    sends (:data:`CHANNEL_OPTIONS`); ``grpc.insecure_channel(target, CHANNEL_OPTIONS)`` is
-    the blocking one."""
+    sends (:data:`CHANNEL_OPTIONS`). Make it inside the running event loop (it binds to the
+    loop it is made in); ``grpc.insecure_channel(target, CHANNEL_OPTIONS)`` is the blocking one."""
     return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
 
 
@@ -77,7 +81,10 @@ def request_from_dict(body: dict[str, Any]) -> pb.ScoreRequest:
             for k, item in enumerate(_listed(value, ("items",))):
                 fields = _mapping(item, ("items", k))
                 _require(fields, _REQUIRED_ITEM_FIELDS, ("items", k))
-                present = {f: v for f, v in fields.items() if v is not None}
+                # None is a declared field's default; an unknown name is refused whatever its value.
+                present = {
+                    f: v for f, v in fields.items() if v is not None or f not in _ITEM_FIELDS
+                }
                 _fill(msg.items.add(), present, ("items", k))
         elif key == "params":
             params = dict(_mapping(value, ("params",)))
@@ -101,6 +108,7 @@ def request_from_dict(body: dict[str, Any]) -> pb.ScoreRequest:
 #: to "" are the same bytes, and an empty completion is a real one, so the server scores a
 #: missing field as empty (a missing answer with the empty-gold warning).
 _REQUIRED_ITEM_FIELDS = ("completion", "answer")
+_ITEM_FIELDS = pb.Item.DESCRIPTOR.fields_by_name
 
 
 def _require(fields: Mapping[str, Any], names: Sequence[str], loc: tuple[str | int, ...]) -> None:
@@ -143,7 +151,7 @@ def _fill(message: Message, fields: Mapping[str, Any], loc: tuple[str | int, ...
             )
         try:
             setattr(message, name, value)
-        except ValueError as exc:  # an integer past int64: protobuf names no field
+        except (ValueError, OverflowError) as exc:  # past int64 or a double: no field named
             raise ValueError(f"{path}: {exc}") from None
 
 
@@ -165,22 +173,27 @@ def response_to_dict(resp: pb.ScoreResponse) -> dict[str, Any]:
     """A ``ScoreResponse`` back in the HTTP JSON shape (for clients and the parity tests)."""
     params: dict[str, Any] = {k: getattr(resp.params, k) for k in PARAM_FIELDS}
     params["weights"] = {k: getattr(resp.params.weights, k) for k in WEIGHT_FIELDS}
+    params = {k: params[k] for k in RewardParams.model_fields}  # HTTP's order
     optional = ("final_answer", "uniq", "div")
+    # The components in the recipe's order, as HTTP sends them (a protobuf map has none).
+    known = RECIPES[resp.recipe].components if resp.recipe in RECIPES else tuple(COMPONENTS)
+    keys = [*(k for k in known if k in resp.components), *sorted(set(resp.components) - set(known))]
     return {
         "rewards": list(resp.rewards),
-        "components": {k: list(v.values) for k, v in resp.components.items()},
-        "normalized": {k: list(v.values) for k, v in resp.normalized.items()},
+        "components": {k: list(resp.components[k].values) for k in keys},
+        "normalized": {k: list(resp.normalized[k].values) for k in keys if k in resp.normalized},
         "advantages": list(resp.advantages.values) if resp.HasField("advantages") else None,
         "items": [
             {
-                "n_strat": it.n_strat,
-                "correct": it.correct,
-                "strategy_correct": it.strategy_correct,
-                **{k: getattr(it, k) if it.HasField(k) else None for k in optional},
+                k: (getattr(it, k) if k not in optional or it.HasField(k) else None)
+                for k in ItemResult._fields
             }
             for it in resp.items
         ],
-        "batch": {"mean": dict(resp.batch_mean), "std": dict(resp.batch_std)},
+        "batch": {
+            "mean": {k: resp.batch_mean[k] for k in keys if k in resp.batch_mean},
+            "std": {k: resp.batch_std[k] for k in keys if k in resp.batch_std},
+        },
         "recipe": resp.recipe,
         "params": params,
         "encoder": resp.encoder,

@@ -21,8 +21,10 @@ must arrive within ``--body-timeout`` (as an HTTP body must), alone.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, NoReturn, TypeAlias, TypeVar
 
 import grpc
@@ -34,6 +36,7 @@ from reward_server.service.errors import (
     DeadlineExceeded,
     RequestInvalid,
     ServiceError,
+    ShuttingDown,
 )
 from reward_server.service.grpc_messages import (
     METHODS,
@@ -52,6 +55,9 @@ from reward_server.service.pipeline import Scored, ScoringService, one_credentia
 from reward_server.service.schemas import ScoreRequest
 
 Context: TypeAlias = grpc.aio.ServicerContext
+
+#: The methods that score (and so are refused once the server stops).
+SCORING_METHODS = ("Score", "Explain")
 Reply = TypeVar("Reply", pb.ScoreResponse, pb.ExplainResponse)
 
 
@@ -80,6 +86,29 @@ class RewardServicer:
     def __init__(self, service: ScoringService) -> None:
         self.service = service
         self.send_limit = send_limit(service)
+        #: Set by :meth:`GrpcFrontEnd.stop`: a scoring call that comes now is refused.
+        self.stopping = False
+        self._calls = 0  # calls in progress
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def call_began(self, method: str) -> None:
+        """Count a call in progress; once stopping, refuse a scoring one (:class:`ShuttingDown`,
+        UNAVAILABLE: the proto's code for it, which clients retry on another replica)."""
+        if self.stopping and method in SCORING_METHODS:
+            raise ShuttingDown("the server is shutting down: send to another replica")
+        self._calls += 1
+        self._idle.clear()
+
+    def call_ended(self) -> None:
+        self._calls -= 1
+        if self._calls == 0:
+            self._idle.set()
+
+    async def calls_ended(self, timeout: float) -> None:
+        """Wait until no call is in progress, or ``timeout`` seconds."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout)
 
     async def _scored(self, data: bytes, context: Context, method: str) -> Scored:
         """The service's answer to a serialized ``ScoreRequest``, with its phase timings as
@@ -143,8 +172,8 @@ class RewardServicer:
         return info
 
     async def Health(self, request: pb.HealthRequest, context: Context) -> pb.HealthResponse:
-        """SERVING once the model is loaded and warm (``GET /readyz``)."""
-        serving = self.service.ready
+        """SERVING once the model is loaded and warm (``GET /readyz``), until the stop."""
+        serving = self.service.ready and not self.stopping
         status = (
             pb.HealthResponse.Status.SERVING if serving else pb.HealthResponse.Status.NOT_SERVING
         )
@@ -196,6 +225,10 @@ def _translated(
     async def handle(requests: AsyncIterator[Any], context: Context) -> Any:
         request: Any = _END
         try:
+            servicer.call_began(name)
+        except ServiceError as exc:
+            await abort(servicer.service, context, name, exc)
+        try:
             request = await one_message(requests, timeout)
             if isinstance(request, Malformed):
                 raise request.refusal()
@@ -215,6 +248,8 @@ def _translated(
             elif request is not _END:
                 count(servicer.service, name, ClientGone())
             raise
+        finally:
+            servicer.call_ended()
 
     return handle
 
@@ -251,10 +286,32 @@ C_INT = 2**31 - 1
 GRPC_HEADROOM = 8
 
 
+@dataclass
+class GrpcFrontEnd:
+    """The ``grpc.aio`` server of :func:`create_server`, its handlers and its bound port."""
+
+    server: grpc.aio.Server
+    servicer: RewardServicer
+    port: int
+
+    async def start(self) -> None:
+        await self.server.start()
+
+    async def stop(self, drain: float, grace: float) -> None:
+        """The drained stop: the calls in progress get ``drain`` seconds to end, then ``grace``
+        more before gRPC cancels them. Meanwhile the port stays open and a new scoring call is
+        answered UNAVAILABLE, Health NOT_SERVING: a call arriving on an open connection once
+        gRPC's own stop had begun was CANCELLED (details "CANCELLED", no trailers), a code
+        clients take for their own cancel and do not retry."""
+        self.servicer.stopping = True
+        await self.servicer.calls_ended(drain)
+        await self.server.stop(grace=grace)
+
+
 def create_server(
     service: ScoringService, host: str, port: int, *, reuse_port: bool = False
-) -> tuple[grpc.aio.Server, int]:
-    """A started-later ``grpc.aio`` server on ``host:port``; returns it and the bound port."""
+) -> GrpcFrontEnd:
+    """A started-later ``grpc.aio`` server on ``host:port``, with its bound port."""
     limit = service.settings.max_body_bytes
     server = grpc.aio.server(
         # gRPC's core receives each message whole before a handler runs (HTTP reads a body only
@@ -276,11 +333,12 @@ def create_server(
             ),
         ],
     )
-    server.add_generic_rpc_handlers((generic_handler(RewardServicer(service)),))
+    servicer = RewardServicer(service)
+    server.add_generic_rpc_handlers((generic_handler(servicer),))
     try:
         bound = server.add_insecure_port(host_port(host, port))
     except RuntimeError:  # what grpc raises for a port in use
         bound = 0
     if bound == 0:
         raise OSError(f"cannot bind gRPC to {host}:{port} (in use, or not an address here)")
-    return server, bound
+    return GrpcFrontEnd(server, servicer, bound)

@@ -3,7 +3,8 @@
 Both front ends share one :class:`ScoringService` (one encoder, one batcher), so concurrent HTTP
 and gRPC requests are coalesced into the same encoder batches.
 
-Shutdown (SIGTERM or SIGINT): stop accepting, let every in-flight request finish (up to
+Shutdown (SIGTERM or SIGINT): stop accepting (gRPC keeps its port while its calls end and
+answers a new scoring call UNAVAILABLE), let every in-flight request finish (up to
 ``--drain-timeout``; what still runs then answers 503 shutting_down, gRPC UNAVAILABLE), let the
 encoder worker finish its queue, exit 0. This module installs its
 own signal handlers instead of uvicorn's, because uvicorn re-raises the captured signal after
@@ -292,19 +293,19 @@ async def _serve_until_stopped(
         from reward_server.service.grpc_server import create_server
 
         try:
-            grpc_server, bound = create_server(
+            grpc_server = create_server(
                 service, settings.host, settings.grpc_port, reuse_port=reuse
             )
         except OSError as exc:  # like uvicorn's own bind failure: a message, exit 3
             log.error("%s", exc)
             return True
         await grpc_server.start()
-        log.info("gRPC listening on %s:%d", settings.host, bound)
+        log.info("gRPC listening on %s:%d", settings.host, grpc_server.port)
 
     async def stop_grpc() -> None:
         await stop.requested.wait()
         if grpc_server is not None:
-            await grpc_server.stop(grace=settings.drain_timeout + _TRANSPORT_GRACE)
+            await grpc_server.stop(settings.drain_timeout, _TRANSPORT_GRACE)
 
     grpc_stopper = asyncio.create_task(stop_grpc())
     try:
