@@ -26,6 +26,7 @@ from tests.client_fixtures import ServerProcess, reward_server  # noqa: F401 - f
 from tests.server_process import free_port
 from tests.test_client import completion
 from trainer_client import RewardClient
+from trainer_client.retry import RewardServiceError
 from trainer_client.trl import SDE2Reward, completion_text, prompt_key, sde2_reward
 
 pytestmark = pytest.mark.slow
@@ -94,6 +95,36 @@ def test_rewards_match_the_server(reward_server: ServerProcess) -> None:  # noqa
     assert rewards == pytest.approx(expected.rewards)
     assert len(set(rewards)) >= 3  # normalized over the call: distinct completions differ
     assert all(isinstance(r, float) for r in rewards)
+
+
+def test_by_default_a_call_rides_out_a_server_that_comes_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The adapter's default retry was the client's six tries (about 15-30 s): a replica's
+    restart or a minute of 429s ended the user's TRL run, where ``sde2-train`` and the verl
+    and OpenRLHF hooks wait up to 600 s. The server here starts 20 s after the call: the
+    call waits for it and returns its rewards. A 401 is not retried, and says what to set."""
+    import threading
+
+    monkeypatch.delenv("SDE2_API_KEY", raising=False)
+    server = ServerProcess(None)
+    fn = sde2_reward(server.url)
+    threading.Timer(20, server.start, kwargs={"wait": False}).start()
+    try:
+        rewards = asyncio.run(fn(**call_kwargs([GOOD, PARTIAL], ["p", "p"])))
+        assert len(rewards) == 2 and rewards[0] > rewards[1]
+    finally:
+        server.stop()
+    keyed = ServerProcess(None, env={"SDE2_API_KEY": "the-key"}).start()
+    try:
+        for key, problem in ((None, "this client has none"), ("other", "refused the API key")):
+            with pytest.raises(RewardServiceError) as refused:
+                asyncio.run(sde2_reward(keyed.url, api_key=key)(**call_kwargs([GOOD], ["p"])))
+            message = str(refused.value)
+            assert problem in message and "set SDE2_API_KEY" in message and "api_key=" in message
+            assert len(refused.value.attempts) == 1
+    finally:
+        keyed.stop()
 
 
 def test_conversational_equals_standard(reward_server: ServerProcess) -> None:  # noqa: F811
@@ -190,6 +221,13 @@ def test_default_costs_no_encoder_work_beyond_the_reward(reward_server: ServerPr
     full = cost(lambda: asyncio.run(sde2_reward(reward_server.url, diagnostics=True)(**kw)))
     assert default == bare > 0  # the wrong two-strategy completion's reward needs the encoder
     assert full > default  # the correct multi-strategy completions' Uniq, computed on request
+    # What `uniq` averages by default: the wrong one and the plain one (m = 0), not the two
+    # correct multi-strategy ones.
+    metrics: dict[str, float] = {}
+    kw["log_metric"] = metrics.__setitem__
+    asyncio.run(sde2_reward(reward_server.url)(**kw))
+    assert metrics["sde2/uniq_coverage"] == 2 / 4
+    assert metrics["sde2/uniq"] == pytest.approx((2 + 0) / 2)
 
 
 def test_num_tokens_come_from_completion_ids(reward_server: ServerProcess) -> None:  # noqa: F811
@@ -273,8 +311,11 @@ def test_log_metric_and_log_extra(reward_server: ServerProcess) -> None:  # noqa
     assert res is not None
     expected_keys = {
         f"sde2/{k}"
-        for k in ("raw_reward", "oc", "re", "fa", "sd", "acc", "s_acc", "n_strat", "uniq")
-    }
+        for k in (
+            "raw_reward", "oc", "re", "fa", "sd", "acc", "s_acc", "n_strat", "uniq",
+            "uniq_coverage",
+        )
+    }  # fmt: skip
     assert set(metrics) == expected_keys
     # Σ_k w_k · mean(R_k), not R_final's mean (0 by construction: each R̃_k is zero-mean)
     c = res.components
@@ -287,6 +328,7 @@ def test_log_metric_and_log_extra(reward_server: ServerProcess) -> None:  # noqa
     assert metrics["sde2/s_acc"] == [pytest.approx(1 / 4)]
     assert metrics["sde2/n_strat"] == [pytest.approx((2 + 1 + 0 + 0) / 4)]
     assert metrics["sde2/uniq"] == [pytest.approx((2 + 1 + 0 + 0) / 4)]
+    assert metrics["sde2/uniq_coverage"] == [1.0]  # diagnostics: every completion's Uniq
     assert metrics["sde2/fa"] == [pytest.approx(sum(res.components["fa"]) / 4)]
     assert extra["sde2/n_strat"] == [2, 1, 0, 0]
     assert extra["sde2/correct"] == [True, False, False, False]

@@ -71,15 +71,47 @@ def launch(url: str, out: Path) -> subprocess.CompletedProcess[str]:
     argv += ["--data", str(questions(out / "questions.jsonl")), "--max-new-tokens", "16"]
     argv += ["--recipe", RECIPE, *(f"--param={k}={v}" for k, v in PARAMS.items())]
     argv += ["--max-steps", "1", "--batch-size", "3", "--save-steps", "100", "--beta", "0"]
+    return launched("tests.trl_multiprocess_step", str(out), *argv)
+
+
+def launched(module: str, *argv: str) -> subprocess.CompletedProcess[str]:
+    """``python -m module argv`` in :data:`WORLD` processes started by ``accelerate launch``."""
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch",
         "--multi_gpu", "--num_processes", str(WORLD), "--num_machines", "1",
         "--mixed_precision", "no", "--dynamo_backend", "no",
         "--main_process_port", str(free_port()),
-        "-m", "tests.trl_multiprocess_step", str(out), *argv,
+        "-m", module, *argv,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+
+
+def test_sde2_train_on_two_processes_writes_the_runs_files_once(
+    reward_server: ServerProcess,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """``sde2-train`` itself under ``accelerate launch``: both processes wrote the run's record,
+    the final adapter's record and the log history at once, and both said so."""
+    from tests.tiny_models import tiny_qwen2
+
+    model = tiny_qwen2(tmp_path / "tiny", chat=True)
+    out = tmp_path / "run"
+    proc = launched(
+        "trainer_client.train",
+        "--model", str(model), "--reward-url", reward_server.url,
+        "--data", str(questions(tmp_path / "questions.jsonl")),
+        "--max-steps", "1", "--num-generations", "2", "--batch-size", "3",
+        "--max-new-tokens", "8", "--save-steps", "100", "--no-gradient-checkpointing",
+        "--output-dir", str(out),
+    )  # fmt: skip
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 0, said[-4000:]
+    assert said.count("saved the LoRA adapter to") == 1, said[-4000:]
+    assert (out / "final" / "adapter_config.json").is_file()
+    for record in (out / "sde2_training.json", out / "final" / "sde2_training.json"):
+        assert json.loads(record.read_text())["model"] == str(model)
+    assert any("loss" in h for h in json.loads((out / "log_history.json").read_text()))
 
 
 def calls(out: Path, rank: int) -> list[dict[str, Any]]:

@@ -461,6 +461,12 @@ class _Attempts:
                 )
                 return wait
         status = self.failures[-1].status
+        if not self._retryable and status == 401:
+            url = self.failures[-1].url.removesuffix(self.path)
+            raise RewardRequestError(
+                f"reward service refused to {self.what}: {key_problem(url, self.client.has_key)}",
+                self.failures,
+            )
         if not self._retryable and status is not None and 400 <= status < 500:
             raise RewardRequestError(
                 f"reward service rejected the request to {self.what}", self.failures
@@ -1057,12 +1063,20 @@ def check_key(client: RewardClient) -> None:
     except RewardServiceError as exc:
         if not (isinstance(exc, RewardRequestError) and exc.status == 401):
             return
-        url = client.urls[0]
-        problem = (
-            "refused the API key this client sends"
-            if client.has_key
-            else "requires an API key (its /v1/info says api_key_required) and this client has none"
-        )
         raise RewardRequestError(
-            f"{url} {problem}: set SDE2_API_KEY to the server's key", exc.attempts
+            key_problem(client.urls[0], client.has_key), exc.attempts
         ) from None
+
+
+def key_problem(url: str, has_key: bool) -> str:
+    """What a 401 from ``url`` means, and what to set (a bare "HTTP 401" named neither).
+
+    >>> key_problem("http://h:8000", False)  # doctest: +ELLIPSIS
+    "http://h:8000 requires an API key (...) and this client has none: set SDE2_API_KEY ..."
+    """
+    problem = (
+        "refused the API key this client sends"
+        if has_key
+        else "requires an API key (its /v1/info says api_key_required) and this client has none"
+    )
+    return f"{url} {problem}: set SDE2_API_KEY to the server's key (or pass api_key=)"

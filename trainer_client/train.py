@@ -1005,7 +1005,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"sde2-train: {exc}", file=sys.stderr)
         return 2
     out = Path(args.output_dir)
-    write_training_record(out, record)  # the checkpoints' folder: a resumed run has it too
+    # Under several processes (accelerate launch) the first one writes the run's files: every
+    # process wrote each of them at once, and said so.
+    main_process = trainer.is_world_process_zero()
+    if main_process:
+        write_training_record(out, record)  # the checkpoints' folder: a resumed run has it too
     trainer.add_callback(record_checkpoints(record))
     stop = SignalStop()
     trainer.add_callback(stop.callback())
@@ -1027,10 +1031,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             how_to_continue(latest_checkpoint(out), first=""),
         )
         return 128 + stop.received
-    trainer.save_model(str(out / "final"))
-    write_training_record(out / "final", record)
-    (out / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
-    log.info("saved the LoRA adapter to %s", out / "final")
+    trainer.save_model(str(out / "final"))  # every process: the trainer saves on the first
+    if main_process:
+        write_training_record(out / "final", record)
+        (out / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
+        log.info("saved the LoRA adapter to %s", out / "final")
     return 0
 
 

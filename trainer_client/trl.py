@@ -60,7 +60,7 @@ from trainer_client.client import (
     shifted_warnings,
 )
 from trainer_client.results import ScoreResult
-from trainer_client.retry import RetryPolicy, RewardServiceError
+from trainer_client.retry import TRAINER_DEADLINE, RetryPolicy, RewardServiceError
 from trainer_client.sharding import check_weights, merge, params_to_json
 
 log = logging.getLogger(__name__)
@@ -259,7 +259,10 @@ class SDE2Reward:
         self.normalize = normalize
         self.diagnostics = diagnostics
         self.timeout = timeout
-        self.retry = retry
+        #: Retried until the trainers' deadline by default, as ``sde2-train`` and the verl and
+        #: OpenRLHF hooks are: the client's six tries (about 15-30 s) ended a run at a server's
+        #: restart or a 429 backlog of a minute.
+        self.retry = retry or RetryPolicy(max_attempts=None, deadline=TRAINER_DEADLINE)
         self.api_key = api_key  # None: the client reads SDE2_API_KEY
         #: Log why the best and the worst completion of each call got their reward (one more
         #: request per call, to ``/v1/explain``); off by default.
@@ -653,6 +656,10 @@ class SDE2Reward:
             known = [u for u in _uniq(step) if u is not None]
             if known:
                 log_metric(f"{name}/uniq", sum(known) / len(known))
+            # Which share of the step `uniq` averages (1 with diagnostics): without it the curve
+            # moved with the step's make-up (its correct multi-strategy completions left out)
+            # with nothing to tell that from a change in exploration.
+            log_metric(f"{name}/uniq_coverage", len(known) / n)
         if log_extra is not None:
             log_extra(f"{name}/reward", list(step.rewards[offset : offset + len(local)]))
             for key in RECIPES[self.recipe].components:
@@ -841,6 +848,9 @@ def sde2_reward(
     ``diagnostics=True`` computes ``Uniq`` for every multi-strategy completion (the ``uniq``
     metric over all of them) at extra encoder work; by default only what the reward needs is
     encoded.
+    ``retry`` defaults to retrying until :data:`~trainer_client.retry.TRAINER_DEADLINE` (600 s)
+    has passed, then raising :class:`~trainer_client.retry.RewardServiceError` (the step stops:
+    no step is taken on made-up rewards).
     ``returns="advantages"`` with ``num_generations=G`` returns the paper's group advantages
     (population std) for a ``GRPOConfig(scale_rewards="none")``; by default ``R_final`` is
     returned, and TRL's own group scaling makes advantages ``√((G−1)/G)`` times the paper's.
