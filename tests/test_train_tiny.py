@@ -363,6 +363,12 @@ def test_lora_targets_are_module_names_checked_before_the_load(
     with pytest.raises(SystemExit):
         train.build_parser().parse_args(["--lora-target", "q_proj,,v_proj"])
     assert "module names separated by commas" in capsys.readouterr().err
+    # A config the skeleton cannot be built from: no early check (the load is the judge).
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    (odd / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    assert modeling.model_skeleton(modeling.ModelRef(str(odd))) is None
+    assert modeling.model_skeleton(modeling.ModelRef(str(tiny_model))) is not None
 
 
 def test_resume_takes_the_newest_whole_checkpoint(tmp_path: Path) -> None:

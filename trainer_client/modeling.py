@@ -179,15 +179,20 @@ def lora_target_issue(model: Any, targets: str | list[str]) -> str | None:
     )
 
 
-def model_skeleton(ref: ModelRef) -> Any:
+def model_skeleton(ref: ModelRef) -> Any | None:
     """The causal LM's modules without weights (the meta device: no memory, no reading of the
-    weights): what is known of the model before the minutes of its load."""
+    weights): what is known of the model before the minutes of its load. ``None`` when its
+    config cannot be built so (the load then says why, or loads what this could not)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(ref.name_or_path, **ref.kwargs())
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+    try:
+        config = AutoConfig.from_pretrained(ref.name_or_path, **ref.kwargs())
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # an early check only: the load is the judge
+        log.debug("no skeleton of %s before its load: %s", ref.name_or_path, exc)
+        return None
 
 
 def _forget_gguf_quantization(model: Any) -> None:

@@ -818,7 +818,9 @@ def build_trainer(
 
     ref = ModelRef.parse(args.model, args.gguf_file)
     if model is None and not ref.gguf_file:  # (a GGUF file's config is read with its weights)
-        check_lora_target(args.lora_target, model_skeleton(ref))
+        skeleton = model_skeleton(ref)
+        if skeleton is not None:
+            check_lora_target(args.lora_target, skeleton)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(ref)
     model = model if model is not None else load_model(ref, quantize_4bit=quantize)
     check_lora_target(args.lora_target, model)
