@@ -358,11 +358,24 @@ def test_lora_targets_are_module_names_checked_before_the_load(
     argv = tiny_argv(reward_server.url, tiny_model, tmp_path / "bad", "--lora-target", "qproj")
     assert train.main(argv) == 2
     err = capsys.readouterr().err
-    assert "--lora-target: no module named 'qproj'; the model's linear layers: " in err
+    assert "--lora-target: no layer LoRA can adapt is named 'qproj'; the model's: " in err
     assert "q_proj" in err and "lm_head" in err
     with pytest.raises(SystemExit):
         train.build_parser().parse_args(["--lora-target", "q_proj,,v_proj"])
     assert "module names separated by commas" in capsys.readouterr().err
+    # A module LoRA cannot adapt (PEFT refused it only after the load), a regular expression
+    # (PEFT's own reading of a string, as before) and all-linear in another case.
+    skeleton = modeling.model_skeleton(modeling.ModelRef(str(tiny_model)))
+    for flag, issue in (
+        ("mlp", "no layer LoRA can adapt is named 'mlp'"),
+        ("q_proj,input_layernorm", "no layer LoRA can adapt is named 'input_layernorm'"),
+        (r".*\.(q|v)_proj", None),
+        (r".*\.(q|v)_prj", "the regular expression '.*\\\\.(q|v)_prj' matches no layer"),
+        ("ALL-LINEAR", None),
+    ):
+        targets = train.lora_targets(flag)
+        found = modeling.lora_target_issue(skeleton, targets)
+        assert found is None if issue is None else found.startswith(issue), (flag, found)
     # A config the skeleton cannot be built from: no early check (the load is the judge).
     odd = tmp_path / "odd"
     odd.mkdir()

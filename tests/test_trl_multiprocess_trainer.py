@@ -35,7 +35,7 @@ from tests.client_fixtures import (  # noqa: F401 - fixture
     tiny_train_argv,
 )
 from tests.server_process import free_port
-from trainer_client import RewardClient
+from trainer_client import RewardClient, train
 from trainer_client.trl import completion_text, prompt_key
 
 pytestmark = [pytest.mark.train, pytest.mark.slow]
@@ -112,6 +112,51 @@ def test_sde2_train_on_two_processes_writes_the_runs_files_once(
     for record in (out / "sde2_training.json", out / "final" / "sde2_training.json"):
         assert json.loads(record.read_text())["model"] == str(model)
     assert any("loss" in h for h in json.loads((out / "log_history.json").read_text()))
+
+
+def test_a_reward_outage_under_two_processes_saves_one_whole_checkpoint(tmp_path: Path) -> None:
+    """The server dies after step 1 of a 2-process ``sde2-train``: every process saved, but the
+    second went on to exit while the first was still writing (the launcher then stopped the
+    first mid-save: a checkpoint without its state), and said there was no checkpoint."""
+    import re
+    import threading
+
+    from tests.client_fixtures import running_server
+    from tests.server_process import requests_served
+    from tests.tiny_models import tiny_qwen2
+
+    model = tiny_qwen2(tmp_path / "tiny", chat=True)
+    out = tmp_path / "run"
+    with running_server() as server:
+
+        def kill_after_step_1() -> None:  # each process sends its step's request
+            deadline = time.monotonic() + 600
+            while time.monotonic() < deadline:
+                if requests_served(server.url, "/v1/score") >= WORLD:
+                    server.kill()
+                    return
+                time.sleep(0.05)
+
+        watcher = threading.Thread(target=kill_after_step_1, daemon=True)
+        watcher.start()
+        proc = launched(
+            "trainer_client.train",
+            "--model", str(model), "--reward-url", server.url,
+            "--data", str(questions(tmp_path / "questions.jsonl")),
+            "--max-steps", "50", "--num-generations", "2", "--batch-size", "3",
+            "--max-new-tokens", "8", "--save-steps", "100", "--no-gradient-checkpointing",
+            "--reward-deadline", "4", "--output-dir", str(out),
+        )  # fmt: skip
+        watcher.join(timeout=5)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode != 0, said[-4000:]
+    assert "no checkpoint was saved" not in said and "was not saved whole" not in said
+    (last,) = re.findall(r"last checkpoint: (\S+); fix the reward service", said)
+    checkpoint = Path(last)
+    assert checkpoint.parent == out and train.checkpoint_step(checkpoint) >= 1
+    for name in ("trainer_state.json", "optimizer.pt", "scheduler.pt", "rng_state_0.pth"):
+        assert (checkpoint / name).is_file(), name
+    assert (checkpoint / "rng_state_1.pth").is_file()
 
 
 def calls(out: Path, rank: int) -> list[dict[str, Any]]:

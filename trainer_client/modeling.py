@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,32 +152,53 @@ def load_model(ref: ModelRef, *, quantize_4bit: bool = False, for_training: bool
 
 
 def lora_target_issue(model: Any, targets: str | list[str]) -> str | None:
-    """Why PEFT would find no layer for ``targets`` (module names, matched as PEFT matches a
-    list: the whole dotted name or its last parts) in ``model``, else ``None``: a wrong name
-    failed only once the weights were loaded, in PEFT's words. ``"all-linear"`` always has
-    layers. ``model`` may be a skeleton on the meta device (:func:`model_skeleton`).
+    r"""Why ``targets`` (``--lora-target``: ``"all-linear"``, a regular expression over the
+    modules' dotted names, or module names, each matched as PEFT matches a list: the whole
+    dotted name or its last parts) fails on ``model``, else ``None``: a name that no layer LoRA
+    can adapt carries (a linear, embedding or convolution module), or a regular expression that
+    matches none. Stricter than PEFT, which adapts the names it finds and drops a misspelt one
+    without a word. ``model`` may be a skeleton on the meta device (:func:`model_skeleton`).
 
     >>> import torch
-    >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2))
-    >>> lora_target_issue(net, ["0"]) is None, lora_target_issue(net, ["q_proj"])
-    (True, "no module named 'q_proj'; the model's linear layers: 0")
+    >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+    >>> lora_target_issue(net, ["0"]) is None, lora_target_issue(net, r"\d")
+    (True, None)
+    >>> lora_target_issue(net, ["1", "q_proj"])
+    "no layer LoRA can adapt is named '1', 'q_proj'; the model's: 0"
     """
-    import torch
-
     if targets == "all-linear":
         return None
-    names = [name for name, _ in model.named_modules() if name]
-    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    layers = [name for name, module in model.named_modules() if _adaptable(module)]
+    shown = ", ".join(dict.fromkeys(name.rsplit(".", 1)[-1] for name in layers))
+    if isinstance(targets, str):
+        if any(re.fullmatch(targets, name) for name in layers):
+            return None
+        return (
+            f"the regular expression {targets!r} matches no layer LoRA can adapt; "
+            f"the model's: {shown}"
+        )
+    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in layers)]
     if not missing:
         return None
-    linear = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d)
-    layers = dict.fromkeys(
-        n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, linear)
+    return f"no layer LoRA can adapt is named {', '.join(map(repr, missing))}; the model's: {shown}"
+
+
+def _adaptable(module: Any) -> bool:
+    """Whether LoRA adapts ``module``'s kind (PEFT's LoRA layers: linear ones, 4- and 8-bit
+    ones included, embeddings, convolutions, GPT-2's ``Conv1D``, multi-head attention)."""
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
+    kinds = (
+        torch.nn.Linear,
+        torch.nn.Embedding,
+        torch.nn.Conv1d,
+        torch.nn.Conv2d,
+        torch.nn.Conv3d,
+        torch.nn.MultiheadAttention,
+        Conv1D,
     )
-    return (
-        f"no module named {', '.join(map(repr, missing))}; the model's linear layers: "
-        + ", ".join(layers)
-    )
+    return isinstance(module, kinds)
 
 
 def model_skeleton(ref: ModelRef) -> Any | None:

@@ -34,6 +34,7 @@ import logging
 import math
 import os
 import random
+import re
 import signal
 import sys
 from collections.abc import Sequence
@@ -494,7 +495,12 @@ def record_differences(recorded: dict[str, Any], record: dict[str, Any]) -> list
     for key, flag in RESUMED_SETTINGS.items():
         held, was = _setting(recorded, key)
         now = _setting(record, key)[1]
-        if held and was != now:
+        same = (
+            comparable_targets(was) == comparable_targets(now)
+            if key == "lora.target_modules"
+            else was == now
+        )
+        if held and not same:
             out.append(
                 f"{flag}: the run has {key}={json.dumps(was)}, this command {json.dumps(now)}"
             )
@@ -597,16 +603,22 @@ def save_after_failure(trainer: Any, out: Path, record: dict[str, Any]) -> Path 
 
     step = trainer.state.global_step
     folder = out / f"{PREFIX_CHECKPOINT_DIR}-{step}"
+    first = trainer.is_world_process_zero()
     if step > 0 and not (folder / TRAINER_STATE).is_file():
+        # Every process saves (its RNG state; the save's collectives need them all): the
+        # trainer's gather made each of them fail at this step.
         try:
             trainer._save_checkpoint(trainer.model, trial=None)
-            if trainer.is_world_process_zero():
+            if first:
                 write_training_record(folder, record)
-            log.info("saved %s: the %d steps done", folder, step)
+                log.info("saved %s: the %d steps done", folder, step)
         except Exception as exc:  # a full disk: the reward's failure is the one to report
             log.error(
                 "could not save a checkpoint at step %d: %s: %s", step, type(exc).__name__, exc
             )
+    # Under several processes the others wait for the first one's save: one that went on to
+    # exit had the launcher stop the first mid-save (a checkpoint without its state).
+    trainer.accelerator.wait_for_everyone()
     return latest_checkpoint(out)
 
 
@@ -671,7 +683,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--lora-target",
         type=lora_targets,
         default="all-linear",
-        help="LoRA target modules: all-linear, or names separated by commas (q_proj,v_proj)",
+        help="LoRA target modules: all-linear, names separated by commas (q_proj,v_proj), or a "
+        "regular expression over the modules' dotted names",
     )
 
     g = p.add_argument_group("data")
@@ -891,21 +904,52 @@ def grpo_config(args: argparse.Namespace, *, quantize_4bit: bool, cuda: bool) ->
 
 
 def lora_targets(value: str) -> str | list[str]:
-    """``--lora-target``: ``all-linear``, or module names separated by commas. The text went to
-    PEFT whole, which reads a string as one regular expression: ``q_proj,v_proj`` matched no
-    module, and the run failed once the model was loaded.
+    r"""``--lora-target``: ``all-linear`` (in any case, as PEFT reads it), a regular expression
+    over the modules' dotted names (a value holding one of :data:`_REGEX_CHARACTERS`: PEFT's
+    reading of a string), else module names separated by commas. The text went to PEFT whole:
+    ``q_proj,v_proj``, read as one regular expression, matched no module, and the run failed
+    once the model was loaded.
 
-    >>> lora_targets("all-linear"), lora_targets(" q_proj, v_proj")
-    ('all-linear', ['q_proj', 'v_proj'])
+    >>> lora_targets("ALL-linear"), lora_targets(" q_proj, v_proj"), lora_targets(r".*\.q_proj")
+    ('all-linear', ['q_proj', 'v_proj'], '.*\\.q_proj')
     """
-    if value.strip() == "all-linear":
+    text = value.strip()
+    if text.lower() == "all-linear":
         return "all-linear"
-    names = [name.strip() for name in value.split(",")]
+    if _REGEX_CHARACTERS & set(text):
+        try:
+            re.compile(text)
+        except re.error as exc:
+            raise argparse.ArgumentTypeError(
+                f"{value!r}: not a regular expression: {exc}"
+            ) from None
+        return text
+    names = [name.strip() for name in text.split(",")]
     if not all(names):
         raise argparse.ArgumentTypeError(
-            f"{value!r}: module names separated by commas (q_proj,v_proj), or all-linear"
+            f"{value!r}: module names separated by commas (q_proj,v_proj), a regular "
+            "expression, or all-linear"
         )
     return names
+
+
+#: What makes ``--lora-target`` a regular expression rather than names.
+_REGEX_CHARACTERS = set("^$*+?()[]{}|\\")
+
+
+def comparable_targets(value: Any) -> Any:
+    """``lora.target_modules`` of a training record as a resumed run compares it: names in
+    any order (and an older record's text read as this command reads the flag).
+
+    >>> comparable_targets("v_proj,q_proj") == comparable_targets(["q_proj", "v_proj"])
+    True
+    """
+    if isinstance(value, str):
+        try:
+            value = lora_targets(value)
+        except argparse.ArgumentTypeError:
+            return value
+    return sorted(value) if isinstance(value, list) else value
 
 
 def check_lora_target(targets: str | list[str], model: Any) -> None:
@@ -1020,8 +1064,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             trainer.train(resume_from_checkpoint=target)
     except RewardServiceError as exc:
         # No step is ever taken on invented rewards: stop, say why, say how to continue.
-        log.error("training stopped at step %d: %s", trainer.state.global_step, exc)
-        log.error("%s", how_to_continue(save_after_failure(trainer, out, record)))
+        last = save_after_failure(trainer, out, record)
+        if main_process:
+            log.error("training stopped at step %d: %s", trainer.state.global_step, exc)
+            log.error("%s", how_to_continue(last))
         return 2
     if stop.received is not None:
         name = signal.Signals(stop.received).name
