@@ -745,3 +745,38 @@ async def test_calls_ended_before_their_message_are_not_counted_as_invalid() -> 
         ]
         assert counted == [0, 0, 1]
     never.set()
+
+
+@pytest.mark.parametrize("shared", [False, True])
+async def test_a_stopping_server_refuses_new_calls_so_clients_retry_elsewhere(shared: bool) -> None:
+    """While a call is in progress, a stopping server answers a new call UNAVAILABLE "send to
+    another replica" (gRPC's own stop answered it CANCELLED, which clients do not retry); a
+    worker sharing its port with others (``--workers``) stops listening at once instead, so
+    the kernel hands new connections to the others (a worker stopped alone refused its share).
+    The call in progress ends with its answer either way."""
+    from reward_server.service.grpc_server import create_server
+
+    encoder = SlowEncoder()
+    encoder.gate.clear()
+    front = create_server(make_service(encoder), "127.0.0.1", 0, reuse_port=shared)
+    await front.start()
+    target = f"127.0.0.1:{front.port}"
+    try:
+        async with grpc.aio.insecure_channel(target) as first:
+            held = asyncio.ensure_future(RewardStub(first).Score(_needs_encoder(1), timeout=30))
+            assert await asyncio.to_thread(encoder.entered.wait, 10)
+            stopping = asyncio.ensure_future(front.stop(10, 1))
+            await asyncio.sleep(0.3)
+            options = (("grpc.use_local_subchannel_pool", 1),)  # a connection of its own
+            async with grpc.aio.insecure_channel(target, options=options) as late:
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await RewardStub(late).Score(_needs_encoder(2), timeout=5)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            said = refused.value.details() or ""
+            assert ("send to another replica" in said) is not shared, said
+            encoder.gate.set()
+            assert len((await held).rewards) == 1
+            await stopping
+    finally:
+        encoder.gate.set()
+        await front.server.stop(None)

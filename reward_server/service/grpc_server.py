@@ -293,6 +293,8 @@ class GrpcFrontEnd:
     server: grpc.aio.Server
     servicer: RewardServicer
     port: int
+    #: The port is shared with the other workers (``SO_REUSEPORT``).
+    shared: bool = False
 
     async def start(self) -> None:
         await self.server.start()
@@ -302,10 +304,14 @@ class GrpcFrontEnd:
         more before gRPC cancels them. Meanwhile the port stays open and a new scoring call is
         answered UNAVAILABLE, Health NOT_SERVING: a call arriving on an open connection once
         gRPC's own stop had begun was CANCELLED (details "CANCELLED", no trailers), a code
-        clients take for their own cancel and do not retry."""
+        clients take for their own cancel and do not retry. A worker sharing its port stops
+        listening at once instead: the kernel then hands new connections to the others, where
+        a listening worker stopped alone would refuse its share of them."""
         self.servicer.stopping = True
-        await self.servicer.calls_ended(drain)
-        await self.server.stop(grace=grace)
+        if not self.shared:
+            await self.servicer.calls_ended(drain)
+            drain = 0
+        await self.server.stop(grace=drain + grace)
 
 
 def create_server(
@@ -341,4 +347,4 @@ def create_server(
         bound = 0
     if bound == 0:
         raise OSError(f"cannot bind gRPC to {host}:{port} (in use, or not an address here)")
-    return GrpcFrontEnd(server, servicer, bound)
+    return GrpcFrontEnd(server, servicer, bound, shared=reuse_port)

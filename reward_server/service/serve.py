@@ -4,11 +4,11 @@ Both front ends share one :class:`ScoringService` (one encoder, one batcher), so
 and gRPC requests are coalesced into the same encoder batches.
 
 Shutdown (SIGTERM or SIGINT): stop accepting (gRPC keeps its port while its calls end and
-answers a new scoring call UNAVAILABLE), let every in-flight request finish (up to
-``--drain-timeout``; what still runs then answers 503 shutting_down, gRPC UNAVAILABLE), let the
-encoder worker finish its queue, exit 0. This module installs its
-own signal handlers instead of uvicorn's, because uvicorn re-raises the captured signal after
-its graceful shutdown, which would kill the process before gRPC has drained.
+answers a new scoring call UNAVAILABLE, unless the port is shared by workers), let every
+in-flight request finish (up to ``--drain-timeout``; what still runs then answers 503
+shutting_down, gRPC UNAVAILABLE), let the encoder worker finish its queue, exit 0. This module
+installs its own signal handlers instead of uvicorn's, because uvicorn re-raises the captured
+signal after its graceful shutdown, which would kill the process before gRPC has drained.
 
 ``--workers N`` (N > 1) runs N copies of that process under a supervisor. Each binds the same
 HTTP and gRPC ports with ``SO_REUSEPORT`` (the kernel spreads connections) once its encoder is
