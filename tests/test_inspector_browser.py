@@ -219,6 +219,7 @@ def test_bad_input_shows_the_422_next_to_its_input(
     from selenium.webdriver.support.ui import WebDriverWait
 
     browser.get(server.url + "/inspect")
+    assert browser.find_element(By.ID, "delta").get_attribute("value") == ""  # the default: unsent
     fill(browser, GROUP[:2], GOLD, delta="1.5")
     run_with_keyboard(browser)
     error = wait_for(browser, "#delta-error")
@@ -270,6 +271,15 @@ def test_bad_input_shows_the_422_next_to_its_input(
             "(δ = 0.5)" in d.find_element(By.ID, "results").text
             and d.find_element(By.ID, "delta-error").text == ""
         )
+    )
+    # With δ empty, the parameters' threshold is sent (δ showed 0.8 unless cleared, and so
+    # contradicted every threshold written in the parameters).
+    browser.find_element(By.ID, "delta").clear()
+    params.clear()
+    params.send_keys('{"similarity_threshold": 0.6}')
+    browser.find_element(By.ID, "run").click()
+    WebDriverWait(browser, WAIT_S).until(
+        lambda d: "(δ = 0.6)" in d.find_element(By.ID, "results").text
     )
     params.clear()
     params.send_keys('{"weights": {"rd": 0, "len": 0}}')
