@@ -96,3 +96,36 @@ def test_every_decoding_setting_is_in_the_json(
         "eos_token_id": [tokenizer_eos],
         "pad_token_id": 0,
     }
+
+
+def test_a_generated_run_is_kept_and_counted_as_generated(
+    qwenlike: Path,
+    fake_client: type[FakeClient],  # noqa: F811
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """#TOK was the decoded text tokenized again (past --max-new-tokens on this model); a
+    --save-completions that could not be written ended the command with a traceback, the
+    generation lost; and the flags printed to score a kept run again left out its recipe and
+    parameters (its Uniq was then counted at the server's δ)."""
+    import shlex
+
+    argv = ["--reward-url", URL, "--model", str(qwenlike), "--data", str(GSM8K_DIR)]
+    argv += ["--split", "test", "--limit", "4", "--max-new-tokens", "6", "--temperature", "1"]
+    argv += ["--recipe", "cfl", "--param", "length_target=64", "--save-completions", "/dev/full"]
+    fake_client.fail = True
+    assert evaluate.main(argv) == 2
+    assert "cannot write the generated completions to /dev/full" in caplog.text
+    err = capsys.readouterr().err
+    (flags,) = [line for line in err.splitlines() if "score them again with" in line]
+    again = shlex.split(flags.partition("score them again with ")[2])
+    kept = Path(again[1].partition("=")[2])
+    assert again[2:] == ["--recipe", "cfl", "--param=length_target=64"]
+    lines = [json.loads(line) for line in kept.read_text().splitlines()]
+    assert len(lines) == 4 and all(1 <= line["num_tokens"] <= 6 for line in lines)
+    fake_client.fail = False
+    assert evaluate.main(["--reward-url", URL, *again]) == 0
+    assert fake_client.options[-1]["recipe"] == "cfl"
+    assert fake_client.options[-1]["params"] == {"length_target": 64}
+    kept.unlink()

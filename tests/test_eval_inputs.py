@@ -118,7 +118,10 @@ class FakeClient:
     """The reward client's double: records the items of each request, or refuses them."""
 
     requests: ClassVar[list[list[dict[str, Any]]]] = []
+    #: Each request's options (recipe, params...), as sent.
+    options: ClassVar[list[dict[str, Any]]] = []
     refuse: ClassVar[bool] = False
+    fail: ClassVar[bool] = False  # the server stays down past the retries
     down: ClassVar[bool] = False
     interrupt: ClassVar[bool] = False  # Ctrl-C while the retries wait
 
@@ -147,18 +150,64 @@ class FakeClient:
             raise RewardRequestError(
                 "reward service rejected the request to score", [Attempt(URL, 422, body)]
             )
+        if FakeClient.fail:
+            raise RewardServiceError(
+                "reward service failed to score", [Attempt(URL, 503, "busy")] * 3
+            )
         FakeClient.requests.append(items)
+        FakeClient.options.append(kwargs)
         items_out = [ItemDiagnostics(0, None, False, False) for _ in items]
-        return SimpleNamespace(items=items_out, warnings=[])
+        params = {"similarity_threshold": 0.8, **(kwargs.get("params") or {})}  # type: ignore[dict-item]
+        return SimpleNamespace(items=items_out, warnings=[], params=params, encoder="fake")
 
 
 @pytest.fixture
 def fake_client(monkeypatch: pytest.MonkeyPatch) -> type[FakeClient]:
     FakeClient.requests, FakeClient.refuse, FakeClient.down = [], False, False
-    FakeClient.interrupt = False
+    FakeClient.interrupt, FakeClient.fail, FakeClient.options = False, False, []
     monkeypatch.setattr(evaluate, "RewardClient", FakeClient)
     monkeypatch.setattr(client_module, "RewardClient", FakeClient)  # the start-up probe's
     return FakeClient
+
+
+def test_runs_are_told_apart_and_scoring_failures_named(
+    tmp_path: Path,
+    fake_client: type[FakeClient],
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Two runs of one name made two rows no one could tell apart; a server that stayed down
+    failed the command without saying which run's lines; a file of option letters read with
+    the numeric matcher scored quietly low; --json did not say which δ the Uniq was counted
+    at, nor which encoder."""
+    runfile = write_run(tmp_path / "r.jsonl", [GOOD] * 3)
+    with pytest.raises(SystemExit):
+        main(
+            ["--reward-url", URL, "--completions", f"a={runfile}", "--completions", f"a={runfile}"]
+        )
+    assert "two runs named 'a'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--reward-url", URL, "--completions", f"a={runfile}", "--reward-deadline", "0"])
+    assert "--reward-deadline must be a number of seconds > 0" in capsys.readouterr().err
+    fake_client.fail = True
+    assert main(["--reward-url", URL, "--completions", f"a={runfile}"]) == 2
+    assert f"sde2-eval: {runfile}: lines 1-3: reward service failed to score" in (
+        capsys.readouterr().err
+    )
+    fake_client.fail = False
+    letters = write_run(tmp_path / "m.jsonl", [{"completion": "(B) Paris", "answer": "B"}] * 2)
+    out = tmp_path / "eval.json"
+    argv = ["--reward-url", URL, "--completions", f"m={letters}", "--json", str(out)]
+    with caplog.at_level(logging.WARNING, logger="sde2.eval"):
+        assert main([*argv, "--param", "similarity_threshold=0.7"]) == 0
+    assert "every gold answer is an option letter" in caplog.text
+    assert "--dataset medmcqa" in caplog.text
+    scored_with = json.loads(out.read_text())["meta"]["scored_with"]
+    assert scored_with == {"params": {"similarity_threshold": 0.7}, "encoder": "fake"}
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="sde2.eval"):
+        assert main([*argv, "--dataset", "medmcqa"]) == 0
+    assert "option letter" not in caplog.text
 
 
 def test_limit_applies_to_read_runs(tmp_path: Path, fake_client: type[FakeClient]) -> None:

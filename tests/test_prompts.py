@@ -82,14 +82,22 @@ def test_sde2_eval_generates_with_the_chosen_prompt_and_records_it(
     monkeypatch.setattr(modeling, "load_tokenizer", observed)
     adapter = tmp_path / "final"  # trained multi (its record), evaluated single: warned
     adapter.mkdir()
-    (adapter / train.TRAINING_RECORD).write_text(json.dumps({"prompt": "multi"}))
+    record = {"prompt": "multi", "model": "other-org/other-base"}  # and on another base
+    (adapter / train.TRAINING_RECORD).write_text(json.dumps(record))
     out = tmp_path / "eval.json"
     argv = ["--reward-url", URL, "--model", str(tiny_chat_model), "--data", str(GSM8K_DIR)]
     argv += ["--limit", "2", "--max-new-tokens", "2", "--json", str(out), "--prompt", "single"]
     args = evaluate.build_parser().parse_args([*argv, "--adapter", str(adapter)])
     with caplog.at_level(logging.WARNING, logger="sde2.eval"):
-        evaluate.warn_prompt_mismatch(args, evaluate.adapter_record(args))
+        evaluate.warn_training_mismatch(args, evaluate.adapter_record(args))
     assert "says the adapter was trained with --prompt multi" in caplog.text
+    assert "says the adapter was trained on other-org/other-base" in caplog.text
+    caplog.clear()
+    record["model"] = str(tiny_chat_model)  # the same base, named as --model names it
+    (adapter / train.TRAINING_RECORD).write_text(json.dumps(record))
+    with caplog.at_level(logging.WARNING, logger="sde2.eval"):
+        evaluate.warn_training_mismatch(args, evaluate.adapter_record(args))
+    assert "trained on" not in caplog.text
     assert evaluate.main(argv) == 0
     assert systems == [system_prompt("math", "single")] * 2
     assert json.loads(out.read_text())["meta"]["prompt"] == "single"

@@ -1077,6 +1077,6 @@ def key_problem(url: str, has_key: bool) -> str:
     problem = (
         "refused the API key this client sends"
         if has_key
-        else "requires an API key (its /v1/info says api_key_required) and this client has none"
+        else "requires an API key (it answered 401) and this client has none"
     )
     return f"{url} {problem}: set SDE2_API_KEY to the server's key (or pass api_key=)"

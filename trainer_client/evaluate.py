@@ -9,7 +9,8 @@ every line or on none; a wrong type, or a field that is none of these nor ``sde2
 score``'s ``prompt`` and ``group``, is refused naming the file, line and field). Every
 completion is scored by the server with ``diagnostics`` on — the same parser and matchers as the
 training reward, so ACC here is the reward's own notion of correct — and summarized as ACC with
-its 95% interval (normal, as the paper's tables; ``--ci wilson``), S-ACC, #STR, #TOK (policy
+its 95% interval (normal, as the paper's tables; ``--ci wilson``), S-ACC, #STR, #TOK (the
+tokens generated, as TRL counts them; a read run's ``num_tokens`` or its texts under a
 tokenizer), Words and distinct strategies. The reward server is asked first, and a generated
 run is written down before it is scored (``--save-completions``, else a temporary file named
 when scoring fails): a generation is never lost to a typo or a server gone.
@@ -22,7 +23,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
+import re
 import shlex
 import sys
 import tempfile
@@ -63,7 +66,12 @@ from trainer_client.metrics import INTERVALS, RunMetrics, markdown_table, summar
 from trainer_client.modeling import ModelRef
 from trainer_client.prompts import add_prompt_flag, prompt_style
 from trainer_client.results import warned_item
-from trainer_client.retry import RetryPolicy, RewardRequestError, RewardServiceError
+from trainer_client.retry import (
+    TRAINER_DEADLINE,
+    RetryPolicy,
+    RewardRequestError,
+    RewardServiceError,
+)
 from trainer_client.sharding import check_weights
 from trainer_client.train import (
     TRAINING_RECORD,
@@ -93,6 +101,13 @@ class Run:
     lines: list[int] | None = None
     #: How a generated run was decoded (:func:`decoding_settings`), for the run's metadata.
     decoding: dict[str, Any] | None = None
+
+    def span(self, first: int, count: int) -> str:
+        """Completions ``first`` to ``first + count - 1``, for a message (a chunk scored)."""
+        last = first + count - 1
+        if self.source is not None and self.lines is not None:
+            return f"{self.source}: lines {self.lines[first]}-{self.lines[last]}"
+        return f"run {self.method}: completions {first + 1}-{last + 1}"
 
     def where(self, index: int) -> str:
         """Where completion ``index`` is, for a message: its file and line when known."""
@@ -181,13 +196,13 @@ def base_quantization(
     return True, why
 
 
-def warn_prompt_mismatch(
+def warn_training_mismatch(
     args: argparse.Namespace, found: tuple[Path, dict[str, Any]] | None
 ) -> None:
     """A warning when ``--adapter``'s training run (``found``, :func:`adapter_record`'s) used
-    another ``--prompt`` than this one: the table would measure the adapter on a prompt it was
-    not trained on (allowed: a cross-prompt evaluation is a legitimate question, but never an
-    unnoticed one)."""
+    another ``--prompt`` or another base model than this one: the table would measure the
+    adapter on a prompt or a base it was not trained on (allowed: a cross-prompt or cross-base
+    evaluation is a legitimate question, but never an unnoticed one)."""
     trained = None if found is None else found[1].get("prompt")
     if trained is not None and trained != args.prompt:
         log.warning(
@@ -196,6 +211,24 @@ def warn_prompt_mismatch(
             found[0] if found else "?",
             trained,
         )
+    base = None if found is None else found[1].get("model")
+    if isinstance(base, str):
+        recorded = ModelRef.parse(base, found[1].get("gguf_file") if found else None)
+        if _model_key(recorded) != _model_key(ModelRef.parse(args.model, args.gguf_file)):
+            log.warning(
+                "--model %s, but %s says the adapter was trained on %s: the table measures it "
+                "on another base",
+                args.model,
+                found[0] if found else "?",
+                base + (f" ({recorded.gguf_file})" if recorded.gguf_file else ""),
+            )
+
+
+def _model_key(ref: ModelRef) -> tuple[str, str | None]:
+    """A model as compared across commands: a local path resolved (a relative one was given
+    from another folder), a hub id as it is."""
+    path = Path(ref.name_or_path)
+    return (str(path.resolve()) if path.exists() else ref.name_or_path, ref.gguf_file)
 
 
 def follow_training_record(
@@ -262,6 +295,12 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=DefaultsShown,
     )
     p.add_argument("--reward-url", action="append", required=True, help="reward server URL(s)")
+    p.add_argument(
+        "--reward-deadline",
+        type=float,
+        default=TRAINER_DEADLINE,
+        help="seconds a scoring request keeps retrying a server that fails or is busy",
+    )
     p.add_argument("--model", help="policy to generate with: hub id, folder, or .gguf file")
     p.add_argument("--gguf-file", help="GGUF file inside --model")
     p.add_argument(
@@ -435,6 +474,10 @@ def split_run_spec(spec: str) -> tuple[str, str]:
     return spec[:at], spec[at + 1 :]
 
 
+#: A gold answer that is a multiple-choice option's letter (what MedMCQA's golds are).
+_OPTION_LETTER = re.compile(r"\s*\(?[A-Ea-e]\)?\s*")
+
+
 def read_run(spec: str, limit: int | None = None, answer_type: str = "numeric") -> Run:
     """``NAME=FILE`` to a run of at most ``limit`` completions (the first ones); a line without
     ``answer_type`` is scored with ``answer_type`` (the matcher of ``--dataset``: a MedMCQA
@@ -463,6 +506,13 @@ def read_run(spec: str, limit: int | None = None, answer_type: str = "numeric") 
     types = {row.answer_type for row in rows}
     if len(types) > 1:
         raise RunFileError(f"{path}: mixed answer types {sorted(types)}; split the file")
+    if types == {"numeric"} and all(_OPTION_LETTER.fullmatch(row.answer) for row in rows):
+        log.warning(
+            "%s: every gold answer is an option letter, read with the numeric matcher (which "
+            "matches '(B) Paris' to no letter): pass --dataset medmcqa, or answer_type \"choice\" "
+            "on each line",
+            path,
+        )
     lacking = [row.line for row in rows if row.num_tokens is None]
     if lacking and len(lacking) < len(rows):
         raise RunFileError(
@@ -481,6 +531,19 @@ def read_run(spec: str, limit: int | None = None, answer_type: str = "numeric") 
         source=path,
         lines=[row.line for row in rows],
     )
+
+
+def generated_lengths(rows: Sequence[Sequence[int]], eos: int | Sequence[int] | None) -> list[int]:
+    """#TOK of generated completions as TRL counts a completion's tokens: up to and with the
+    first EOS (what follows is padding), else every token generated. The decoded text counted
+    again by the tokenizer was another number (a text does not tokenize back to the ids that
+    made it, and the EOS was skipped in decoding): past ``--max-new-tokens`` even.
+
+    >>> generated_lengths([[5, 6, 2, 0, 0], [5, 6, 7, 8, 9]], [2])
+    [3, 5]
+    """
+    ends = {eos} if isinstance(eos, int) else set(eos or ())
+    return [next((i + 1 for i, t in enumerate(row) if t in ends), len(row)) for row in rows]
 
 
 def count_tokens(tokenizer: Any, texts: Sequence[str]) -> list[int]:
@@ -580,6 +643,7 @@ def generate_run(args: argparse.Namespace, examples: list[Example]) -> tuple[Run
     chat = has_chat_template(tokenizer)
     style = prompt_style(args)
     completions: list[str] = []
+    lengths: list[int] = []
     for start in tqdm(range(0, len(examples), args.batch_size), desc="generating", unit="batch"):
         batch = examples[start : start + args.batch_size]
         if chat:
@@ -597,12 +661,13 @@ def generate_run(args: argparse.Namespace, examples: list[Example]) -> tuple[Run
             out = model.generate(**enc, generation_config=decoding)
         new = out[:, enc["input_ids"].shape[1] :]
         completions.extend(tokenizer.batch_decode(new, skip_special_tokens=True))
+        lengths.extend(generated_lengths(new.tolist(), decoding.eos_token_id))
     run = Run(
         args.method or generated_label(args),
         completions,
         [ex.answer for ex in examples],
         examples[0].answer_type,
-        count_tokens(tokenizer, completions),
+        lengths,
         decoding=decoding_settings(decoding),
     )
     return run, tokenizer
@@ -622,12 +687,15 @@ def score_run(
     recipe: str,
     interval: str = "normal",
     params: dict[str, Any] | None = None,
+    scored_with: dict[str, Any] | None = None,
 ) -> RunMetrics:
     """Score every completion (raw, with diagnostics, in chunks of :data:`SCORE_CHUNK`) under
     the SPEC §4 ``params`` (``--param``: Uniq is counted at their ``similarity_threshold``) and
     summarize. A completion that cannot be sent (:class:`RunFileError`) or that the server
     refused (:class:`RewardRequestError`) is named by its file and line, not by its index in
-    the chunk sent."""
+    the chunk sent. ``scored_with`` receives the parameters every one of them took (the
+    server's defaults filled in: Uniq depends on δ, ACC on ``max_strategies``) and the
+    encoder, as the server answered them."""
     items_out = []
     for start in range(0, len(run.completions), SCORE_CHUNK):
         stop = start + SCORE_CHUNK
@@ -650,6 +718,12 @@ def score_run(
             ) from None
         except RewardRequestError as exc:
             raise located(exc, run, start) from None
+        except RewardServiceError as exc:  # which run, which lines: the chunk's
+            exc.args = (f"{run.span(start, len(items))}: {exc}",)
+            raise
+        if scored_with is not None:
+            scored_with.setdefault("params", result.params)
+            scored_with.setdefault("encoder", result.encoder)
         for warning in result.warnings:
             if warned_item(warning) is None:  # about every chunk (mixed encoders): once
                 client.log_warnings([warning])
@@ -756,6 +830,10 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         follow_training_record(args, found)
     except ValueError as exc:  # FlagError included
         parser.error(str(exc))
+    if not (math.isfinite(args.reward_deadline) and args.reward_deadline > 0):
+        parser.error(
+            f"--reward-deadline must be a number of seconds > 0, got {args.reward_deadline}"
+        )
     for flag, value in (
         ("--limit", args.limit),
         ("--batch-size", args.batch_size),
@@ -779,9 +857,18 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         if args.model:
             # a 4-bit base that cannot load stops here, not after
             args.base_4bit = base_quantization(args, found)
-            warn_prompt_mismatch(args, found)
+            warn_training_mismatch(args, found)
     except ValueError as exc:
         parser.error(str(exc))
+    names = [split_run_spec(spec)[0] for spec in args.completions]
+    if args.model:
+        names.insert(0, args.method or generated_label(args))
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        parser.error(
+            f"two runs named {', '.join(map(repr, twice))}: their rows and points could not be "
+            "told apart (name each --completions NAME=FILE, or the generated run --method)"
+        )
     outputs = {
         "--json": args.json,
         "--plot": args.plot,
@@ -846,6 +933,37 @@ def run_meta(
     return meta
 
 
+def keep_run(run: Run, asked: Path | None) -> Path | None:
+    """Write the generated run to ``asked`` (``--save-completions``), else to
+    :func:`unscored_path`, until scored; where it went. A file that cannot be written (a disk
+    filled, a folder removed during hours of generation) is said and the temporary folder tried
+    next: the run ended with a traceback, its completions lost. ``None``: nowhere (the run is
+    scored from memory)."""
+    for path in ([asked] if asked is not None else []) + [unscored_path(run)]:
+        try:
+            save_run(run, path)
+            return path
+        except OSError as exc:
+            log.error("cannot write the generated completions to %s: %s", path, exc.strerror or exc)
+    return None
+
+
+def rescore_flags(method: str, path: Path, args: argparse.Namespace) -> str:
+    """The flags that score a saved run again as this command scored it: its recipe and
+    parameters too (they may have come from the adapter's training record, which a command
+    given the file alone would not read: its Uniq was counted at the server's δ).
+
+    >>> ns = argparse.Namespace(recipe="cfl", params={"length_target": 64})
+    >>> rescore_flags("base", Path("/tmp/r.jsonl"), ns)
+    '--completions base=/tmp/r.jsonl --recipe cfl --param=length_target=64'
+    """
+    flags = ["--completions", f"{method}={path}"]
+    if args.recipe is not None:
+        flags += ["--recipe", args.recipe]
+    flags += [f"--param={k}={json.dumps(v)}" for k, v in (args.params or {}).items()]
+    return shlex.join(flags)
+
+
 def save_run(run: Run, path: Path) -> None:
     """The generated run as JSONL (``--completions`` reads it back)."""
     lines = (
@@ -869,7 +987,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RunFileError as exc:
         print(f"sde2-eval: {exc}", file=sys.stderr)
         return 2
-    retry = RetryPolicy(max_attempts=None, deadline=600.0)  # the deadline rules
+    retry = RetryPolicy(max_attempts=None, deadline=args.reward_deadline)  # the deadline rules
     split = args.split or EVAL_SPLITS[args.dataset]
     try:
         probe_each(args.reward_url)  # before minutes of generation
@@ -878,6 +996,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     runs: list[Run] = []
     tokenizer: Any = None
+    saved: Path | None = None  # where the generated run is kept
+    scored_with: dict[str, Any] = {}  # the effective parameters and the encoder (--json)
     if args.model:
         try:
             examples = load_examples(args.dataset, args.data, split, args.limit, args.cop_base)
@@ -886,10 +1006,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         run, tokenizer = generate_run(args, examples)
         runs.append(run)
-        saved = args.save_completions or unscored_path(run)
-        save_run(run, saved)
-        run.source, run.lines = saved, list(range(1, len(run.completions) + 1))
-        log.info("generated completions saved to %s (until scored)", saved)
+        saved = keep_run(run, args.save_completions)
+        if saved is not None:
+            run.source, run.lines = saved, list(range(1, len(run.completions) + 1))
+            log.info("generated completions saved to %s", saved)
     if any(r.num_tokens is None for r in read) and (args.tokenizer or args.model):
         if args.tokenizer or tokenizer is None:  # --tokenizer wins over the policy's
             from trainer_client.modeling import load_tokenizer
@@ -904,27 +1024,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with RewardClient(args.reward_url, retry=retry) as client:
             client.logs_warnings = False  # score_run names each one's file and line
-            rows = [score_run(client, r, args.recipe, args.ci, args.params) for r in runs]
+            rows = [
+                score_run(client, r, args.recipe, args.ci, args.params, scored_with) for r in runs
+            ]
     except (RewardServiceError, RunFileError, KeyboardInterrupt) as exc:  # with the reason
         stopped = isinstance(exc, KeyboardInterrupt)  # Ctrl-C while the retries wait
         print(f"sde2-eval: {'stopped while scoring' if stopped else exc}", file=sys.stderr)
-        if args.model and not args.save_completions:
-            path = unscored_path(runs[0])
+        if saved is not None:
             print(
-                f"sde2-eval: the generated completions are in {path}: score them again with "
-                f"--completions {shlex.quote(f'{runs[0].method}={path}')}",
+                f"sde2-eval: the generated completions are in {saved}: score them again with "
+                + rescore_flags(runs[0].method, saved, args),
                 file=sys.stderr,
             )
         return 130 if stopped else 2
-    if args.model and not args.save_completions:
-        unscored_path(runs[0]).unlink(missing_ok=True)  # scored: no longer needed
     table = markdown_table(rows) + "\n"
     if args.json is not None and str(args.json) == "-":  # stdout is the JSON's alone
         sys.stderr.write(table)
         status = 0
     else:
         status = emit("sde2-eval", Path("-"), [table])  # quiet on `| head`
-    payload = {"runs": [r.as_dict() for r in rows], "meta": run_meta(args, split, runs[0].decoding)}
+    meta = {**run_meta(args, split, runs[0].decoding), "scored_with": scored_with}
+    payload = {"runs": [r.as_dict() for r in rows], "meta": meta}
     if args.json:
         written = emit("sde2-eval", args.json, [json.dumps(payload, indent=1) + "\n"])
         status = status or written
@@ -947,6 +1067,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"sde2-eval: cannot write {args.plot}: {exc.strerror or exc}", file=sys.stderr
                 )
                 status = status or 1
+    if saved is not None and args.save_completions is None:
+        saved.unlink(missing_ok=True)  # scored, and every output written: no longer needed
     return status
 
 
