@@ -87,24 +87,30 @@ def launched(module: str, *argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
 
 
+def sde2_train_launched(tmp_path: Path, url: str, *flags: str) -> subprocess.CompletedProcess[str]:
+    """``sde2-train`` itself in :data:`WORLD` processes on a tiny Qwen2 saved in
+    ``tmp_path/tiny``: steps of 3 prompts x 2 completions of 8 tokens, into ``tmp_path/run``."""
+    from tests.tiny_models import tiny_qwen2
+
+    model = tiny_qwen2(tmp_path / "tiny", chat=True)
+    return launched(
+        "trainer_client.train",
+        "--model", str(model), "--reward-url", url,
+        "--data", str(questions(tmp_path / "questions.jsonl")),
+        "--num-generations", "2", "--batch-size", "3", "--max-new-tokens", "8",
+        "--save-steps", "100", "--no-gradient-checkpointing",
+        "--output-dir", str(tmp_path / "run"), *flags,
+    )  # fmt: skip
+
+
 def test_sde2_train_on_two_processes_writes_the_runs_files_once(
     reward_server: ServerProcess,  # noqa: F811
     tmp_path: Path,
 ) -> None:
     """``sde2-train`` itself under ``accelerate launch``: both processes wrote the run's record,
     the final adapter's record and the log history at once, and both said so."""
-    from tests.tiny_models import tiny_qwen2
-
-    model = tiny_qwen2(tmp_path / "tiny", chat=True)
-    out = tmp_path / "run"
-    proc = launched(
-        "trainer_client.train",
-        "--model", str(model), "--reward-url", reward_server.url,
-        "--data", str(questions(tmp_path / "questions.jsonl")),
-        "--max-steps", "1", "--num-generations", "2", "--batch-size", "3",
-        "--max-new-tokens", "8", "--save-steps", "100", "--no-gradient-checkpointing",
-        "--output-dir", str(out),
-    )  # fmt: skip
+    proc = sde2_train_launched(tmp_path, reward_server.url, "--max-steps", "1")
+    out, model = tmp_path / "run", tmp_path / "tiny"
     said = proc.stdout + proc.stderr
     assert proc.returncode == 0, said[-4000:]
     assert said.count("saved the LoRA adapter to") == 1, said[-4000:]
@@ -123,9 +129,7 @@ def test_a_reward_outage_under_two_processes_saves_one_whole_checkpoint(tmp_path
 
     from tests.client_fixtures import running_server
     from tests.server_process import requests_served
-    from tests.tiny_models import tiny_qwen2
 
-    model = tiny_qwen2(tmp_path / "tiny", chat=True)
     out = tmp_path / "run"
     with running_server() as server:
 
@@ -139,14 +143,9 @@ def test_a_reward_outage_under_two_processes_saves_one_whole_checkpoint(tmp_path
 
         watcher = threading.Thread(target=kill_after_step_1, daemon=True)
         watcher.start()
-        proc = launched(
-            "trainer_client.train",
-            "--model", str(model), "--reward-url", server.url,
-            "--data", str(questions(tmp_path / "questions.jsonl")),
-            "--max-steps", "50", "--num-generations", "2", "--batch-size", "3",
-            "--max-new-tokens", "8", "--save-steps", "100", "--no-gradient-checkpointing",
-            "--reward-deadline", "4", "--output-dir", str(out),
-        )  # fmt: skip
+        proc = sde2_train_launched(
+            tmp_path, server.url, "--max-steps", "50", "--reward-deadline", "4"
+        )
         watcher.join(timeout=5)
     said = proc.stdout + proc.stderr
     assert proc.returncode != 0, said[-4000:]
