@@ -1057,15 +1057,13 @@ def check_key(client: RewardClient) -> None:
     (401) is a :class:`RewardRequestError` saying what to set: ``SDE2_API_KEY``, missing or
     wrong. Any other answer passes: the server checks the key before anything else (before its
     readiness and its queue), so a 429 from a server busy with another job, or a 503, has
-    accepted the key (retried, they failed the start next to a busy server)."""
+    accepted the key (retried, they failed the start next to a busy server). The refusal's
+    words are the request's own (:func:`key_problem`, as for any request refused so)."""
     try:
         client.request("POST", SCORE_PATH, _KEY_CHECK, what="check the API key", retry=_ONE_TRY)
     except RewardServiceError as exc:
-        if not (isinstance(exc, RewardRequestError) and exc.status == 401):
-            return
-        raise RewardRequestError(
-            key_problem(client.urls[0], client.has_key), exc.attempts
-        ) from None
+        if isinstance(exc, RewardRequestError) and exc.status == 401:
+            raise
 
 
 def key_problem(url: str, has_key: bool) -> str:

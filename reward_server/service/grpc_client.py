@@ -16,7 +16,6 @@ from reward_server.core.recipes import RECIPES
 from reward_server.core.scoring import ItemResult
 from reward_server.service.grpc_messages import (
     METHODS,
-    PARAM_FIELDS,
     SERVICE,
     WEIGHT_FIELDS,
     pb,
@@ -171,9 +170,10 @@ def _listed(value: Any, loc: tuple[str | int, ...]) -> list[Any]:
 
 def response_to_dict(resp: pb.ScoreResponse) -> dict[str, Any]:
     """A ``ScoreResponse`` back in the HTTP JSON shape (for clients and the parity tests)."""
-    params: dict[str, Any] = {k: getattr(resp.params, k) for k in PARAM_FIELDS}
-    params["weights"] = {k: getattr(resp.params.weights, k) for k in WEIGHT_FIELDS}
-    params = {k: params[k] for k in RewardParams.model_fields}  # HTTP's order
+    weights = {k: getattr(resp.params.weights, k) for k in WEIGHT_FIELDS}
+    params = {  # in HTTP's order
+        k: weights if k == "weights" else getattr(resp.params, k) for k in RewardParams.model_fields
+    }
     optional = ("final_answer", "uniq", "div")
     # The components in the recipe's order, as HTTP sends them (a protobuf map has none).
     known = RECIPES[resp.recipe].components if resp.recipe in RECIPES else tuple(COMPONENTS)
