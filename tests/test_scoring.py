@@ -223,7 +223,7 @@ def test_non_finite_embeddings_are_an_error_not_a_reward() -> None:
 
 def test_huge_num_tokens_and_parameters_stay_finite() -> None:
     items = [
-        ScoreItem("<final_answer>18</final_answer>", "18", num_tokens=2**63 - 1),
+        ScoreItem("<final_answer>18</final_answer>", "18", num_tokens=10**400),
         ScoreItem("<final_answer>17</final_answer>", "18"),
     ]
     out = score_batch(items, HashEncoder(), recipe="cfl", params=RewardParams(lambda_oc=1e308))

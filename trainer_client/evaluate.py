@@ -36,7 +36,6 @@ from typing import Any, NamedTuple
 
 from reward_server.core import ANSWER_TYPES, RECIPES, RewardParams
 from reward_server.core.answers import gold_text
-from reward_server.core.params import WIRE_INT_MAX
 from reward_server.jsonl_files import (
     InputError,
     OutputError,
@@ -433,9 +432,9 @@ def run_row(path: Path, number: int, record: Any, answer_type: str = "numeric") 
     return RunRow(number, completion, gold, answer_type, tokens)
 
 
-#: The largest ``num_tokens`` read (the server's, what gRPC's int64 carries): #TOK is a mean of
-#: them, and a count past a float's range ended the run with an OverflowError after scoring it all.
-MAX_TOKENS = WIRE_INT_MAX
+#: The largest ``num_tokens`` read (what gRPC's int64 carries): #TOK is a mean of them, and a
+#: count past a float's range ended the run with an OverflowError after scoring it all.
+MAX_TOKENS = 2**63 - 1
 
 
 def _short(number: int) -> str:

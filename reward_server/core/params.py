@@ -18,10 +18,6 @@ ComponentKey = Literal["oc", "re", "fa", "sd", "rd", "len"]
 AnswerType = Literal["numeric", "choice", "exact", "math"]
 ANSWER_TYPES: tuple[AnswerType, ...] = get_args(AnswerType)
 
-#: The largest integer a request field takes: what gRPC's ``int64`` carries, so that both
-#: transports take the same requests (HTTP's JSON took any, which the gRPC client refused).
-WIRE_INT_MAX = 2**63 - 1
-
 
 class Weights(BaseModel):
     """Aggregation weights ``w_k`` of SPEC §5 (ablations set some to 0)."""
@@ -88,9 +84,7 @@ class RewardParams(BaseModel):
         allow_inf_nan=False,
         description="delta: a strategy is unique iff its cosine to every kept one is <= delta",
     )
-    length_target: int = Field(
-        512, ge=1, le=WIRE_INT_MAX, description="token budget of the length term (GRPO-CFL)"
-    )
+    length_target: int = Field(512, ge=1, description="token budget of the length term (GRPO-CFL)")
     weights: Weights = Field(default_factory=Weights, description="aggregation weights w_k")
     eps: float = Field(
         1e-6, gt=0.0, le=1.0, allow_inf_nan=False, description="normalization epsilon"

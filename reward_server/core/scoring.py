@@ -37,7 +37,7 @@ from reward_server.core.answers import (
 from reward_server.core.components import COMPONENTS
 from reward_server.core.geometry import gains_of_selections, unit_rows
 from reward_server.core.normalization import Aggregate, aggregate
-from reward_server.core.params import WIRE_INT_MAX, AnswerType, RewardParams
+from reward_server.core.params import AnswerType, RewardParams
 from reward_server.core.parsing import ParsedCompletion, Strategy, parse_completions
 from reward_server.core.recipes import RECIPES, Recipe, RecipeSpec
 from reward_server.core.text import preprocess
@@ -82,10 +82,7 @@ class ScoreItem:
         None, description="group id (e.g. one per prompt); all items or none carry one"
     )
     num_tokens: int | None = Field(
-        None,
-        ge=0,
-        le=WIRE_INT_MAX,
-        description="completion length in tokens for the length term; else words",
+        None, ge=0, description="completion length in tokens for the length term; else words"
     )
 
 

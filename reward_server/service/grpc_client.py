@@ -150,7 +150,9 @@ def _fill(message: Message, fields: Mapping[str, Any], loc: tuple[str | int, ...
             )
         try:
             setattr(message, name, value)
-        except (ValueError, OverflowError) as exc:  # past int64 or a double: no field named
+        except ValueError as exc:  # past int64: protobuf names no field
+            raise ValueError(f"{path}: {exc} (gRPC's int64; HTTP takes it)") from None
+        except OverflowError as exc:  # past a double (HTTP refuses it too): no field named
             raise ValueError(f"{path}: {exc}") from None
 
 
