@@ -686,16 +686,16 @@ def score_run(
     recipe: str,
     interval: str = "normal",
     params: dict[str, Any] | None = None,
-    scored_with: dict[str, Any] | None = None,
-) -> RunMetrics:
+) -> ScoredRun:
     """Score every completion (raw, with diagnostics, in chunks of :data:`SCORE_CHUNK`) under
     the SPEC §4 ``params`` (``--param``: Uniq is counted at their ``similarity_threshold``) and
     summarize. A completion that cannot be sent (:class:`RunFileError`) or that the server
     refused (:class:`RewardRequestError`) is named by its file and line, not by its index in
-    the chunk sent. ``scored_with`` receives the parameters every one of them took (the
-    server's defaults filled in: Uniq depends on δ, ACC on ``max_strategies``) and the
-    encoder, as the server answered them."""
+    the chunk sent. The parameters the completions took (the server's defaults filled in:
+    Uniq depends on δ, ACC on ``max_strategies``) and the encoder come back with the row, as
+    the server answered the first chunk."""
     items_out = []
+    scored_with: dict[str, Any] = {}
     for start in range(0, len(run.completions), SCORE_CHUNK):
         stop = start + SCORE_CHUNK
         items = [
@@ -720,16 +720,24 @@ def score_run(
         except RewardServiceError as exc:  # which run, which lines: the chunk's
             exc.args = (f"{run.span(start, len(items))}: {exc}",)
             raise
-        if scored_with is not None:
-            scored_with.setdefault("params", result.params)
-            scored_with.setdefault("encoder", result.encoder)
+        scored_with = scored_with or {"params": result.params, "encoder": result.encoder}
         for warning in result.warnings:
             if warned_item(warning) is None:  # about every chunk (mixed encoders): once
                 client.log_warnings([warning])
             else:  # a gold no answer matches ("####"): its file line
                 log.warning("%s: %s", run.method, located_warning(warning, run, start))
         items_out.extend(result.items)
-    return summarize(run.method, items_out, run.completions, run.num_tokens, interval)
+    metrics = summarize(run.method, items_out, run.completions, run.num_tokens, interval)
+    return ScoredRun(metrics, scored_with)
+
+
+class ScoredRun(NamedTuple):
+    """What :func:`score_run` gives: the run's row, and what its completions were scored with
+    (``params`` and ``encoder``, for ``--json``'s ``meta.scored_with``; empty for no
+    completions)."""
+
+    metrics: RunMetrics
+    scored_with: dict[str, Any]
 
 
 def located_warning(warning: str, run: Run, start: int) -> str:
@@ -996,7 +1004,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs: list[Run] = []
     tokenizer: Any = None
     saved: Path | None = None  # where the generated run is kept
-    scored_with: dict[str, Any] = {}  # the effective parameters and the encoder (--json)
     if args.model:
         try:
             examples = load_examples(args.dataset, args.data, split, args.limit, args.cop_base)
@@ -1023,9 +1030,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with RewardClient(args.reward_url, retry=retry) as client:
             client.logs_warnings = False  # score_run names each one's file and line
-            rows = [
-                score_run(client, r, args.recipe, args.ci, args.params, scored_with) for r in runs
-            ]
+            scored = [score_run(client, r, args.recipe, args.ci, args.params) for r in runs]
     except (RewardServiceError, RunFileError, KeyboardInterrupt) as exc:  # with the reason
         stopped = isinstance(exc, KeyboardInterrupt)  # Ctrl-C while the retries wait
         print(f"sde2-eval: {'stopped while scoring' if stopped else exc}", file=sys.stderr)
@@ -1036,13 +1041,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 file=sys.stderr,
             )
         return 130 if stopped else 2
+    rows = [s.metrics for s in scored]
     table = markdown_table(rows) + "\n"
     if args.json is not None and str(args.json) == "-":  # stdout is the JSON's alone
         sys.stderr.write(table)
         status = 0
     else:
         status = emit("sde2-eval", Path("-"), [table])  # quiet on `| head`
-    meta = {**run_meta(args, split, runs[0].decoding), "scored_with": scored_with}
+    meta = {**run_meta(args, split, runs[0].decoding), "scored_with": scored[0].scored_with}
     payload = {"runs": [r.as_dict() for r in rows], "meta": meta}
     if args.json:
         written = emit("sde2-eval", args.json, [json.dumps(payload, indent=1) + "\n"])
