@@ -425,6 +425,11 @@ def test_a_generated_run_outlives_a_failed_scoring(
     assert "stopped while scoring" in err and f"--completions org/model={kept}" in err
     fake_client.interrupt = False
     kept.unlink()
+    # An output that cannot be written (a full disk) keeps them too.
+    assert main([*argv, "--json", "/dev/full"]) == 1
+    (kept,) = tmp_path.glob("sde2-eval-*.jsonl")
+    assert f"--completions org/model={kept}" in capsys.readouterr().err
+    kept.unlink()
     assert main([*argv, "--json", str(tmp_path / "t.json")]) == 0
     assert list(tmp_path.glob("sde2-eval-*.jsonl")) == []
     meta = json.loads((tmp_path / "t.json").read_text())["meta"]

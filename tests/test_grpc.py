@@ -539,7 +539,12 @@ async def test_calls_the_client_ends_are_counted() -> None:
         ({"items": [], "recipee": "sde2"}, "recipee: not a field of sde2.v1's ScoreRequest"),
         (
             {"items": [{"completion": "a", "answer": "1", "num_tokens": 2**70}]},
-            "items.0.num_tokens: Value out of range",
+            "items.0.num_tokens: Value out of range: 1180591620717411303424 (past gRPC's int64)",
+        ),
+        # HTTP refuses a negative count: the message says no more than the int64.
+        (
+            {"items": [{"completion": "a", "answer": "1", "num_tokens": -(2**64)}]},
+            "items.0.num_tokens: Value out of range: -18446744073709551616 (past gRPC's int64)",
         ),
         # A misspelled field is refused whatever its value (a None one was dropped unsaid).
         (
@@ -547,7 +552,10 @@ async def test_calls_the_client_ends_are_counted() -> None:
             "items.0.num_token: not a field of sde2.v1's Item",
         ),
         # An integer no double holds: it raised a bare OverflowError naming no field.
-        ({"items": [], "params": {"lambda_oc": 10**400}}, "params.lambda_oc: int too large"),
+        (
+            {"items": [], "params": {"lambda_oc": 10**400}},
+            "params.lambda_oc: int too large to convert to float (HTTP refuses it too)",
+        ),
     ],
 )
 def test_request_from_dict_refuses_what_the_message_would_carry_otherwise(

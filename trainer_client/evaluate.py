@@ -1073,7 +1073,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 status = status or 1
     if saved is not None and args.save_completions is None:
-        saved.unlink(missing_ok=True)  # scored, and every output written: no longer needed
+        if status == 0:  # scored, and every output written: no longer needed
+            saved.unlink(missing_ok=True)
+        else:  # an output lost (a full disk): the generation is kept for another try
+            print(
+                f"sde2-eval: the generated completions are in {saved}: score them again with "
+                + rescore_flags(runs[0].method, saved, args),
+                file=sys.stderr,
+            )
     return status
 
 

@@ -151,9 +151,9 @@ def _fill(message: Message, fields: Mapping[str, Any], loc: tuple[str | int, ...
         try:
             setattr(message, name, value)
         except ValueError as exc:  # past int64: protobuf names no field
-            raise ValueError(f"{path}: {exc} (gRPC's int64; HTTP takes it)") from None
-        except OverflowError as exc:  # past a double (HTTP refuses it too): no field named
-            raise ValueError(f"{path}: {exc}") from None
+            raise ValueError(f"{path}: {exc} (past gRPC's int64)") from None
+        except OverflowError as exc:  # past a double: no field named
+            raise ValueError(f"{path}: {exc} (HTTP refuses it too)") from None
 
 
 def _mapping(value: Any, loc: tuple[str | int, ...]) -> Mapping[str, Any]:
