@@ -46,6 +46,7 @@ def test_sde2_train_trains_on_the_chosen_prompt_and_records_it(
     reward_server: ServerProcess,  # noqa: F811
     tiny_chat_model: Path,
     tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     argv = ["--model", str(tiny_chat_model), "--reward-url", reward_server.url]
     argv += ["--data", str(GSM8K_DIR), "--limit", "2", "--output-dir", str(tmp_path / "run")]
@@ -56,6 +57,12 @@ def test_sde2_train_trains_on_the_chosen_prompt_and_records_it(
     assert system == {"role": "system", "content": system_prompt("math", "single")}
     record = train.training_record(args, trainer.args, False, {})
     assert record["prompt"] == "single"
+    # A local model named from its folder is recorded whole: sde2-eval and a resume read the
+    # record from other folders (a relative path told them of another base).
+    monkeypatch.chdir(tiny_chat_model.parent)
+    args.model = tiny_chat_model.name
+    record = train.training_record(args, trainer.args, False, {})
+    assert record["model"] == str(tiny_chat_model.resolve())
 
 
 def test_sde2_eval_generates_with_the_chosen_prompt_and_records_it(

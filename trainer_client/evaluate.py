@@ -62,7 +62,7 @@ from trainer_client.datasets import (
 )
 from trainer_client.help_format import DefaultsShown
 from trainer_client.metrics import INTERVALS, RunMetrics, markdown_table, summarize
-from trainer_client.modeling import ModelRef
+from trainer_client.modeling import ModelRef, recorded_name
 from trainer_client.prompts import add_prompt_flag, prompt_style
 from trainer_client.results import warned_item
 from trainer_client.retry import (
@@ -224,10 +224,9 @@ def warn_training_mismatch(
 
 
 def _model_key(ref: ModelRef) -> tuple[str, str | None]:
-    """A model as compared across commands: a local path resolved (a relative one was given
-    from another folder), a hub id as it is."""
-    path = Path(ref.name_or_path)
-    return (str(path.resolve()) if path.exists() else ref.name_or_path, ref.gguf_file)
+    """A model as compared across commands (:func:`recorded_name`: a training record holds a
+    local path absolute)."""
+    return recorded_name(ref.name_or_path), ref.gguf_file
 
 
 def follow_training_record(

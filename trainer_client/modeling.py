@@ -61,6 +61,18 @@ class ModelRef:
         return {"gguf_file": self.gguf_file} if self.gguf_file else {}
 
 
+def recorded_name(model: str) -> str:
+    """``--model`` as a training record keeps it and commands compare it: a local path made
+    absolute (the record is read from other folders, by ``sde2-eval``'s base check and by a
+    resume), a hub id as given.
+
+    >>> recorded_name("org/no-such-local-folder")
+    'org/no-such-local-folder'
+    """
+    path = Path(model).expanduser()
+    return str(path.resolve()) if path.exists() else model
+
+
 def cuda_available() -> bool:
     """Whether torch sees a CUDA device."""
     import torch

@@ -55,7 +55,7 @@ from trainer_client.datasets import (
     looks_like_path,
 )
 from trainer_client.help_format import DefaultsShown
-from trainer_client.modeling import ModelRef
+from trainer_client.modeling import ModelRef, recorded_name
 from trainer_client.prompts import add_prompt_flag, prompt_style
 from trainer_client.retry import TRAINER_DEADLINE, RetryPolicy, RewardServiceError
 from trainer_client.sharding import check_weights, params_issues
@@ -397,7 +397,7 @@ def training_record(
     """What the run trained with, beyond the flags' defaults: the precision of the base and the
     optimizer as TRL received them, the reward, the decoding, the adapter's shape."""
     return {
-        "model": args.model,
+        "model": recorded_name(args.model),
         "gguf_file": args.gguf_file,
         "load_in_4bit": quantize_4bit,
         "quantization": "nf4, double quantization" if quantize_4bit else None,
@@ -604,7 +604,11 @@ def save_after_failure(trainer: Any, out: Path, record: dict[str, Any]) -> Path 
     step = trainer.state.global_step
     folder = out / f"{PREFIX_CHECKPOINT_DIR}-{step}"
     first = trainer.is_world_process_zero()
-    if step > 0 and not (folder / TRAINER_STATE).is_file():
+    missing = step > 0 and not (folder / TRAINER_STATE).is_file()
+    # Every process looks before any saves: one that looked after the first one's save had
+    # ended (its state written last) skipped its own, and its RNG state was never written.
+    trainer.accelerator.wait_for_everyone()
+    if missing:
         # Every process saves (its RNG state; the save's collectives need them all): the
         # trainer's gather made each of them fail at this step.
         try:
@@ -1070,14 +1074,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             log.error("%s", how_to_continue(last))
         return 2
     if stop.received is not None:
-        name = signal.Signals(stop.received).name
-        step = trainer.state.global_step
-        log.error(
-            "training stopped by %s at step %d; %s",
-            name,
-            step,
-            how_to_continue(latest_checkpoint(out), first=""),
-        )
+        if main_process:
+            log.error(
+                "training stopped by %s at step %d; %s",
+                signal.Signals(stop.received).name,
+                trainer.state.global_step,
+                how_to_continue(latest_checkpoint(out), first=""),
+            )
         return 128 + stop.received
     trainer.save_model(str(out / "final"))  # every process: the trainer saves on the first
     if main_process:
