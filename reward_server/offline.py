@@ -66,17 +66,38 @@ _ITEM: TypeAdapter[ScoreItem] = TypeAdapter(ScoreItem)
 
 
 def item_error(path: Path, number: int, exc: ValidationError) -> InputError:
-    """The first issue of an item line, as the file's line and the field's name."""
+    """The first issue of an item line (:func:`first_issue`), as the file's line and the
+    field's name."""
     first = exc.errors()[0]
     if first["type"] == "json_invalid":
         return json_error(path, number, str(first["msg"]).removeprefix("Invalid JSON: "))
     if not first["loc"]:
         got = json_type(first.get("input"))
         return InputError(f"{path}: line {number}: expected a JSON object, got {got}")
-    where = ".".join(str(p) for p in first["loc"])
+    return InputError(f"{path}: line {number}: {first_issue(exc, ScoreItem, '')}")
+
+
+def first_issue(exc: ValidationError, model: type, whole: str) -> str:
+    """``field: message`` of the issue of ``exc`` to read first, ``model``'s misspelt field
+    named with its likely meaning, and how many more there are (``whole``: the field's name
+    when the issue is about the value as a whole). A misspelt field comes before the field it
+    left missing: ``answr`` is what to fix, not ``answer``.
+
+    >>> try:
+    ...     _ITEM.validate_json('{"completion": "x", "answr": "7"}')
+    ... except ValidationError as exc:
+    ...     first_issue(exc, ScoreItem, "")
+    "answr: Extra inputs are not permitted (did you mean 'answer'?) (and 1 more)"
+    """
+    issues = exc.errors()
+    first = next((e for e in issues if wire_kind(e["type"], "")[0] == "extra_forbidden"), None)
+    if first is None or all(e["type"] != "missing" for e in issues):
+        first = issues[0]
+    where = ".".join(str(p) for p in first["loc"]) or whole
     kind, msg = wire_kind(first["type"], first["msg"])
-    hint = unknown_field_hint(ScoreItem, kind, first["loc"])
-    return InputError(f"{path}: line {number}: {where}: {msg}{hint}")
+    hint = unknown_field_hint(model, kind, first["loc"])
+    more = f" (and {len(issues) - 1} more)" if len(issues) > 1 else ""
+    return f"{where}: {msg}{hint}{more}"
 
 
 def read_items(path: Path) -> Iterator[tuple[int, ScoreItem]]:
@@ -124,10 +145,7 @@ def params_from_flag(text: str) -> RewardParams:
     try:
         return RewardParams.model_validate_json(text)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "params"
-        more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-        raise InputError(f"--params: {where}: {first['msg']}{more}") from None
+        raise InputError(f"--params: {first_issue(exc, RewardParams, 'params')}") from None
 
 
 def math_timeout(text: str) -> float:

@@ -96,6 +96,19 @@ def test_an_unknown_field_is_named_in_the_servers_words(
     assert f"{src}: line 2: answr: Extra inputs are not permitted" in capsys.readouterr().err
     assert main(["explain", "--in", str(src), "--quiet"]) == 2
     assert f"{src}: line 2: answr: Extra inputs are not permitted" in capsys.readouterr().err
+    # In place of a required field, the misspelling is named (with the meant field), not the
+    # field it left missing; as the server's 422 names both.
+    typo = {"completion": GOOD["completion"], "answr": "4"}
+    src = write_lines(tmp_path / "in.jsonl", [json.dumps(GOOD), json.dumps(typo)])
+    assert main(score_argv(src, "-")) == 2
+    said = capsys.readouterr().err
+    assert f"line 2: answr: Extra inputs are not permitted (did you mean 'answer'?)" in said
+    assert "(and 1 more)" in said
+    # A misspelt parameter too.
+    assert main([*score_argv(src, "-"), "--params", '{"explore_cp": 0.7}']) == 2
+    assert "--params: explore_cp: Extra inputs are not permitted (did you mean 'explore_cap'?)" in (
+        capsys.readouterr().err
+    )
 
 
 def test_a_gold_no_answer_can_match_is_scored_with_a_warning_naming_its_line(

@@ -64,8 +64,7 @@ Reply = TypeVar("Reply", pb.ScoreResponse, pb.ExplainResponse)
 def count(service: ScoringService, method: str, exc: ServiceError) -> grpc.StatusCode:
     """Count a call ended by ``exc`` (under its reason, as over HTTP); its gRPC code."""
     code = grpc.StatusCode[exc.grpc_code]
-    service.metrics.failures.labels(exc.reason).inc()
-    service.metrics.requests.labels(f"grpc:{method}", code.name).inc()
+    service.metrics.count(f"grpc:{method}", code.name, exc.reason)
     return code
 
 
@@ -135,8 +134,7 @@ class RewardServicer:
             timeout=context.time_remaining(),
             explain=method == "Explain",
         )
-        timings = [(f"x-{k}-time", f"{v * 1000:.3f}") for k, v in scored.timings.items()]
-        context.set_trailing_metadata((*timings, *scored.warning_headers()))
+        context.set_trailing_metadata((*scored.timing_headers(), *scored.warning_headers()))
         return scored
 
     def _sent(self, method: str, reply: Reply) -> Reply:
@@ -149,7 +147,7 @@ class RewardServicer:
                 f"{self.send_limit}: send fewer items (POST /v1/explain has no such limit)"
             )
             raise RequestInvalid.one(("items",), msg, "answer_too_large")
-        self.service.metrics.requests.labels(f"grpc:{method}", "OK").inc()
+        self.service.metrics.count(f"grpc:{method}", "OK")
         return reply
 
     async def Score(self, data: bytes, context: Context) -> pb.ScoreResponse:
@@ -168,7 +166,7 @@ class RewardServicer:
         """Encoder, variant, provider, version, defaults and limits (``GET /v1/info``); the
         model's path only to holders of the key when one is set."""
         info = info_to_proto(self.service.info_for(_authorization(context)))
-        self.service.metrics.requests.labels("grpc:Info", "OK").inc()  # as its refusals are
+        self.service.metrics.count("grpc:Info", "OK")  # as its refusals are
         return info
 
     async def Health(self, request: pb.HealthRequest, context: Context) -> pb.HealthResponse:

@@ -39,7 +39,6 @@ from reward_server.service.json_values import values_of, values_over
 from reward_server.service.pipeline import LocMap, Scored, ScoringService, one_credential
 from reward_server.service.schemas import ErrorResponse, ScoreRequest
 
-TIMING_HEADERS = ("parse", "queue", "encode", "reward", "total")
 #: The error statuses of a scoring route, for the OpenAPI document.
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorResponse, "description": "missing or wrong bearer key"},
@@ -94,9 +93,7 @@ def route_label(request: Request) -> str:
 async def answer_service_error(request: Request, exc: Exception) -> Response:
     """The app's one exception handler for :class:`ServiceError`: count it, answer it."""
     assert isinstance(exc, ServiceError)
-    metrics = service_of(request).metrics
-    metrics.failures.labels(exc.reason).inc()
-    metrics.requests.labels(route_label(request), str(exc.http_status)).inc()
+    service_of(request).metrics.count(route_label(request), str(exc.http_status), exc.reason)
     return error_response(exc)
 
 
@@ -344,9 +341,8 @@ def scored_response(
 ) -> Response:
     """A 200 answer with the phase timings as ``x-<phase>-time`` headers (ms) and the batch's
     warnings as ``x-sde2-warning`` headers, counted."""
-    service_of(request).metrics.requests.labels(route_label(request), "200").inc()
-    headers = {f"x-{k}-time": f"{scored.timings[k] * 1000:.3f}" for k in TIMING_HEADERS}
-    response = response_class(content, headers=headers)
+    service_of(request).metrics.count(route_label(request), "200")
+    response = response_class(content, headers=dict(scored.timing_headers()))
     for name, value in scored.warning_headers():
         response.headers.append(name, value)
     return response

@@ -47,7 +47,6 @@ _LATENCY_BUCKETS = (
 )
 _COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 _TOKEN_BUCKETS = (64, 256, 1024, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
-PHASES = ("parse", "queue", "encode", "reward", "total")
 #: Where prometheus_client's multiprocess mode keeps each process's values.
 SHARED_DIR_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -218,6 +217,14 @@ class Metrics(BatchObserver):
         (one process syncs at each scrape, which is exact)."""
         if self.shared_dir is not None and self._encoder is not None:
             self._encoder.sync()
+
+    def count(self, route: str, status: str, reason: str | None = None) -> None:
+        """One answered request of ``route`` (an HTTP path or ``grpc:<Method>``) under its
+        status, and, for a refusal or a failure, its ``reason`` too: every transport counts
+        through here, so a reason and its status are never counted apart."""
+        if reason is not None:
+            self.failures.labels(reason).inc()
+        self.requests.labels(route, status).inc()
 
     def observe_phases(self, seconds: dict[str, float]) -> None:
         """Record one request's phase timings."""

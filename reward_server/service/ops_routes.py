@@ -61,7 +61,7 @@ async def info(request: Request) -> Response:
     """Open to all; the model's path only with the key, when one is set."""
     service = service_of(request)
     info = service.info_for(one_credential(request.headers.getlist("authorization")))
-    service.metrics.requests.labels(route_label(request), "200").inc()  # as its refusals are
+    service.metrics.count(route_label(request), "200")  # as its refusals are
     return JSONResponse(jsonable_encoder(info))
 
 

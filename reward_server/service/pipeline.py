@@ -112,6 +112,25 @@ def one_credential(values: Sequence[str]) -> str | None:
     return values[0] if values else None
 
 
+def key_matches(api_key: str | None, authorization: str | None) -> bool:
+    """No key is set, or ``authorization`` (the HTTP header's or gRPC metadata's value, as
+    :func:`one_credential` gives it) is ``Bearer <key>``; compared in constant time (no timing
+    oracle). Stripped as HTTP strips a header's value (gRPC metadata keeps its spaces).
+
+    >>> key_matches("k", "Bearer k"), key_matches("k", " bearer  k "), key_matches("k", "")
+    (True, True, False)
+    >>> key_matches(None, None)
+    True
+    """
+    if api_key is None:
+        return True
+    scheme, _, token = (authorization or "").strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(
+        token.strip().encode("utf-8", "surrogateescape"),
+        api_key.encode("utf-8", "surrogateescape"),
+    )
+
+
 def item_text_limits(settings: Settings) -> dict[str, int]:
     """:data:`ITEM_TEXT_LIMITS` with this server's values."""
     return {name: int(getattr(settings, setting)) for name, setting in ITEM_TEXT_LIMITS.items()}
@@ -192,6 +211,15 @@ class Scored:
         """The SPEC §6 response."""
         return {**self.score.as_dict(), "encoder": self.encoder}
 
+    def timing_headers(self) -> list[tuple[str, str]]:
+        """:attr:`timings` as ``x-<phase>-time`` headers (HTTP) or metadata (gRPC), in
+        milliseconds, one per phase of :data:`PHASES`.
+
+        >>> Scored(_nothing_scored(), dict.fromkeys(PHASES, 0.0012345), "e").timing_headers()[0]
+        ('x-parse-time', '1.234')
+        """
+        return [(f"x-{phase}-time", f"{self.timings[phase] * 1000:.3f}") for phase in PHASES]
+
     def warning_headers(self) -> list[tuple[str, str]]:
         """:attr:`warnings` as ``x-sde2-warning`` headers (HTTP) or metadata (gRPC): one each,
         ASCII (other characters escaped), the first :data:`MAX_WARNINGS` of them.
@@ -231,6 +259,8 @@ def _chunk_tokens(encoder: Encoder) -> int:
     return per_stream * described.streams
 
 
+#: A scored request's phases, in the order their ``x-<phase>-time`` headers go out.
+PHASES = ("parse", "queue", "encode", "reward", "total")
 _NO_WORK = {"queue": 0.0, "encode": 0.0, "reward": 0.0}
 
 
@@ -430,17 +460,8 @@ class ScoringService:
         return self.encoder.name if self.encoder is not None else "loading"
 
     def is_authorized(self, authorization: str | None) -> bool:
-        """No key is set, or ``authorization`` (the HTTP header's or gRPC metadata's value) is
-        ``Bearer <key>``; compared in constant time (no timing oracle)."""
-        key = self.settings.api_key
-        if key is None:
-            return True
-        # Stripped as HTTP strips a header's value (gRPC metadata keeps its spaces).
-        scheme, _, token = (authorization or "").strip().partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(
-            token.strip().encode("utf-8", "surrogateescape"),
-            key.encode("utf-8", "surrogateescape"),
-        )
+        """:func:`key_matches` with this server's key."""
+        return key_matches(self.settings.api_key, authorization)
 
     def authorize(self, authorization: str | None) -> None:
         """:meth:`is_authorized`, or :class:`Unauthorized`: the one key check of every

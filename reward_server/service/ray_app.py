@@ -343,11 +343,12 @@ class Forwarded:
 
     def header(self, name: str) -> str | None:
         """The first value of header ``name`` (case-insensitive)."""
+        return next(iter(self.header_values(name)), None)
+
+    def header_values(self, name: str) -> list[str]:
+        """Every value of header ``name`` (case-insensitive), in order."""
         wanted = name.lower().encode("latin-1")
-        for key, value in self.headers:
-            if key.lower() == wanted:
-                return value.decode("latin-1")
-        return None
+        return [value.decode("latin-1") for key, value in self.headers if key.lower() == wanted]
 
 
 def app_path(scope: Mapping[str, Any]) -> tuple[str, str, str]:
@@ -567,9 +568,7 @@ class Scorer:
 
         if route not in SCORING_PATHS:
             return
-        metrics = self.service.metrics
-        metrics.failures.labels(ClientGone.reason).inc()
-        metrics.requests.labels(route, str(ClientGone.http_status)).inc()
+        self.service.metrics.count(route, str(ClientGone.http_status), ClientGone.reason)
 
     async def _call(
         self, path: str, body: bytes | Any, query: Mapping[str, Any] | None = None
@@ -672,10 +671,6 @@ def _forwarded(response: Any) -> Forwarded:
     )
 
 
-def _no_encoder() -> Any:
-    raise RuntimeError("the ingress holds no encoder")
-
-
 class Ingress:
     """The HTTP entry point: relays each request to one scorer replica (see the module doc).
 
@@ -697,8 +692,6 @@ class Ingress:
     ) -> None:
         """``setting_args`` / ``options`` as :func:`build_app` got them (the key, body and
         request timeouts, the ingress's bounds); unset: the defaults and ``SDE2_*``."""
-        from reward_server.service.pipeline import ScoringService
-
         self.scorer = scorer
         self.max_body_bytes = max_body_bytes
         self.attempts = attempts
@@ -706,8 +699,6 @@ class Ingress:
         # This replica's own environment (SDE2_API_KEY), as the scorer replicas read theirs.
         self.settings = settings_from_args(setting_args or {}, self.options)
         use_log_level(self.settings.log_level)
-        # The service's own constant-time key check; this service is never started.
-        self.is_authorized = ScoringService(self.settings, loader=_no_encoder).is_authorized
         self.bodies = 0  # requests with a body held now (one event loop: no lock)
 
     def __serve_build_asgi_app__(self) -> Any:
@@ -755,6 +746,7 @@ class Ingress:
 
         from reward_server.service.http_scoring import read_body
         from reward_server.service.ops_routes import SCORING_PATHS, healthz
+        from reward_server.service.pipeline import key_matches, one_credential
 
         if request.method in ("GET", "HEAD") and route == "/healthz":  # HEAD: a balancer's probe
             answer = _forwarded(JSONResponse(await healthz()))
@@ -764,7 +756,8 @@ class Ingress:
             # as sde2-reward serve does, so no body is held or shipped for it.
             return await self.relay(request, self.options.probe_timeout_s)
         limit = self.max_body_bytes
-        if not self.is_authorized(request.header("authorization")):
+        credential = one_credential(request.header_values("authorization"))
+        if not key_matches(self.settings.api_key, credential):  # as the scorers check it
             return unread_error(Unauthorized())
         declared = request.header("content-length")
         if declared is not None and declared.strip().isdigit() and int(declared) > limit:
