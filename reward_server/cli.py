@@ -43,6 +43,8 @@ EXTRA_OF_PACKAGE: dict[str, str] = {
 #: What ``serve`` exits with when stopped by SIGTERM (its drained stop); the early handler
 #: below matches it, so that a stop is a stop whenever it comes.
 STOPPED_EXIT_CODE = 0
+#: What a file command exits with when Ctrl-C stops it: the shell's own code for SIGINT.
+INTERRUPTED_EXIT_CODE = 130
 
 
 def stop_during_startup(signum: int, frame: FrameType | None) -> None:
@@ -117,6 +119,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"sde2-reward {command}: {message}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C in a file command: a line, not the worker's traceback
+        if command == "serve":
+            raise
+        # An output file is replaced whole at the end (jsonl_files.write_output), never left
+        # part-written.
+        print(
+            f"sde2-reward {command}: stopped (Ctrl-C); an output file is left as it was",
+            file=sys.stderr,
+        )
+        return INTERRUPTED_EXIT_CODE
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import unicodedata
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -38,12 +39,35 @@ MATRIX_COLUMNS = 10
 
 
 def _quote(field: Json | None, width: int = 60) -> str:
-    """A field excerpt on one line, cut to ``width`` characters."""
+    """A field excerpt on one line, cut to ``width`` characters, with what a terminal would
+    act on or hide shown as escapes (:func:`_visible`)."""
     if field is None or field.get("text") is None:
         return "-"
     text = " ".join(str(field["text"]).split())
     cut = len(text) > width or field.get("truncated", False)
-    return json.dumps(text[:width] + ("…" if cut else ""), ensure_ascii=False)
+    return _visible(json.dumps(text[:width] + ("…" if cut else ""), ensure_ascii=False))
+
+
+#: Unicode categories a report escapes: controls (C1's CSI starts a terminal sequence as ESC
+#: does) and format characters (a right-to-left override makes "81" read "18"; zero-width
+#: ones hide a difference), unassigned and private-use code points, lone surrogates.
+_UNSEEN = frozenset(("Cc", "Cf", "Cn", "Co", "Cs"))
+
+
+def _visible(text: str) -> str:
+    r"""``text`` with each character of the :data:`_UNSEEN` categories escaped.
+
+    >>> print(_visible("a\u202e18\u009b31m\u200bz é \U000f0000"))
+    a\u202e18\u009b31m\u200bz é \U000f0000
+    """
+    if text.isprintable():  # none there (printable excludes every category above)
+        return text
+    return "".join(_escaped(c) if unicodedata.category(c) in _UNSEEN else c for c in text)
+
+
+def _escaped(c: str) -> str:
+    """``c`` as Python writes it in a string: ``\\uXXXX``, or ``\\UXXXXXXXX`` past the BMP."""
+    return f"\\u{ord(c):04x}" if ord(c) <= 0xFFFF else f"\\U{ord(c):08x}"
 
 
 def _span(span: list[int] | None) -> str:
@@ -247,7 +271,10 @@ def run(args: argparse.Namespace) -> int:
         inputs, prepared = prepare_input(args, judge, diagnostics=True)
         items = inputs.items
         if args.item is not None and not 0 <= args.item < len(items):
-            raise InputError(f"--item {args.item}: the file has {len(items)} items")
+            raise InputError(
+                f"--item {args.item}: the file has {len(items)} items, numbered 0 to "
+                f"{len(items) - 1}"
+            )
         embeddings = embed_with_progress(prepared.texts, args.backend, args.model, not args.quiet)
         normalize = not args.no_normalize
         score = finish_batch(prepared, embeddings, normalize=normalize)

@@ -338,8 +338,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Score ``--in`` into ``--out``; exit status 2 on bad input or arguments, 1 when the output
-    cannot be written."""
+    """Score ``--in`` into ``--out``; exit status 2 on bad input or arguments (an ``--out``
+    that cannot be written is found before any work), 1 when writing the output fails."""
     command = "sde2-reward score"
     try:
         check_input(args.input)

@@ -51,6 +51,20 @@ def test_report_shows_the_explanation_facts(
     assert "fa     0.6000 = min(1, gamma_strategies · n_strat)" in report
 
 
+def test_report_escapes_what_a_terminal_would_act_on_or_hide(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A right-to-left override (``81`` read as ``18``), C1's CSI (a colour sequence) and a
+    zero-width space were printed as they are; the JSON escapes only C0 controls."""
+    hidden = "\u202e81 \u009b31m a\u200bb"
+    row = {"completion": strat(hidden, "5") + "<answer>5</answer>", "answer": "5"}
+    src = write_jsonl(tmp_path / "in.jsonl", [row])
+    assert main(["explain", "--in", str(src), "--quiet"]) == 0
+    report = capsys.readouterr().out
+    assert 'reasoning "\\u202e81 \\u009b31m a\\u200bb"' in report
+    assert not any(c in report for c in hidden if not c.isascii())
+
+
 def test_json_equals_the_core_explanation(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -69,7 +83,8 @@ def test_json_equals_the_core_explanation(
     ("args", "message"),
     [
         (["--params", '{"eps": 0}'], "eps"),
-        (["--item", "7"], "--item 7: the file has 3 items"),
+        (["--item", "7"], "--item 7: the file has 3 items, numbered 0 to 2"),
+        (["--item", "-1"], "--item -1: the file has 3 items, numbered 0 to 2"),
     ],
 )
 def test_bad_arguments_exit_2(

@@ -102,7 +102,7 @@ def test_an_unknown_field_is_named_in_the_servers_words(
     src = write_lines(tmp_path / "in.jsonl", [json.dumps(GOOD), json.dumps(typo)])
     assert main(score_argv(src, "-")) == 2
     said = capsys.readouterr().err
-    assert f"line 2: answr: Extra inputs are not permitted (did you mean 'answer'?)" in said
+    assert "line 2: answr: Extra inputs are not permitted (did you mean 'answer'?)" in said
     assert "(and 1 more)" in said
     # A misspelt parameter too.
     assert main([*score_argv(src, "-"), "--params", '{"explore_cp": 0.7}']) == 2
@@ -315,6 +315,33 @@ write_atomically(Path({str(out)!r}), lines())
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, timeout=60, check=False)
     assert done.returncode == 143
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o.jsonl"]
+    assert out.read_text() == "previous\n"
+
+
+@pytest.mark.parametrize("command", ["score", "explain"])
+def test_ctrl_c_is_one_line_and_exit_130(
+    command: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Ctrl-C during a long file command printed some twenty lines of traceback through the
+    encoder's worker threads; the output file is left as it was."""
+    from reward_server import explain_report, offline
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        raise KeyboardInterrupt
+
+    for module in (offline, explain_report):
+        monkeypatch.setattr(module, "prepare_input", interrupted)
+    src = write_lines(tmp_path / "in.jsonl", [json.dumps(GOOD)])
+    out = tmp_path / "o.jsonl"
+    out.write_text("previous\n")
+    argv = score_argv(src, out) if command == "score" else ["explain", "--in", str(src)]
+    assert main(argv) == 130
+    assert capsys.readouterr().err == (
+        f"sde2-reward {command}: stopped (Ctrl-C); an output file is left as it was\n"
+    )
     assert out.read_text() == "previous\n"
 
 
