@@ -49,7 +49,13 @@ def long_texts() -> list[str]:
         prose,
         FDFA * 20_000,  # 360k characters after NFKC, in words of 8
         ("x" * 101 + " ") * 1000,  # 101-character words: one [UNK] each, the prefix is too short
-        "中文数学题" * 5000,  # no whitespace at all: no prefix is cut
+        "中文数学题" * 5000,  # no whitespace at all: cut before an ideograph
+        "!" * 30_000,  # punctuation alone: cut before one
+        "x." * 15_000,  # words between punctuation, no whitespace
+        "e\u0301." * 10_000,  # an accent BERT strips, before each cut
+        "\u200b!" * 15_000,  # a format character BERT deletes, before each cut
+        "ab\u3000" * 10_000,  # Unicode whitespace (BERT's too), never cut at here
+        "\U0001f642" * 30_000,  # no cut point at all: one [UNK], tokenized whole
         ("word\x1fword " * 3000),  # a control character BERT deletes, joining words
         "a" * 9000 + " tail " * 500,  # a huge first word, then more text
         "\n".join(["line one two three"] * 2000),

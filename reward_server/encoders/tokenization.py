@@ -11,10 +11,13 @@ longest text) and truncation at 256.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer
+from tokenizers.normalizers import BertNormalizer
+from tokenizers.pre_tokenizers import BertPreTokenizer
 
 from reward_server.encoders.base import MAX_SEQ_LENGTH
 from reward_server.encoders.model_store import EXPORT_AGAIN, ModelLoadError
@@ -74,16 +77,43 @@ def save_configured_tokenizer(
 #: prefix of ``max_length × PREFIX_CHARS_PER_TOKEN`` characters (cut at a space) when that
 #: prefix already fills the budget. English averages ~4 characters a token.
 PREFIX_CHARS_PER_TOKEN = 32
-#: Where a prefix may be cut: BERT's whitespace (its normalizer deletes other control
-#: characters, which would join the words on both sides of a cut made there).
-_CUT_AT = (" ", "\n", "\t", "\r")
+#: Where a prefix may be cut, the cut character left out: whitespace, where any tokenizer
+#: reading words splits (BERT's normalizer deletes other control characters, which would join
+#: the words on both sides of a cut made there).
+_WHITESPACE = re.compile("[ \n\t\r]")
+#: Where BERT's tokenizer (all-MiniLM-L6-v2's) splits too, whatever surrounds: before an ASCII
+#: punctuation character (its pre-tokenizer's token of its own) and before a CJK ideograph (its
+#: normalizer's ``handle_chinese_chars`` spaces them). A text of 200k ideographs or of "!" has
+#: no whitespace to cut at: it was tokenized whole, half a second a text.
+_BERT_SPLITS = re.compile("[ \n\t\r!-/:-@\\[-`{-~\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
 
 
-def _prefix(text: str, chars: int) -> str | None:
-    """``text`` cut at the last whitespace before ``chars`` characters; None when not longer."""
+def cut_points(tokenizer: Tokenizer) -> re.Pattern[str]:
+    """The characters a prefix of a text may end before, for ``tokenizer``: BERT's splits when
+    it is BERT's (its pre-tokenizer, and its normalizer spacing CJK), else whitespace."""
+    normalizer = tokenizer.normalizer
+    if (
+        isinstance(tokenizer.pre_tokenizer, BertPreTokenizer)
+        and isinstance(normalizer, BertNormalizer)
+        and normalizer.handle_chinese_chars
+    ):
+        return _BERT_SPLITS
+    return _WHITESPACE
+
+
+def _prefix(text: str, chars: int, cuts: re.Pattern[str]) -> str | None:
+    """``text`` cut before the last of ``cuts`` before ``chars`` characters; None when not
+    longer (or no such character).
+
+    >>> _prefix("ab cd!ef", 7, _BERT_SPLITS), _prefix("ab cd!ef", 7, _WHITESPACE)
+    ('ab cd', 'ab')
+    >>> _prefix("中文数学", 3, _BERT_SPLITS), _prefix("abcdef", 3, _BERT_SPLITS)
+    ('中文', None)
+    """
     if len(text) <= chars:
         return None
-    cut = max(text.rfind(c, 0, chars) for c in _CUT_AT)
+    found = cuts.search(text[chars - 1 :: -1])  # the first one reading back from `chars`
+    cut = chars - 1 - found.start() if found else 0
     return text[:cut] if cut > 0 else None
 
 
@@ -92,8 +122,8 @@ def encode_ids(tokenizer: Tokenizer, texts: Sequence[str]) -> list[list[int]]:
 
     Long texts are tokenized from a prefix, never whole: a 200 kB completion (or a short one
     that Unicode NFKC expanded 18×, e.g. U+FDFA) would otherwise be tokenized entirely to keep
-    its first 256 tokens. The ids are exactly those of the whole text: the prefix ends at
-    whitespace, where BERT's pre-tokenizer splits anyway, so its words tokenize as in the whole
+    its first 256 tokens. The ids are exactly those of the whole text: the prefix ends where
+    the tokenizer splits anyway (:func:`cut_points`), so its words tokenize as in the whole
     text; a prefix whose tokens overflow the budget therefore gives the same first tokens. A
     prefix that does not fill the budget (words averaging over 32 characters) is retried whole.
     """
@@ -102,7 +132,8 @@ def encode_ids(tokenizer: Tokenizer, texts: Sequence[str]) -> list[list[int]]:
     if truncation is None:  # nothing is cut: every character counts
         return [enc.ids for enc in tokenizer.encode_batch(texts, add_special_tokens=True)]
     chars = int(truncation["max_length"]) * PREFIX_CHARS_PER_TOKEN
-    prefixes = [_prefix(t, chars) for t in texts]
+    cuts = cut_points(tokenizer)
+    prefixes = [_prefix(t, chars, cuts) for t in texts]
     inputs = [t if p is None else p for t, p in zip(texts, prefixes, strict=True)]
     encodings = tokenizer.encode_batch(inputs, add_special_tokens=True)
     ids = [enc.ids for enc in encodings]
