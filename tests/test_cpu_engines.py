@@ -197,6 +197,27 @@ def test_says_which_extra_is_missing(
         engine.cls(fp32_export)
 
 
+def test_ctranslate2_without_onnx_names_its_extra(
+    fp32_export: Path,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The extra's other package: the conversion failed in its child process with a traceback
+    ending in ``No module named 'onnx'``, naming no extra."""
+    real_import = builtins.__import__
+
+    def missing(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name == "onnx" or name.startswith("onnx."):
+            raise ImportError("No module named 'onnx'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", missing)
+    with pytest.raises(
+        ctranslate2_runtime.CTranslate2UnavailableError,
+        match=r"pip install 'sde2\[ctranslate2\]' \(No module named 'onnx'\)",
+    ):
+        CTranslate2Encoder(fp32_export)
+
+
 @pytest.mark.slow
 def test_the_server_serves_the_backend(engine: Engine, fp32_export: Path) -> None:  # noqa: F811
     """``--backend openvino|ctranslate2`` reaches the server's loader, ``/v1/info`` names it,

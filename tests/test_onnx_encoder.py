@@ -191,6 +191,20 @@ def test_concurrent_calls_agree(encoder: OnnxEncoder, fidelity_texts: list[str])
 def test_threads_option(fp32_export: Path) -> None:  # noqa: F811
     assert OnnxEncoder(fp32_export, intra_op_threads=1).intra_op_threads == 1
     assert OnnxEncoder(fp32_export).intra_op_threads == available_cpus()
+    # 0 read as the default (``or``), and a negative count was kept as given.
+    for option in ("intra_op_threads", "max_batch_tokens", "streams"):
+        for value in (0, -3):
+            with pytest.raises(ValueError, match=f"{option} must be >= 1"):
+                OnnxEncoder(fp32_export, **{option: value})  # type: ignore[arg-type]
+
+
+def test_an_engine_run_of_the_wrong_shape_fails_the_call(
+    encoder: OnnxEncoder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """numpy spread a run's one row over all of its texts' rows, silently."""
+    monkeypatch.setattr(encoder, "_run", lambda ids, mask: np.ones((1, 384), np.float32))
+    with pytest.raises(RuntimeError, match=r"returned \(1, 384\) for a run of 3 texts"):
+        encoder.encode(["one", "two", "three"])
 
 
 @pytest.mark.slow

@@ -354,6 +354,37 @@ def test_batcher_worker_survives_encoder_errors() -> None:
     batcher.close(5)
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_worker_ended_by_a_base_exception_fails_every_request() -> None:
+    """SystemExit (or KeyboardInterrupt) raised in engine code ended the worker's thread with
+    its batch unanswered and the queue open: requests then waited out their deadlines, and
+    later ones were queued for a thread that was gone."""
+
+    class Exiting:
+        name = "exiting"
+
+        def __init__(self) -> None:
+            self.entered, self.gate = threading.Event(), threading.Event()
+
+        def encode(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
+            self.entered.set()
+            assert self.gate.wait(5)
+            raise SystemExit(3)
+
+    encoder = Exiting()
+    batcher = Batcher(encoder, capacity=8, batch_tokens=10)
+    running = batcher.submit(["a"], time.monotonic() + 30)
+    assert encoder.entered.wait(5)
+    queued = batcher.submit(["b" * 100], time.monotonic() + 30)  # over the batch: queued
+    encoder.gate.set()
+    for job in (running, queued):
+        with pytest.raises(EncoderFailed, match="the encoder worker stopped: SystemExit"):
+            job.result(5)
+    with pytest.raises(ShuttingDown):
+        batcher.submit(["c"], time.monotonic() + 30)
+    batcher.close(5)
+
+
 def test_jobs_dropped_in_a_batch_the_encoder_fails_are_counted() -> None:
     """A batch whose encoder call fails still reports the jobs it dropped for their deadline
     (the failure returned before the report: the drop went uncounted)."""

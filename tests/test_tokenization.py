@@ -52,6 +52,13 @@ def test_ids_equal_auto_tokenizer(auto_tokenizer: Any, fidelity_texts: list[str]
     assert min(lengths) == 2  # "" -> [CLS] [SEP], no padding
 
 
+def test_a_lone_surrogate_is_named() -> None:
+    """Python callers can pass one (no transport does): tokenizers refused the whole batch
+    with a TypeError about its input's type, naming no text."""
+    with pytest.raises(ValueError, match=r"text 1 of the batch \('a\\ud800b'\.\.\.\) holds a lone"):
+        encode_ids(load_tokenizer(MODEL_DIR), ["fine", "a\ud800b"])
+
+
 def test_shipped_tokenizer_json_has_the_128_trap() -> None:
     """The pitfall this module exists for: the raw file pads and truncates at 128."""
     raw = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))

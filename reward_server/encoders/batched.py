@@ -174,16 +174,20 @@ class BatchedEncoder(ABC):
         self.variant: str = str(self.manifest.get("variant", "fp32"))
         self.provider: Provider = provider
         self.max_seq_length = int(self.manifest.get("max_seq_length", MAX_SEQ_LENGTH))
+        # None is the default; 0 or less is refused (``or`` read 0 as the default).
+        for name, value in (
+            ("max_batch_tokens", max_batch_tokens),
+            ("intra_op_threads", intra_op_threads),
+            ("streams", streams),
+        ):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         self.max_batch_tokens = max_batch_tokens or self._default_batch_tokens()
-        if self.max_batch_tokens < 1:
-            raise ValueError("max_batch_tokens must be >= 1")
         self.min_row_fill = min_row_fill
         self.intra_op_threads = intra_op_threads or available_cpus()
         self.streams = (
             default_streams(provider, self.intra_op_threads) if streams is None else streams
         )
-        if self.streams < 1:
-            raise ValueError("streams must be >= 1")
         self._streams_pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self._tokenizer = load_tokenizer(self.model_dir, self.max_seq_length)
@@ -278,7 +282,12 @@ class BatchedEncoder(ABC):
                 n = lengths[idx]
                 ids[row, :n] = ids_list[idx]
                 mask[row, :n] = 1
-            out[batch] = self._run(ids, mask)  # batches hold disjoint rows
+            rows = self._run(ids, mask)
+            if rows.shape != (len(batch), out.shape[1]):  # numpy would spread one row over all
+                raise RuntimeError(
+                    f"the engine returned {rows.shape} for a run of {len(batch)} texts"
+                )
+            out[batch] = rows  # batches hold disjoint rows
 
         if self.streams == 1 or len(batches) == 1:
             for batch in batches:

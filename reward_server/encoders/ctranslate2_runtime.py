@@ -72,9 +72,11 @@ class CTranslate2Encoder(BatchedEncoder):
         self._require_cpu_fp32(CTranslate2UnavailableError)
         try:
             import ctranslate2
+            import onnx  # noqa: F401  (the conversion reads the graph with it, in a child)
         except ImportError as exc:
             raise CTranslate2UnavailableError(
-                "the ctranslate2 backend needs the optional extra: pip install 'sde2[ctranslate2]'"
+                "the ctranslate2 backend needs the optional extra: pip install "
+                f"'sde2[ctranslate2]' ({exc})"
             ) from exc
         self._storage = ctranslate2.StorageView
         self._model = ctranslate2.Encoder(

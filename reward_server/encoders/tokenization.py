@@ -15,7 +15,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from tokenizers import Tokenizer
+from tokenizers import Encoding, Tokenizer
 from tokenizers.normalizers import BertNormalizer
 from tokenizers.pre_tokenizers import BertPreTokenizer
 
@@ -130,16 +130,35 @@ def encode_ids(tokenizer: Tokenizer, texts: Sequence[str]) -> list[list[int]]:
     texts = list(texts)
     truncation = tokenizer.truncation
     if truncation is None:  # nothing is cut: every character counts
-        return [enc.ids for enc in tokenizer.encode_batch(texts, add_special_tokens=True)]
+        return [enc.ids for enc in _encoded(tokenizer, texts)]
     chars = int(truncation["max_length"]) * PREFIX_CHARS_PER_TOKEN
     cuts = cut_points(tokenizer)
     prefixes = [_prefix(t, chars, cuts) for t in texts]
     inputs = [t if p is None else p for t, p in zip(texts, prefixes, strict=True)]
-    encodings = tokenizer.encode_batch(inputs, add_special_tokens=True)
+    encodings = _encoded(tokenizer, inputs)
     ids = [enc.ids for enc in encodings]
     retry = [i for i, p in enumerate(prefixes) if p is not None and not encodings[i].overflowing]
     if retry:
-        whole = tokenizer.encode_batch([texts[i] for i in retry], add_special_tokens=True)
+        whole = _encoded(tokenizer, [texts[i] for i in retry])
         for i, enc in zip(retry, whole, strict=True):
             ids[i] = enc.ids
     return ids
+
+
+def _encoded(tokenizer: Tokenizer, texts: list[str]) -> list[Encoding]:
+    """``tokenizer.encode_batch`` with special tokens; a text holding a lone surrogate (which
+    no transport lets through, but a caller in Python may) is a :class:`ValueError` naming
+    it: tokenizers refused the whole call with a ``TypeError`` about its input's type."""
+    try:
+        return tokenizer.encode_batch(texts, add_special_tokens=True)
+    except TypeError:
+        for i, text in enumerate(texts):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(
+                    f"text {i} of the batch ({text[:40]!r}...) holds a lone surrogate "
+                    f"({text[exc.start]!r} at character {exc.start}): not Unicode text an "
+                    "encoder can read"
+                ) from None
+        raise

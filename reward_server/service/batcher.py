@@ -389,9 +389,28 @@ class Batcher:
                 for job in taken:
                     if not job.future.done():
                         job.future.set_exception(EncoderFailed(f"{type(exc).__name__}: {exc}"))
+            except BaseException as exc:  # SystemExit or KeyboardInterrupt in engine code
+                self._die(taken, exc)
+                raise
             with self._cond:  # it may have ended early (requests gone)
                 self._busy_until = time.monotonic()
                 self._running = []
+
+    def _die(self, taken: list[_Job], exc: BaseException) -> None:
+        """The worker's thread is ending on ``exc``: its batch and every queued request fail,
+        and later ones are refused (they were queued for a thread that was gone, answered
+        only by their own deadlines)."""
+        with self._cond:
+            self._stopped = True
+            jobs = [*taken, *self._jobs]
+            self._jobs.clear()
+            self._queued_tokens = 0
+            self._running = []
+            self._notify_depth_locked()
+        log.critical("the encoder worker stopped: %s", type(exc).__name__)
+        for job in jobs:
+            if not job.future.done():
+                job.future.set_exception(EncoderFailed(f"the encoder worker stopped: {exc!r}"))
 
     def _encode(self, taken: list[_Job]) -> None:
         start = time.monotonic()
