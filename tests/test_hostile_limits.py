@@ -289,10 +289,10 @@ def test_a_timed_out_math_check_is_not_remembered(monkeypatch: pytest.MonkeyPatc
 def test_every_new_limit_is_a_flag_and_an_env_var() -> None:
     import argparse
 
-    from reward_server.service.config import add_arguments, load_settings
+    from reward_server.service.config import add_settings_arguments, load_settings
 
     parser = argparse.ArgumentParser()
-    add_arguments(parser)
+    add_settings_arguments(parser)
     args = parser.parse_args(["--header-timeout", "3", "--max-request-tokens", "99"])
     env = {
         "SDE2_BODY_TIMEOUT": "4.5",

@@ -31,7 +31,7 @@ from reward_server.service.batcher import (
     ShuttingDown,
     estimate_tokens,
 )
-from reward_server.service.config import Settings, add_arguments, load_settings
+from reward_server.service.config import Settings, add_settings_arguments, load_settings
 from reward_server.service.errors import RequestInvalid
 from reward_server.service.metrics import Metrics
 from reward_server.service.pipeline import ScoringService
@@ -554,7 +554,7 @@ def test_concurrent_http_requests_share_batches() -> None:
 
 def test_settings_flags_then_env_then_defaults() -> None:
     parser = argparse.ArgumentParser()
-    add_arguments(parser)
+    add_settings_arguments(parser)
     args = parser.parse_args(["--port", "9001", "--max-items", "7", "--grpc-port", "5"])
     env = {
         "SDE2_PORT": "1",

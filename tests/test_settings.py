@@ -16,7 +16,12 @@ import pytest
 from reward_server.encoders.base import PROVIDERS
 from reward_server.encoders.loading import BACKENDS
 from reward_server.encoders.model_store import VARIANTS
-from reward_server.service.config import Settings, add_arguments, load_settings, unknown_variables
+from reward_server.service.config import (
+    Settings,
+    add_settings_arguments,
+    load_settings,
+    unknown_variables,
+)
 from reward_server.service.grpc_messages import pb
 from tests.server_process import ServerProcess
 from tests.service_fixtures import Running, http_client, make_service, onnx_model_dir_fixture  # noqa: F401
@@ -24,7 +29,7 @@ from tests.service_fixtures import Running, http_client, make_service, onnx_mode
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
-    add_arguments(p)
+    add_settings_arguments(p)
     return p
 
 

@@ -524,7 +524,7 @@ class Batcher:
         self._thread.join(timeout)
 
     def wait_idle(self, timeout: float) -> bool:
-        """Block until no request is admitted (drain), or ``timeout`` passes; True if idle."""
+        """Block until no request is admitted, or ``timeout`` passes; True if idle (tests)."""
         end = time.monotonic() + timeout
         with self._cond:
             while self._admitted:

@@ -388,7 +388,7 @@ def _or_none(convert: Callable[[str], Any]) -> Callable[[str], Any]:
     return parse
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
     """One ``--flag`` per setting (except the API key), absent from the namespace unless given
     (so that a flag given as "none" unsets its setting, over any ``SDE2_*`` variable)."""
     for f in dataclasses.fields(Settings):
@@ -420,15 +420,6 @@ def env_only_help() -> list[str]:
     """
     fields = dataclasses.fields(Settings)
     return [f"{env_name(f.name)}: {f.metadata['help']}" for f in fields if f.metadata.get("env")]
-
-
-def host_port(host: str, port: int) -> str:
-    """``host:port`` as gRPC parses it and as messages show it: an IPv6 address in brackets.
-
-    >>> host_port("::1", 50051), host_port("0.0.0.0", 50051)
-    ('[::1]:50051', '0.0.0.0:50051')
-    """
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
 def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:

@@ -29,7 +29,6 @@ from typing import Any, NoReturn, TypeAlias, TypeVar
 
 import grpc
 
-from reward_server.service.config import host_port
 from reward_server.service.errors import (
     BodyTimeout,
     ClientGone,
@@ -53,6 +52,7 @@ from reward_server.service.grpc_messages import (
 )
 from reward_server.service.pipeline import Scored, ScoringService, one_credential
 from reward_server.service.schemas import ScoreRequest
+from reward_server.service.sockets import host_port
 
 Context: TypeAlias = grpc.aio.ServicerContext
 

@@ -140,7 +140,9 @@ def _mapped(loc_map: LocMap | None, loc: Loc) -> Loc:
     return loc_map(loc) if loc_map else loc
 
 
-def issues_from_validation(exc: ValidationError, loc_map: LocMap | None = None) -> list[dict]:
+def issues_from_validation(
+    exc: ValidationError, loc_map: LocMap | None = None
+) -> list[dict[str, Any]]:
     """pydantic errors -> wire issues (without echoing the offending input back), each named
     by :func:`wire_kind`; an unknown field of a request says which field it likely meant."""
     model = REQUEST_MODELS.get(exc.title)
@@ -411,7 +413,7 @@ class ScoringService:
         return self._ready.is_set()
 
     def wait_ready(self, timeout: float | None = None) -> bool:
-        """Block until ready (tests and the CLI's startup log)."""
+        """Block until ready (tests; the server waits on :meth:`wait_loaded`)."""
         return self._ready.wait(timeout)
 
     def wait_loaded(self, timeout: float | None = None) -> bool:

@@ -53,8 +53,12 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from reward_server.service.config import MAX_SECONDS, Settings, load_settings
-from reward_server.service.config import add_arguments as add_settings_arguments
+from reward_server.service.config import (
+    MAX_SECONDS,
+    Settings,
+    add_settings_arguments,
+    load_settings,
+)
 from reward_server.service.errors import (
     BodyTooLarge,
     ClientGone,

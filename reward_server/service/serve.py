@@ -53,11 +53,11 @@ from reward_server.encoders import model_store
 from reward_server.encoders.loading import model_problem
 from reward_server.service.config import (
     Settings,
+    add_settings_arguments,
     env_only_help,
     load_settings,
     unknown_variables,
 )
-from reward_server.service.config import add_arguments as add_settings_arguments
 from reward_server.service.memory import tune_malloc_for
 from reward_server.service.sockets import reuse_port_sockets, taken_port
 

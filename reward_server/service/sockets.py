@@ -9,7 +9,7 @@ import os
 import socket
 from typing import Any
 
-from reward_server.service.config import Settings, host_port
+from reward_server.service.config import Settings
 
 
 def reuse_port_sockets(host: str, port: int, *, listen: bool = True) -> list[socket.socket]:
@@ -89,3 +89,12 @@ def bind_addresses(host: str, port: int) -> list[tuple[int, Any]]:
     ``create_server`` binds the same; ``""`` is every interface, as there)."""
     found = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     return [(family, address) for family, _, _, _, address in found]
+
+
+def host_port(host: str, port: int) -> str:
+    """``host:port`` as gRPC parses it and as messages show it: an IPv6 address in brackets.
+
+    >>> host_port("::1", 50051), host_port("0.0.0.0", 50051)
+    ('[::1]:50051', '0.0.0.0:50051')
+    """
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
