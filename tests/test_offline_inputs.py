@@ -82,6 +82,15 @@ def test_an_item_index_error_is_reported_as_the_files_line(
     )
     assert main(score_argv(src, "-")) == 2
     assert f"{src}: line 3: group: either every item carries a group id" in capsys.readouterr().err
+    # The odd one out is named: one grouped line among ungrouped ones was told as line 1.
+    src = write_lines(
+        tmp_path / "in.jsonl", [json.dumps(GOOD)] * 2 + [json.dumps({**GOOD, "group": "g"})]
+    )
+    assert main(score_argv(src, "-")) == 2
+    assert (
+        f"{src}: line 3: group: either every item carries a group id or none does (1 of 3 do)"
+        in (capsys.readouterr().err)
+    )
     assert main(["explain", "--in", str(src), "--quiet"]) == 2
     assert f"{src}: line 3: group:" in capsys.readouterr().err
 

@@ -183,14 +183,25 @@ class BatchScore:
 
 
 def _groups(items: Sequence[ScoreItem]) -> list[str] | None:
+    """Each item's group id, or None when no item carries one; :class:`InvalidBatch` when some
+    do and some do not, naming the first item of the fewer kind (the odd one out: a file with
+    one grouped line among many was told about its first line).
+
+    >>> try:
+    ...     _groups([ScoreItem("a", "1"), ScoreItem("b", "1", group="g"), ScoreItem("c", "1")])
+    ... except InvalidBatch as exc:
+    ...     exc.loc, exc.message
+    (('items', 1, 'group'), 'either every item carries a group id or none does (1 of 3 do)')
+    """
     with_group = [item.group is not None for item in items]
     if all(with_group):
         return [item.group for item in items if item.group is not None]
-    if any(with_group):
-        missing = with_group.index(False)
+    carrying = sum(with_group)
+    if carrying:
+        odd = with_group.index(carrying * 2 < len(items))
         raise InvalidBatch(
-            ("items", missing, "group"),
-            "either every item carries a group id or none does",
+            ("items", odd, "group"),
+            f"either every item carries a group id or none does ({carrying} of {len(items)} do)",
         )
     return None
 
