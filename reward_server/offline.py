@@ -224,6 +224,10 @@ def embed_with_progress(
         return np.zeros((0, EMBEDDING_DIM), np.float32)
     from reward_server.encoders.loading import load_encoder
 
+    if not show and backend == "torch":  # --quiet: transformers' own bar while it loads too
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
     try:
         encoder = load_encoder(backend, model)
     except (OSError, ModelExportError, ModelLoadError) as exc:
