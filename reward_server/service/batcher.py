@@ -53,22 +53,22 @@ from reward_server.service.errors import (  # re-exported: the batcher raises th
 
 log = logging.getLogger(__name__)
 
-#: Characters per WordPiece token of English prose (measured ~4.2 on GSM8K solutions); used only
+#: Characters per WordPiece token of English prose (GSM8K solutions', rounded down); used only
 #: to estimate a batch's size before tokenizing, so being a bit off only changes batch sizes.
 CHARS_PER_TOKEN = 4
 
 
-#: Estimated tokens per encoder stream between deadline checks on CPU (with two streams, ~0.55 s
-#: of fp32 on 2 cores). Per stream, because each chunk is one encoder call and a chunk of too few
-#: runs leaves a stream idle at its end: a standard step took 3.5 % longer in chunks of 2048
-#: tokens a stream than in one call, 1.2 % in 4096 (benchmarks/README.md, fourth, fifth and
-#: seventh passes). The service sizes a batcher's chunks from it and the encoder's streams.
+#: Estimated tokens per encoder stream between deadline checks on CPU. Per stream, because each
+#: chunk is one encoder call and a chunk of too few runs leaves a stream idle at its end, so
+#: smaller chunks cost a standard step time (measurements: benchmarks/README.md, the service's
+#: design). The service sizes a batcher's chunks from it and the encoder's streams.
 CHUNK_TOKENS_PER_STREAM = 4096
 
 
 #: ASCII punctuation, deleted by ``bytes.translate``: what is gone was that many WordPiece
-#: tokens. (``str.translate`` with a deletion map looks every character up in a dict: 3-4x
-#: slower, and a standard step's texts were estimated three times a request: 2 ms.)
+#: tokens. (``str.translate`` with a deletion map looks every character up in a dict, and a
+#: standard step's texts are estimated three times a request; measurements:
+#: benchmarks/README.md, the service's design.)
 _PUNCTUATION = string.punctuation.encode("ascii")
 
 
@@ -77,11 +77,10 @@ def estimate_tokens(text: str) -> int:
 
     Prose runs about :data:`CHARS_PER_TOKEN` characters a token, but BERT's pre-tokenizer
     makes every punctuation character a token of its own and most CJK characters one each: a
-    text of 254 "!" is 256 tokens, estimated at 66 by length alone, which let one request
-    hold the encoder 4.5x longer than its estimate (and its deadline checks that far apart).
-    So a text is also counted by its words, punctuation and half its non-ASCII characters,
-    and the larger count is taken (GSM8K reasoning: 1.00x the tokenizer's total; a text of
-    punctuation or CJK: within 2x).
+    text of 254 "!" is 256 tokens, estimated at 66 by length alone, so one request could hold
+    the encoder far longer than its estimate (and its deadline checks that far apart). So a
+    text is also counted by its words, punctuation and half its non-ASCII characters, and the
+    larger count is taken (measurements: benchmarks/README.md, the service's design).
 
     >>> estimate_tokens("a" * 40), estimate_tokens("!" * 254), estimate_tokens("中文" * 50)
     (12, 256, 53)
@@ -127,9 +126,9 @@ class JobFuture(Future[EncodeResult]):
     def abandon(self) -> None:
         """The caller gave up (deadline, disconnect): take the job out of the queue, and stop
         encoding its texts at the next chunk if it is running (a running future cannot be
-        cancelled). Left queued until the worker reached it, its work counted in the backlog
-        that admission and ``Retry-After`` read (live requests were refused for it) and in the
-        queue gauges."""
+        cancelled). Left queued until the worker reaches it, its work would count in the
+        backlog that admission and ``Retry-After`` read (refusing live requests for it) and in
+        the queue gauges."""
         self.abandoned = True
         if self.cancel() and self.withdraw is not None:
             self.withdraw()
@@ -294,8 +293,8 @@ class Batcher:
         with self._cond:
             if self._stopped:
                 raise ShuttingDown("the encoder worker has stopped")
-            # Admission saw the backlog before this request's own work was known: a burst of
-            # large requests was all admitted, then answered 503 at the deadline, after
+            # Admission sees the backlog before this request's own work is known: a burst of
+            # large requests would all be admitted, then answered 503 at the deadline, after
             # waiting it out. Work queued behind others that would outlast the deadline is a
             # 429 now, while waiting can still help (alone, it is tried: it may be quicker).
             backlog = self._backlog_seconds_locked()
@@ -398,7 +397,7 @@ class Batcher:
 
     def _die(self, taken: list[_Job], exc: BaseException) -> None:
         """The worker's thread is ending on ``exc``: its batch and every queued request fail,
-        and later ones are refused (they were queued for a thread that was gone, answered
+        and later ones are refused (queued for a thread that is gone, they would be answered
         only by their own deadlines)."""
         with self._cond:
             self._stopped = True
@@ -425,7 +424,8 @@ class Batcher:
         served = len(live)
         failed = 0
         # Each embedded text's row in the chunks' embeddings, concatenated: a request's rows are
-        # then taken by one fancy index (stacking a row view a text cost 3x as much).
+        # then taken by one fancy index, cheaper than stacking a row view a text (measurements:
+        # benchmarks/README.md, the service's design).
         row: dict[str, int] = {}
         chunks: list[npt.NDArray[np.float32]] = []
         tokens = 0

@@ -31,11 +31,11 @@ _AT_LEAST_ONE = (
 )  # fmt: skip
 _POSITIVE = ("request_timeout", "math_timeout", "header_timeout", "body_timeout")
 #: The largest integer any setting takes: what the libraries given them (gRPC, onnxruntime)
-#: hold in a C int; a larger one was a traceback there, or a 500 on every math request. (A body
+#: hold in a C int; a larger one would be a traceback there, or a 500 on every math request. (A body
 #: past it would not fit gRPC's 32-bit message limit either.)
 _MAX_INT = 2**31 - 1
-#: Processes, threads and streams: more than a machine runs (99999999999999999999 workers was
-#: a MemoryError while the list of processes was built).
+#: Processes, threads and streams: more than a machine runs (99999999999999999999 workers
+#: would be a MemoryError while the list of processes is built).
 _MAX_COUNT = 1024
 _COUNTS = ("workers", "math_workers", "intra_op_threads", "encoder_streams")
 _BEARER_KEY = re.compile(r"[\x21-\x7e]+")
@@ -297,8 +297,8 @@ class Settings:
                 raise ValueError(f"{name} ({flag}{env_name(name)}) must be {rule}, got {got}")
 
     def _combination_rules(self) -> list[tuple[str, bool, str]]:
-        """Settings that cannot work together, refused before any export or load (found after
-        an export of half a minute, in the background, as exit 1)."""
+        """Settings that cannot work together, refused before any export or load (else found
+        only after a long export, in the background, as exit 1)."""
         export_only = ("encoder_streams", "encoder_batch_tokens")
         if self.backend == "torch":  # the reference runs the model itself, not an export
             return [
@@ -370,8 +370,8 @@ def _kind(name: str) -> _Kind:
     if base not in (int, float, str):
         raise TypeError(f"setting {name}: no parser for {hint!r}")
     secret = _FIELD_SECRET.get(name, False)
-    # A text is taken without surrounding blanks (--host " 127.0.0.1" was an exit 3, "cannot
-    # bind"), as a number is; a secret exactly as given.
+    # A text is taken without surrounding blanks (--host " 127.0.0.1" would otherwise be an
+    # exit 3, "cannot bind"), as a number is; a secret exactly as given.
     convert: Callable[[str], Any] = str.strip if base is str and not secret else base
     if optional and not secret:
         return _Kind(_or_none(convert))
@@ -413,7 +413,7 @@ def _default_help(f: dataclasses.Field[Any]) -> str:
 
 def env_only_help() -> list[str]:
     """``NAME: help`` of each setting read from its ``SDE2_*`` variable alone (no flag), for
-    ``--help`` to list: a setting with no flag was nowhere in it.
+    ``--help`` to list: a setting with no flag would be nowhere in it.
 
     >>> env_only_help()
     ['SDE2_API_KEY: bearer key for the scoring routes (a flag would show it in ps)']

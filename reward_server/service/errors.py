@@ -37,7 +37,8 @@ def issue(loc: Loc, msg: str, kind: str) -> dict[str, Any]:
 
 
 #: The longest field name an issue repeats whole: a body's unknown keys are the client's own
-#: text, and 20 keys of 780k characters made a 422 twice the size of the 15.6 MB request.
+#: text, and repeated whole, a few long keys would make a 422 larger than the request itself
+#: (measurements: benchmarks/README.md, the service's design).
 MAX_NAME = 64
 
 
@@ -170,8 +171,8 @@ class BodyTooLarge(ServiceError):
 class UnsupportedEncoding(ServiceError):
     """A body sent with a ``Content-Encoding`` (gzip, br...), or a ``Transfer-Encoding`` other
     than ``chunked`` (the server undoes that one only): the server reads JSON as sent, so a
-    compressed body was refused as invalid JSON naming nothing, and a plain one labelled
-    compressed was scored. gRPC negotiates its own compression; the class declares a code for
+    compressed body would be refused as invalid JSON naming nothing, and a plain one labelled
+    compressed would be scored. gRPC negotiates its own compression; the class declares a code for
     completeness."""
 
     reason = "unsupported_encoding"
@@ -185,8 +186,8 @@ class UnsupportedEncoding(ServiceError):
 class UnsupportedMediaType(ServiceError):
     """A body not declared as UTF-8 JSON (``text/plain``, a form, ``charset=latin-1``...), or
     declared as nothing by a web page of another site (which :func:`~reward_server.service.
-    http_scoring.body_format_refusal` tells). Such bodies were scored when they held JSON, and
-    they are what any web page may send to any server without asking it first: a page could
+    http_scoring.body_format_refusal` tells). Such bodies are what any web page may send to
+    any server without asking it first: scored when they hold JSON, they would let a page
     spend a key-less server's compute. HTTP only; gRPC's code is declared for completeness."""
 
     reason = "unsupported_media_type"

@@ -41,8 +41,8 @@ class RewardStub:
 
 
 #: Channel options of :func:`insecure_channel`: no cap on the answers received. gRPC's default
-#: of 4 MiB refused an ``Explain`` of a few hundred items after the server had done the work
-#: (it sends up to ``--max-body-bytes``, at least 64 MiB).
+#: of 4 MiB would refuse an ``Explain`` of a few hundred items after the server has done the
+#: work (it sends up to ``--max-body-bytes``, at least 64 MiB).
 CHANNEL_OPTIONS = (("grpc.max_receive_message_length", -1),)
 
 

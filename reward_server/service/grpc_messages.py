@@ -115,8 +115,9 @@ class _NotAVarint(ValueError):
 
 def _varint(data: bytes, pos: int) -> tuple[int, int]:
     """The varint at ``pos`` and the position after it; IndexError past the end,
-    :class:`_NotAVarint` past its tenth byte (unbounded, a message of 0xff bytes was one
-    varint growing a Python integer: quadratic time, minutes for a few MB, holding the loop).
+    :class:`_NotAVarint` past its tenth byte (unbounded, a message of 0xff bytes would be one
+    varint growing a Python integer: quadratic time, holding the loop; measurements:
+    benchmarks/README.md, the service's design).
 
     >>> _varint(b"\\xac\\x02", 0)
     (300, 2)
@@ -148,12 +149,12 @@ def count_items(data: bytes, stop_after: int) -> int | None:
     when the message holds more than :data:`OTHER_FIELDS` other top-level fields, or a group
     (which this message never declares, and whose contents the scan would not see).
 
-    Why: an empty item is two bytes, so a message under the body limit holds millions, and
-    protobuf builds every one of them (about 100 bytes of memory per byte sent) before a
-    handler could count them. The scan reads at most ``stop_after + 1 + OTHER_FIELDS`` fields
-    (an item's contents are skipped by its length), so millions of junk fields cost no more
-    than a full batch. Bytes that are not a valid message end the scan with what was counted
-    so far; the parser then refuses them with its own words.
+    Why: an empty item is two bytes, so a message under the body limit holds millions, and protobuf
+    builds every one of them (many times the bytes sent, in memory) before a handler could count
+    them (measurements: benchmarks/README.md, the service's design). The scan reads at most
+    ``stop_after + 1 + OTHER_FIELDS`` fields (an item's contents are skipped by its length), so
+    millions of junk fields cost no more than a full batch. Bytes that are not a valid message end
+    the scan with what was counted so far; the parser then refuses them with its own words.
 
     >>> two = pb.ScoreRequest(items=[pb.Item(completion="x"), pb.Item()], recipe="sde2")
     >>> count_items(two.SerializeToString(), stop_after=10)
@@ -234,7 +235,7 @@ def parse_request(data: bytes) -> pb.ScoreRequest:
     if isinstance(request, Malformed):
         raise request.refusal()
     # Fields it does not declare: none when the known fields alone make up the bytes sent (a
-    # C-level check, ~20 us a step); else they are read anew, within a bound.
+    # C-level check, cheap on every request); else they are read anew, within a bound.
     request.DiscardUnknownFields()
     if request.ByteSize() != len(data):  # unknown fields, or only an unusual encoding
         whole = pb.ScoreRequest.FromString(data)
@@ -244,8 +245,9 @@ def parse_request(data: bytes) -> pb.ScoreRequest:
 
 #: The most bytes of fields ``sde2.v1`` does not declare that a request may hold, and more
 #: for each item (a newer client's few fields a request and an item fit): each is read into
-#: a Python object, ~1 us and 100 bytes each, so a message of millions would hold the event
-#: loop for seconds; these bound it to ~45k fields for 1024 items.
+#: a Python object, so a message of millions would hold the event loop for seconds; these
+#: bound it to ~45k fields for 1024 items (measurements: benchmarks/README.md, the service's
+#: design).
 MAX_UNKNOWN_BYTES = 16384
 MAX_UNKNOWN_BYTES_PER_ITEM = 64
 

@@ -190,7 +190,7 @@ _END = object()  # what `anext` gives back once the client has half-closed its s
 #: the stream of a call that ended otherwise the same way (cancelled by its client, past the
 #: client's deadline, or refused by gRPC itself for a message over --max-body-bytes, answered
 #: RESOURCE_EXHAUSTED), and cancels the handler only just after: refused at once, such a call
-#: was counted as an invalid request nobody had sent.
+#: would be counted as an invalid request nobody sent.
 END_GRACE = 0.1
 
 
@@ -301,7 +301,7 @@ class GrpcFrontEnd:
         """The drained stop: the calls in progress get ``drain`` seconds to end, then ``grace``
         more before gRPC cancels them. Meanwhile the port stays open and a new scoring call is
         answered UNAVAILABLE, Health NOT_SERVING: a call arriving on an open connection once
-        gRPC's own stop had begun was CANCELLED (details "CANCELLED", no trailers), a code
+        gRPC's own stop has begun is CANCELLED (details "CANCELLED", no trailers), a code
         clients take for their own cancel and do not retry. A worker sharing its port stops
         listening at once instead: the kernel then hands new connections to the others, where
         a listening worker stopped alone would refuse its share of them."""
@@ -330,7 +330,8 @@ def create_server(
             ("grpc.max_send_message_length", send_limit(service)),
             # gRPC sets TCP_USER_TIMEOUT to this: a client that stops reading its answer (its
             # window stays shut) loses its connection after --body-timeout, as over HTTP, and
-            # the call's place and buffered answer with it (gRPC's 20 s default held them).
+            # the call's place and buffered answer with it (gRPC's default holds them 20 s,
+            # whatever --body-timeout is).
             (
                 "grpc.keepalive_timeout_ms",
                 min(max(1, round(service.settings.body_timeout * 1e3)), C_INT),

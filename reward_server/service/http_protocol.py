@@ -2,8 +2,8 @@
 the request head's size and a deadline for receiving it.
 
 Why a subclass: uvicorn bounds neither on httptools. Its parser keeps an unfinished header line
-(and uvicorn every header) as long as a client sends one, so three connections sending endless
-headers grew the process by gigabytes (measured); and uvicorn has no timeout on *receiving* a
+(and uvicorn every header) as long as a client sends one, so a few connections sending endless
+headers grow the process without bound; and uvicorn has no timeout on *receiving* a
 request (its keep-alive timeout is reset by every byte, and a fresh connection has none), so a
 client sending one header byte a second, or nothing at all, holds its connection forever
 (slowloris). :func:`bounded_http_protocol` adds both bounds:
@@ -22,8 +22,8 @@ can be answered and counted; a connection whose answer went out before its body 
 received is closed (what would follow is only that body, unbounded). An answer the client
 stops reading is dropped with its connection once ``--body-timeout`` (``send_timeout``)
 passes with none of it taken: the send buffer held it whole, outside every admission bound.
-(h11, uvicorn's other protocol, bounds the head itself, but costs 0.1-0.2 ms more a scoring
-request: benchmarks/README.md.)
+(h11, uvicorn's other protocol, bounds the head itself, but costs more a scoring request;
+measurements: benchmarks/README.md, the service's design.)
 
 What is refused here never reaches the app, so it is counted here, by ``on_refusal`` with one
 of :data:`REFUSALS` (``sde2_failures_total``'s reason): no route is known yet to count it under.
@@ -111,7 +111,8 @@ class _BoundedHttpToolsProtocol(HttpToolsProtocol):
     def on_response_complete(self) -> None:
         # An answer sent before its request's body was all received (a 404, a 405, a redirect,
         # a refusal of the query): kept alive, the connection would go on taking in that body,
-        # discarded, with no size limit and no deadline (13 GB in 8 s, measured). Closed.
+        # discarded, with no size limit and no deadline (measurements: benchmarks/README.md,
+        # the service's design). Closed.
         # (With requests pipelined behind it, the cycle is already the next one's, and this
         # one's body was read whole before it.)
         unread = self.cycle is not None and self.cycle.more_body and not self.pipeline
@@ -120,9 +121,10 @@ class _BoundedHttpToolsProtocol(HttpToolsProtocol):
         super().on_response_complete()
 
     def pause_writing(self) -> None:
-        # The client is not reading: the answer waits in the send buffer, whole (10 MB for a
-        # large explanation), past the admission that bounded it. Unless the client takes some
-        # of it within each send_timeout, the connection is dropped with its buffer.
+        # The client is not reading: the answer waits in the send buffer, whole, past the
+        # admission that bounded it. Unless the client takes some of it within each
+        # send_timeout, the connection is dropped with its buffer (measurements:
+        # benchmarks/README.md, the service's design).
         super().pause_writing()
         if self._send_timer is None:
             self._arm_send_timer()

@@ -265,8 +265,9 @@ async def run_scoring(
         )
     except ServiceError as exc:
         if not received:  # refused before its body was read whole (401, 413, 429...)
-            # Kept alive, the connection would have its unread body drained by the server
-            # (58 GiB in 15 s after a 413, past every limit): the answer closes it instead.
+            # Kept alive, the connection would have its unread body drained by the server,
+            # past every limit (measurements: benchmarks/README.md, the service's design):
+            # the answer closes it instead.
             exc.headers["Connection"] = "close"
         raise
 

@@ -1,12 +1,12 @@
 """How many JSON values a request body holds, counted in its bytes before any parser reads it.
 
-pydantic's JSON validation builds the whole document, then validates every value and keeps an
-error for each bad one: a 5.7 MiB body of two million empty objects in ``items`` took the server
-24 s and 4.2 GB at its peak (two errors an item, ~1 KB each, then their dicts), and a body of
-valid tiny items or of unknown keys grows the same way. The server's item limit only applied
-after that. A body is therefore first counted here, in time linear in its bytes and memory a
-small multiple of them, and refused when it holds more values than any request the server
-accepts can (:func:`values_over`).
+pydantic's JSON validation builds the whole document, then validates every value and keeps an error
+for each bad one, so a body of a few MiB of empty objects in ``items`` costs the server seconds and
+gigabytes (two errors an item, then their dicts), and a body of valid tiny items or of unknown keys
+grows the same way; the server's item limit only applies after that (measurements:
+benchmarks/README.md, the service's design). A body is therefore first counted here, in time linear
+in its bytes and memory a small multiple of them, and refused when it holds more values than any
+request the server accepts can (:func:`values_over`).
 
 Values are counted as JSON defines them: the root, each array element and each object
 member's value (keys are not values). In a valid document that is one plus the commas between
@@ -29,10 +29,10 @@ def count_values(body: bytes) -> int:
     number of no meaning, which the parser then refuses anyway).
 
     Whole-array passes over the bytes, never a Python step or object per token (a ``re.sub``
-    over the strings kept a list of every piece: 1.2 GB for a body of five million empty
-    strings). Escapes go first, as pairs: ``\\`` pairs, then ``\"``, so every quote left
-    opens or closes a string; a byte is inside a string when an odd number of quotes precede
-    it (an XOR scan).
+    over the strings would keep a list of every piece; measurements: benchmarks/README.md, the
+    service's design). Escapes go first, as pairs: ``\\`` pairs, then ``\"``, so every quote
+    left opens or closes a string; a byte is inside a string when an odd number of quotes
+    precede it (an XOR scan).
 
     >>> count_values(b'{"items": [{"completion": "a, [b]", "answer": "1"}]}')
     5
@@ -56,9 +56,8 @@ def values_over(body: bytes, limit: int) -> int | None:
     """:func:`count_values` of ``body`` when it is over ``limit``, else None.
 
     Most bodies are told apart by one cheaper pass: the commas and opening brackets of the
-    whole body, strings included, bound the count from above (~30 us for a 180 KB GRPO step,
-    whose strings hold some 1,200 commas). Only a body over the limit by that bound is
-    counted exactly.
+    whole body, strings included, bound the count from above. Only a body over the limit by
+    that bound is counted exactly (measurements: benchmarks/README.md, the service's design).
 
     >>> values_over(b'[0, 0, 0]', 4) is None, values_over(b'[0, 0, 0]', 3)
     (True, 4)

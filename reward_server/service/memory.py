@@ -1,32 +1,31 @@
 """Keep the server's resident memory flat under load (glibc malloc tuning).
 
 onnxruntime allocates activation buffers of tens of MB per batch. With glibc's defaults those
-land in per-thread arenas below a *dynamic* mmap threshold, and freed memory is kept for reuse:
-measured on the standard GRPO step, the server grew from 206 MB at ready to 377 MB after four
-steps. Fixing the mmap threshold at 1 MiB (large buffers are mapped and returned on free) and
-capping arenas at 2 kept it at 214 MB. ``mallopt`` is applied in-process at start-up, before
-worker threads exist, so ``sde2-reward serve`` needs no environment variables for it.
+land in per-thread arenas below a *dynamic* mmap threshold, and freed memory is kept for reuse,
+so the server's resident memory grows step after step. Fixing the mmap threshold at 1 MiB
+(large buffers are mapped and returned on free) and capping arenas at 2 keeps it flat.
+``mallopt`` is applied in-process at start-up, before worker threads exist, so
+``sde2-reward serve`` needs no environment variables for it.
 
 The price of a fixed threshold: a large block freed and allocated again is faulted in (and zeroed
 by the kernel) page by page each time. The encoder's activation buffers are exactly that, so they
-must be kept by onnxruntime's own arena, which ``OnnxEncoder`` enables by default; without it a
-GRPO step cost ~570k page faults and the encoder ran 1.45x slower (``tests/test_memory.py``
-counts the faults).
+must be kept by onnxruntime's own arena, which ``OnnxEncoder`` enables by default
+(``tests/test_memory.py`` counts the faults).
 
 Fixing the mmap threshold also stops glibc from raising its *trim* threshold with it (128 KiB
-stays), so the heap's top was given back to the kernel and faulted in again at every step: the
-reward's arrays of a few hundred KB (a step's embeddings are 0.5 MB) cost ~1 ms a standard step
-on a loaded 2-core machine. The trim threshold is set to twice the mmap threshold, as glibc's
-own dynamic rule does: at most 2 MiB of free heap kept per arena (8 MiB under CTranslate2's
+stays), so the heap's top would be given back to the kernel and faulted in again at every step
+for the reward's arrays. The trim threshold is set to twice the mmap threshold, as glibc's own
+dynamic rule does: at most 2 MiB of free heap kept per arena (8 MiB under CTranslate2's
 threshold, below).
 
 CTranslate2 (``--backend ctranslate2``) has no arena: it takes each operator's buffers from
-malloc and frees them. At its default runs of 192 tokens the largest are 1-3 MB (the
-feed-forward's 1536 columns, the attention scores), so with a 1 MiB threshold a standard step
-cost ~98k page faults and encoded 5 % slower; with 4 MiB, 20-35 faults and no slowdown
-(benchmarks/README.md, twelfth pass). :func:`mmap_threshold_for` picks the threshold by backend,
+malloc and frees them, and at its default run size the largest (the feed-forward's, the
+attention scores) are over 1 MiB, so a 1 MiB threshold would fault them in at every run; a
+4 MiB one keeps them in the heap. :func:`mmap_threshold_for` picks the threshold by backend,
 and :func:`tune_malloc_for` applies the tuning with it (what every server process runs; nothing
 on CUDA, where the encoder's activations live on the GPU).
+
+(measurements: benchmarks/README.md, the service's design)
 """
 
 from __future__ import annotations
@@ -81,8 +80,8 @@ def tune_malloc(arena_max: int = 2, mmap_threshold: int = DEFAULT_MMAP_THRESHOLD
 
 def tune_malloc_for(backend: str, provider: str = "cpu") -> bool:
     """:func:`tune_malloc` with the mmap threshold of the server's encoder ``backend``; nothing
-    on CUDA, where the tuning made the encoder 2.2x slower (94 against 42 ms a standard step on
-    an H200, benchmarks/README.md, GPU pass) and the activations it is for live on the GPU."""
+    on CUDA, where the activations it is for live on the GPU and the tuning only slows the
+    encoder (measurements: benchmarks/README.md, the service's design)."""
     if provider == "cuda":
         return False
     return tune_malloc(mmap_threshold=mmap_threshold_for(backend))

@@ -9,9 +9,8 @@ the same field paths.
 
 CPU-bound phases (validation of a large body, parsing, the reward) run in a small thread pool so
 the event loop keeps answering ``/healthz`` and rejecting overload quickly while they run. A
-small body (``--inline-bytes``, 256 KiB: a standard step's 180 KB takes ~2 ms) is parsed on the
-loop itself: the pool's two thread hand-offs cost more than they protect there (see
-:meth:`ScoringService._parse_and_prepare`).
+small body (``--inline-bytes``, 256 KiB) is parsed on the loop itself: the pool's two thread
+hand-offs cost more than they protect there (see :meth:`ScoringService._parse_and_prepare`).
 """
 
 from __future__ import annotations
@@ -354,9 +353,10 @@ class ScoringService:
         # one request cannot take every child, and a one-item request waits for one check, not
         # for another request's hundred.
         # A thread for every admitted request: a request waits for its checks in its thread,
-        # so with fewer threads than requests (it had twice the children) four heavy requests
-        # held them all and a one-item request queued behind their whole work (46 s), never
-        # reaching the children's fair hand-out. (Threads start only when needed.)
+        # so with fewer threads than requests a few heavy requests would hold them all and a
+        # one-item request would queue behind their whole work, never reaching the children's
+        # fair hand-out. (Threads start only when needed; measurements: benchmarks/README.md,
+        # the service's design.)
         self._math_pool = ThreadPoolExecutor(
             max_workers=max(2 * settings.math_workers, settings.queue_capacity),
             thread_name_prefix="sde2-math",
@@ -706,13 +706,13 @@ class ScoringService:
         its checks wait on the judge's children and must not hold the pool every request
         shares; when ``gone`` returns first, its checks stop (:class:`ClientGone`).
 
-        Why a small body stays on the loop: the trip there and back is two thread wake-ups,
-        ~0.1 ms of a 2 ms standard step on an idle machine, and the pool does not keep the
+        Why a small body stays on the loop: the trip there and back is two thread wake-ups, a
+        visible share of a standard step on an idle machine, and the pool does not keep the
         loop free during such work anyway: a pool thread running Python holds the GIL, which
         the loop gets back only after the interpreter's 5 ms switch interval. Work under that
-        interval stalls the loop about as long either way (a 256 KiB body of model output takes
-        ~3 ms; the slowest found of that size, all ``<``, 14 ms); a larger body (up to
-        ``max_body_bytes``) goes to the pool, where the loop gets the GIL every 5 ms.
+        interval stalls the loop about as long either way; a larger body (up to
+        ``max_body_bytes``) goes to the pool, where the loop gets the GIL every 5 ms
+        (measurements: benchmarks/README.md, the service's design).
         """
 
         def prepare(request: ScoreRequest, judge: MathJudge | None = None) -> PreparedBatch:
@@ -898,8 +898,8 @@ async def _unless_gone(
     """``work``'s result, or :class:`ClientGone` when ``gone`` returns first; either way, or
     when this is cancelled (a gRPC call the client ended, the drain's end), ``stop`` is
     called first (a request's math checks: its thread ends within one check, its admission
-    slot is freed now). A client that hung up during its checks held its slot and a thread
-    for every check left, and was counted as answered."""
+    slot is freed now). Otherwise a client that hangs up during its checks would hold its slot
+    and a thread for every check left, and be counted as answered."""
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(gone()) if gone is not None else None
     try:
