@@ -10,15 +10,12 @@ import grpc
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
-from reward_server.core.components import COMPONENTS
-from reward_server.core.params import RewardParams
-from reward_server.core.recipes import RECIPES
-from reward_server.core.scoring import ItemResult
 from reward_server.service.grpc_messages import (
     METHODS,
+    REQUIRED_ITEM_FIELDS,
     SERVICE,
-    WEIGHT_FIELDS,
     pb,
+    response_to_dict,  # re-exported: clients import it from here, beside request_from_dict
 )
 
 
@@ -79,7 +76,7 @@ def request_from_dict(body: dict[str, Any]) -> pb.ScoreRequest:
         if key == "items":
             for k, item in enumerate(_listed(value, ("items",))):
                 fields = _mapping(item, ("items", k))
-                _require(fields, _REQUIRED_ITEM_FIELDS, ("items", k))
+                _require(fields, REQUIRED_ITEM_FIELDS, ("items", k))
                 # None is a declared field's default; an unknown name is refused whatever its value.
                 present = {
                     f: v for f, v in fields.items() if v is not None or f not in _ITEM_FIELDS
@@ -103,10 +100,6 @@ def request_from_dict(body: dict[str, Any]) -> pb.ScoreRequest:
     return msg
 
 
-#: An item's fields HTTP requires. The message cannot: a proto3 string left unset and one set
-#: to "" are the same bytes, and an empty completion is a real one, so the server scores a
-#: missing field as empty (a missing answer with the empty-gold warning).
-_REQUIRED_ITEM_FIELDS = ("completion", "answer")
 _ITEM_FIELDS = pb.Item.DESCRIPTOR.fields_by_name
 
 
@@ -170,33 +163,10 @@ def _listed(value: Any, loc: tuple[str | int, ...]) -> list[Any]:
     return list(value)
 
 
-def response_to_dict(resp: pb.ScoreResponse) -> dict[str, Any]:
-    """A ``ScoreResponse`` back in the HTTP JSON shape (for clients and the parity tests)."""
-    weights = {k: getattr(resp.params.weights, k) for k in WEIGHT_FIELDS}
-    params = {  # in HTTP's order
-        k: weights if k == "weights" else getattr(resp.params, k) for k in RewardParams.model_fields
-    }
-    optional = ("final_answer", "uniq", "div")
-    # The components in the recipe's order, as HTTP sends them (a protobuf map has none).
-    known = RECIPES[resp.recipe].components if resp.recipe in RECIPES else tuple(COMPONENTS)
-    keys = [*(k for k in known if k in resp.components), *sorted(set(resp.components) - set(known))]
-    return {
-        "rewards": list(resp.rewards),
-        "components": {k: list(resp.components[k].values) for k in keys},
-        "normalized": {k: list(resp.normalized[k].values) for k in keys if k in resp.normalized},
-        "advantages": list(resp.advantages.values) if resp.HasField("advantages") else None,
-        "items": [
-            {
-                k: (getattr(it, k) if k not in optional or it.HasField(k) else None)
-                for k in ItemResult._fields
-            }
-            for it in resp.items
-        ],
-        "batch": {
-            "mean": {k: resp.batch_mean[k] for k in keys if k in resp.batch_mean},
-            "std": {k: resp.batch_std[k] for k in keys if k in resp.batch_std},
-        },
-        "recipe": resp.recipe,
-        "params": params,
-        "encoder": resp.encoder,
-    }
+__all__ = [
+    "CHANNEL_OPTIONS",
+    "RewardStub",
+    "insecure_channel",
+    "request_from_dict",
+    "response_to_dict",
+]

@@ -3,7 +3,8 @@
 A gRPC request becomes the JSON body of the HTTP contract (:func:`request_to_json`) and is then
 validated by the very same :class:`ScoreRequest` model, so both front ends accept, reject (with
 the same field paths) and score identically; a :class:`Scored` goes out in protobuf form
-(:func:`scored_to_proto`).
+(:func:`scored_to_proto`), and a client reads it back in the HTTP answer's shape
+(:func:`response_to_dict`, its inverse).
 
 The messages (``pb``) are generated from ``protos/`` when the package is built (``setup.py``;
 ``protos/generate.py`` says why they are not committed) and typed by their generated stubs.
@@ -19,7 +20,10 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
+from reward_server.core.components import COMPONENTS
 from reward_server.core.params import RewardParams, Weights
+from reward_server.core.recipes import RECIPES
+from reward_server.core.scoring import ItemResult
 from reward_server.service._generated.sde2.v1 import reward_pb2 as pb
 from reward_server.service.errors import RequestInvalid, issue
 from reward_server.service.pipeline import Scored
@@ -29,6 +33,17 @@ SERVICE = "sde2.v1.RewardService"
 #: a test checks ``reward.proto`` declares exactly these.
 PARAM_FIELDS = tuple(name for name in RewardParams.model_fields if name != "weights")
 WEIGHT_FIELDS = tuple(Weights.model_fields)
+#: An item's fields HTTP requires. The message cannot: a proto3 string left unset and one set
+#: to "" are the same bytes, and an empty completion is a real one, so the server scores a
+#: missing field as empty (a missing answer with the empty-gold warning).
+REQUIRED_ITEM_FIELDS = ("completion", "answer")
+#: The fields ``reward.proto`` declares ``optional`` (besides the parameters'): unset in a
+#: message, they are left out of HTTP's request and ``None`` in its answer. An item's:
+OPTIONAL_ITEM_FIELDS = ("prompt", "group", "num_tokens")
+#: A ``ScoreRequest``'s, beside its items and parameters:
+OPTIONAL_REQUEST_FIELDS = ("recipe", "answer_type", "normalize", "diagnostics")
+#: An ``ItemResult``'s:
+OPTIONAL_RESULT_FIELDS = ("final_answer", "uniq", "div")
 
 
 #: Each method's request and response message names.
@@ -41,6 +56,18 @@ METHODS: dict[str, tuple[str, str]] = {
 
 
 def _set_fields(msg: Message, names: tuple[str, ...]) -> dict[str, Any]:
+    """``names``' fields that ``msg`` has set (an unset optional field is left out).
+
+    The optional fields named above are exactly the scalars ``reward.proto`` declares so:
+
+    >>> def declared(m):
+    ...     fields = m.DESCRIPTOR.fields
+    ...     return tuple(f.name for f in fields if f.has_presence and not f.message_type)
+    >>> declared(pb.Item) == OPTIONAL_ITEM_FIELDS, declared(pb.ItemResult) == OPTIONAL_RESULT_FIELDS
+    (True, True)
+    >>> declared(pb.ScoreRequest) == OPTIONAL_REQUEST_FIELDS
+    True
+    """
     return {name: getattr(msg, name) for name in names if msg.HasField(name)}
 
 
@@ -49,10 +76,10 @@ def request_to_json(request: pb.ScoreRequest) -> bytes:
     items = []
     for it in request.items:
         item: dict[str, Any] = {"completion": it.completion, "answer": it.answer}
-        item.update(_set_fields(it, ("prompt", "group", "num_tokens")))
+        item.update(_set_fields(it, OPTIONAL_ITEM_FIELDS))
         items.append(item)
     body: dict[str, Any] = {"items": items}
-    body.update(_set_fields(request, ("recipe", "answer_type", "normalize", "diagnostics")))
+    body.update(_set_fields(request, OPTIONAL_REQUEST_FIELDS))
     if request.HasField("params"):
         params = _set_fields(request.params, PARAM_FIELDS)
         if request.params.HasField("weights"):
@@ -90,6 +117,38 @@ def scored_to_proto(scored: Scored) -> pb.ScoreResponse:
     for it in d["items"]:
         resp.items.add(**{k: v for k, v in it.items() if v is not None})
     return resp
+
+
+def response_to_dict(resp: pb.ScoreResponse) -> dict[str, Any]:
+    """A ``ScoreResponse`` back in the HTTP JSON shape (for clients and the parity tests): the
+    inverse of :func:`scored_to_proto`."""
+    weights = {k: getattr(resp.params.weights, k) for k in WEIGHT_FIELDS}
+    params = {  # in HTTP's order
+        k: weights if k == "weights" else getattr(resp.params, k) for k in RewardParams.model_fields
+    }
+    # The components in the recipe's order, as HTTP sends them (a protobuf map has none).
+    known = RECIPES[resp.recipe].components if resp.recipe in RECIPES else tuple(COMPONENTS)
+    keys = [*(k for k in known if k in resp.components), *sorted(set(resp.components) - set(known))]
+    return {
+        "rewards": list(resp.rewards),
+        "components": {k: list(resp.components[k].values) for k in keys},
+        "normalized": {k: list(resp.normalized[k].values) for k in keys if k in resp.normalized},
+        "advantages": list(resp.advantages.values) if resp.HasField("advantages") else None,
+        "items": [
+            {
+                k: (getattr(it, k) if k not in OPTIONAL_RESULT_FIELDS or it.HasField(k) else None)
+                for k in ItemResult._fields
+            }
+            for it in resp.items
+        ],
+        "batch": {
+            "mean": {k: resp.batch_mean[k] for k in keys if k in resp.batch_mean},
+            "std": {k: resp.batch_std[k] for k in keys if k in resp.batch_std},
+        },
+        "recipe": resp.recipe,
+        "params": params,
+        "encoder": resp.encoder,
+    }
 
 
 def info_to_proto(info: dict[str, Any]) -> pb.InfoResponse:
