@@ -13,7 +13,7 @@ import string
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -354,24 +354,36 @@ def test_batcher_worker_survives_encoder_errors() -> None:
     batcher.close(5)
 
 
+class GatedFailure:
+    """An encoder whose calls wait at ``gate`` (the worker held inside it, what is submitted
+    meanwhile queued), then end as ``end`` says: a failure of the test's choosing."""
+
+    name = "gated-failure"
+
+    def __init__(self, end: Callable[[Sequence[str]], npt.NDArray[np.float32]]) -> None:
+        self.end = end
+        self.entered, self.gate = threading.Event(), threading.Event()
+
+    def encode(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
+        self.entered.set()
+        assert self.gate.wait(5)
+        return self.end(texts)
+
+
+def _exit(texts: Sequence[str]) -> npt.NDArray[np.float32]:
+    raise SystemExit(3)
+
+
+def _wrong_shape(texts: Sequence[str]) -> npt.NDArray[np.float32]:
+    return np.zeros((len(texts) + 1, 384), np.float32)
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_worker_ended_by_a_base_exception_fails_every_request() -> None:
     """SystemExit (or KeyboardInterrupt) raised in engine code ended the worker's thread with
     its batch unanswered and the queue open: requests then waited out their deadlines, and
     later ones were queued for a thread that was gone."""
-
-    class Exiting:
-        name = "exiting"
-
-        def __init__(self) -> None:
-            self.entered, self.gate = threading.Event(), threading.Event()
-
-        def encode(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
-            self.entered.set()
-            assert self.gate.wait(5)
-            raise SystemExit(3)
-
-    encoder = Exiting()
+    encoder = GatedFailure(_exit)
     batcher = Batcher(encoder, capacity=8, batch_tokens=10)
     running = batcher.submit(["a"], time.monotonic() + 30)
     assert encoder.entered.wait(5)
@@ -389,19 +401,8 @@ def test_jobs_dropped_in_a_batch_the_encoder_fails_are_counted() -> None:
     """A batch whose encoder call fails still reports the jobs it dropped for their deadline
     (the failure returned before the report: the drop went uncounted)."""
 
-    class GatedBroken:
-        name = "broken"
-
-        def __init__(self) -> None:
-            self.entered, self.gate = threading.Event(), threading.Event()
-
-        def encode(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
-            self.entered.set()
-            assert self.gate.wait(5)
-            return np.zeros((len(texts) + 1, 384), np.float32)  # wrong shape: a failure
-
     metrics = Metrics()
-    encoder = GatedBroken()
+    encoder = GatedFailure(_wrong_shape)
     batcher = Batcher(encoder, capacity=8, batch_tokens=10_000, observer=metrics)
     blocker = batcher.submit(["block"], time.monotonic() + 30)
     assert encoder.entered.wait(5)
