@@ -510,6 +510,15 @@ def test_mixed_groups_are_rejected_before_sending() -> None:
     ):
         rc.score(items)
     assert calls == []
+    # The odd one out, as the server names it: one grouped item among ungrouped ones.
+    items = [{k: v for k, v in item.items() if k != "group"} for item in batch()]
+    items[2]["group"] = "g"
+    with (
+        RewardClient([A, B], transport=httpx.MockTransport(core_handler(calls))) as rc,
+        pytest.raises(ValueError, match=rf"items\[2\]\.group: .* \(1 of {len(items)} do\)"),
+    ):
+        rc.score(items)
+    assert calls == []
 
 
 def test_bad_item_type_fails_in_the_caller() -> None:

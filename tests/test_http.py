@@ -436,7 +436,7 @@ def test_get_reward_finds_the_prompt_after_special_tokens_or_refuses(client: Any
     cut = {"query": [prompt[9:] + c], "prompts": [prompt], "labels": ["18"]}
     r = client.post("/get_reward", json=cut)
     assert r.status_code == 422 and "from the left" in r.json()["detail"][0]["msg"]
-    assert "raise --max_len" in r.json()["detail"][0]["msg"]
+    assert "raise --data.max_len" in r.json()["detail"][0]["msg"]
 
 
 def test_info_and_metrics(client: Any) -> None:

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from reward_server.core import RECIPES
 from reward_server.core.normalization import aggregate
 from reward_server.core.params import RewardParams
-from reward_server.core.scoring import ScoreItem
+from reward_server.core.scoring import ScoreItem, mixed_groups
 from reward_server.field_names import unknown_field_hint
 from trainer_client.results import ScoreResult, warning_kind
 
@@ -174,11 +174,8 @@ def check_groups(items: Sequence[dict[str, Any]]) -> list[str] | None:
     groups = [it.get("group") for it in items]
     if all(g is not None for g in groups):
         return [str(g) for g in groups]
-    if any(g is not None for g in groups):
-        missing = groups.index(None)
-        raise ValueError(
-            f"items[{missing}].group: either every item carries a group id or none does"
-        )
+    if (mixed := mixed_groups([g is not None for g in groups])) is not None:
+        raise ValueError(f"items[{mixed[0]}].group: {mixed[1]}")
     return None
 
 

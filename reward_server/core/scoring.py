@@ -183,27 +183,32 @@ class BatchScore:
 
 
 def _groups(items: Sequence[ScoreItem]) -> list[str] | None:
-    """Each item's group id, or None when no item carries one; :class:`InvalidBatch` when some
-    do and some do not, naming the first item of the fewer kind (the odd one out: a file with
-    one grouped line among many was told about its first line).
-
-    >>> try:
-    ...     _groups([ScoreItem("a", "1"), ScoreItem("b", "1", group="g"), ScoreItem("c", "1")])
-    ... except InvalidBatch as exc:
-    ...     exc.loc, exc.message
-    (('items', 1, 'group'), 'either every item carries a group id or none does (1 of 3 do)')
-    """
+    """Each item's group id, or None when no item carries one; :class:`InvalidBatch` naming
+    :func:`mixed_groups`'s item when some do and some do not."""
     with_group = [item.group is not None for item in items]
     if all(with_group):
         return [item.group for item in items if item.group is not None]
-    carrying = sum(with_group)
-    if carrying:
-        odd = with_group.index(carrying * 2 < len(items))
-        raise InvalidBatch(
-            ("items", odd, "group"),
-            f"either every item carries a group id or none does ({carrying} of {len(items)} do)",
-        )
+    if (mixed := mixed_groups(with_group)) is not None:
+        raise InvalidBatch(("items", mixed[0], "group"), mixed[1])
     return None
+
+
+def mixed_groups(with_group: Sequence[bool]) -> tuple[int, str] | None:
+    """Which item to name, and why, when some items of a batch carry a group id and some do
+    not (SPEC §5: all or none); None when all or none do. The item is the first of the fewer
+    kind, the odd one out (one grouped line among many was told about the first line), the
+    first without one on a tie. The server and the client's sharding name the same item.
+
+    >>> mixed_groups([False, True, False])
+    (1, 'either every item carries a group id or none does (1 of 3 do)')
+    >>> mixed_groups([True, False]), mixed_groups([True, True]), mixed_groups([])
+    ((1, 'either every item carries a group id or none does (1 of 2 do)'), None, None)
+    """
+    carrying, count = sum(with_group), len(with_group)
+    if carrying in (0, count):
+        return None
+    odd = list(with_group).index(carrying * 2 < count)
+    return odd, f"either every item carries a group id or none does ({carrying} of {count} do)"
 
 
 def recipe_spec(recipe: str) -> RecipeSpec:

@@ -83,8 +83,9 @@ def openrlhf_items(request: OpenRLHFRequest) -> list[ScoreItem]:
         if start < 0:
             msg = (
                 f"does not occur in query[{i}]: the response cannot be separated from its prompt "
-                "(OpenRLHF cuts a prompt longer than --max_len minus --max_new_tokens from the "
-                "left, and sends it whole: raise --max_len or shorten the prompts)"
+                "(OpenRLHF cuts a prompt longer than --data.max_len minus "
+                "--rollout.max_new_tokens from the left, and sends it whole: raise "
+                "--data.max_len, --max_len before OpenRLHF 0.10.2, or shorten the prompts)"
             )
             issues.append(issue(("prompts", i), msg, "prompt_not_in_query"))
         if not issues:
