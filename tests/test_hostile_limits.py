@@ -49,6 +49,7 @@ def long_texts() -> list[str]:
         prose,
         FDFA * 20_000,  # 360k characters after NFKC, in words of 8
         ("x" * 101 + " ") * 1000,  # 101-character words: one [UNK] each, the prefix is too short
+        ("y" * 150 + "!") * 1300,  # and again, four times as long: long enough
         "中文数学题" * 5000,  # no whitespace at all: cut before an ideograph
         "!" * 30_000,  # punctuation alone: cut before one
         "x." * 15_000,  # words between punctuation, no whitespace
@@ -56,6 +57,14 @@ def long_texts() -> list[str]:
         "\u200b!" * 15_000,  # a format character BERT deletes, before each cut
         "ab\u3000" * 10_000,  # Unicode whitespace (BERT's too), never cut at here
         "\U0001f642" * 30_000,  # no cut point at all: one [UNK], tokenized whole
+        "。" * 30_000,  # punctuation beyond ASCII
+        "a«b»" * 10_000,
+        "\U00020000" * 30_000,  # an ideograph beyond the main blocks
+        *(  # an added token across the cut's place (8192): before its "]" read "[", "sep"
+            "a " * 252 + "x" * (8192 - 504 - k) + literal + " b" * 100
+            for literal in ("[SEP]", "[PAD]", "[MASK]")
+            for k in range(1, len(literal) + 1)
+        ),
         ("word\x1fword " * 3000),  # a control character BERT deletes, joining words
         "a" * 9000 + " tail " * 500,  # a huge first word, then more text
         "\n".join(["line one two three"] * 2000),
@@ -75,6 +84,17 @@ def test_long_texts_are_tokenized_from_a_prefix_with_the_same_ids(onnx_model_dir
     )
     assert bounded == whole
     assert all(len(ids) == 256 for ids in bounded[:2])
+
+
+def test_the_cjk_ranges_are_the_tokenizers(onnx_model_dir: Path) -> None:
+    """The ideographs the prefix may be cut before are those BERT's normalizer spaces."""
+    normalizer = load_tokenizer(onnx_model_dir).normalizer
+    for first, last in tokenization.CJK_RANGES:
+        for code in (first - 1, first, (first + last) // 2, last, last + 1):
+            normalized = normalizer.normalize_str(f"x{chr(code)}y")  # F900-FAFF: decomposed
+            spaced = len(normalized) == 5 and normalized[::4] == "xy" and normalized[1::2] == "  "
+            inside = any(a <= code <= b for a, b in tokenization.CJK_RANGES)
+            assert spaced == inside, hex(code)
 
 
 def test_prefix_tokenization_leaves_embeddings_unchanged(

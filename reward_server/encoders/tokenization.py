@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import json
 import re
+import string
+import unicodedata
 from collections.abc import Sequence
+from functools import cache
 from pathlib import Path
+from typing import NamedTuple
 
 from tokenizers import Encoding, Tokenizer
 from tokenizers.normalizers import BertNormalizer
@@ -81,39 +85,94 @@ PREFIX_CHARS_PER_TOKEN = 32
 #: reading words splits (BERT's normalizer deletes other control characters, which would join
 #: the words on both sides of a cut made there).
 _WHITESPACE = re.compile("[ \n\t\r]")
-#: Where BERT's tokenizer (all-MiniLM-L6-v2's) splits too, whatever surrounds: before an ASCII
-#: punctuation character (its pre-tokenizer's token of its own) and before a CJK ideograph (its
-#: normalizer's ``handle_chinese_chars`` spaces them). A text of 200k ideographs or of "!" has
-#: no whitespace to cut at: it was tokenized whole, half a second a text.
-_BERT_SPLITS = re.compile("[ \n\t\r!-/:-@\\[-`{-~\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
+#: The CJK ideographs BERT's normalizer (``handle_chinese_chars``) spaces, as code point ranges
+#: (``tests/test_hostile_limits.py`` reads them back from the tokenizer).
+CJK_RANGES = (
+    (0x3400, 0x4DBF),
+    (0x4E00, 0x9FFF),
+    (0xF900, 0xFAFF),
+    (0x20000, 0x2A6DF),
+    (0x2A700, 0x2B81F),
+    (0x2B920, 0x2CEAF),
+    (0x2F800, 0x2FA1F),
+)
 
 
-def cut_points(tokenizer: Tokenizer) -> re.Pattern[str]:
-    """The characters a prefix of a text may end before, for ``tokenizer``: BERT's splits when
-    it is BERT's (its pre-tokenizer, and its normalizer spacing CJK), else whitespace."""
+@cache
+def bert_splits() -> re.Pattern[str]:
+    """Where BERT's tokenizer (all-MiniLM-L6-v2's) splits too, whatever surrounds: whitespace,
+    before a punctuation character (its pre-tokenizer's token of its own: ASCII's, and every
+    character of a punctuation category, here those that were punctuation in Unicode 3.2 and
+    still are, so in whichever Unicode release the tokenizer was built with) and before a CJK
+    ideograph (:data:`CJK_RANGES`). Texts of ideographs or of punctuation hold no whitespace
+    to cut at, and were tokenized whole: half a second a 200k-character text.
+
+    Built once, on the first long text (a pass over the Basic Multilingual Plane, ~25 ms).
+
+    >>> [bool(bert_splits().match(c)) for c in " ]。中\U00020000a\u00e9"]
+    [True, True, True, True, True, False, False]
+    """
+    then, now = unicodedata.ucd_3_2_0, unicodedata
+    punctuation = [
+        c
+        for c in map(chr, range(0x80, 0x10000))
+        if then.category(c).startswith("P") and now.category(c).startswith("P")
+    ]
+    cjk = "".join(f"{chr(a)}-{chr(b)}" for a, b in CJK_RANGES)
+    ascii_punctuation = re.escape(string.punctuation)
+    return re.compile(f"[ \n\t\r{ascii_punctuation}{re.escape(''.join(punctuation))}{cjk}]")
+
+
+class CutRule(NamedTuple):
+    """Where a long text's prefix may end for one tokenizer (:func:`cut_rule`)."""
+
+    #: The characters a prefix may end before.
+    points: re.Pattern[str]
+    #: The tokenizer's added tokens (``[SEP]``...), matched in the text before it splits: a cut
+    #: inside one (before the ``]`` of ``[SEP]``) would read it as ``[``, ``sep``.
+    literals: tuple[str, ...]
+
+
+def cut_rule(tokenizer: Tokenizer) -> CutRule:
+    """The :class:`CutRule` of ``tokenizer``: BERT's splits when it is BERT's (its
+    pre-tokenizer, its normalizer spacing CJK, its added tokens matched as written), else
+    whitespace."""
     normalizer = tokenizer.normalizer
+    added = list(tokenizer.get_added_tokens_decoder().values())
+    literals = tuple(sorted({token.content for token in added if len(token.content) > 1}))
     if (
         isinstance(tokenizer.pre_tokenizer, BertPreTokenizer)
         and isinstance(normalizer, BertNormalizer)
         and normalizer.handle_chinese_chars
+        and not any(token.normalized or token.single_word for token in added)
     ):
-        return _BERT_SPLITS
-    return _WHITESPACE
+        return CutRule(bert_splits(), literals)
+    return CutRule(_WHITESPACE, literals)
 
 
-def _prefix(text: str, chars: int, cuts: re.Pattern[str]) -> str | None:
-    """``text`` cut before the last of ``cuts`` before ``chars`` characters; None when not
-    longer (or no such character).
+def _prefix(text: str, chars: int, rule: CutRule) -> str | None:
+    """``text`` cut before the last of ``rule``'s points before ``chars`` characters, and
+    before any added token the cut would fall inside; None when not longer (or no such point).
 
-    >>> _prefix("ab cd!ef", 7, _BERT_SPLITS), _prefix("ab cd!ef", 7, _WHITESPACE)
-    ('ab cd', 'ab')
-    >>> _prefix("中文数学", 3, _BERT_SPLITS), _prefix("abcdef", 3, _BERT_SPLITS)
+    >>> rule = CutRule(_WHITESPACE, ("[SEP]",))
+    >>> _prefix("ab cd!ef", 7, rule), _prefix("ab cd!ef", 7, rule._replace(points=bert_splits()))
+    ('ab', 'ab cd')
+    >>> _prefix("a [SEP]b", 7, rule._replace(points=bert_splits()))  # not before its "]"
+    'a '
+    >>> _prefix("中文数学", 3, rule._replace(points=bert_splits())), _prefix("abcdef", 3, rule)
     ('中文', None)
     """
     if len(text) <= chars:
         return None
-    found = cuts.search(text[chars - 1 :: -1])  # the first one reading back from `chars`
+    found = rule.points.search(text[chars - 1 :: -1])  # the first one reading back from `chars`
     cut = chars - 1 - found.start() if found else 0
+    moved = True
+    while moved and cut > 0:  # an added token's start is a split too: cut there
+        moved = False
+        for literal in rule.literals:
+            at = text.find(literal, max(0, cut - len(literal) + 1), cut + len(literal) - 1)
+            if 0 <= at < cut:
+                cut, moved = at, True
     return text[:cut] if cut > 0 else None
 
 
@@ -123,25 +182,30 @@ def encode_ids(tokenizer: Tokenizer, texts: Sequence[str]) -> list[list[int]]:
     Long texts are tokenized from a prefix, never whole: a 200 kB completion (or a short one
     that Unicode NFKC expanded 18×, e.g. U+FDFA) would otherwise be tokenized entirely to keep
     its first 256 tokens. The ids are exactly those of the whole text: the prefix ends where
-    the tokenizer splits anyway (:func:`cut_points`), so its words tokenize as in the whole
+    the tokenizer splits anyway (:func:`cut_rule`), so its words tokenize as in the whole
     text; a prefix whose tokens overflow the budget therefore gives the same first tokens. A
-    prefix that does not fill the budget (words averaging over 32 characters) is retried whole.
+    prefix that does not fill the budget (words averaging over 32 characters: a long word is
+    one ``[UNK]``) is tried again four times as long, until one fills it or the text is whole,
+    so a text costs about what its first 256 tokens take to read.
     """
     texts = list(texts)
     truncation = tokenizer.truncation
     if truncation is None:  # nothing is cut: every character counts
         return [enc.ids for enc in _encoded(tokenizer, texts)]
     chars = int(truncation["max_length"]) * PREFIX_CHARS_PER_TOKEN
-    cuts = cut_points(tokenizer)
-    prefixes = [_prefix(t, chars, cuts) for t in texts]
-    inputs = [t if p is None else p for t, p in zip(texts, prefixes, strict=True)]
-    encodings = _encoded(tokenizer, inputs)
-    ids = [enc.ids for enc in encodings]
-    retry = [i for i, p in enumerate(prefixes) if p is not None and not encodings[i].overflowing]
-    if retry:
-        whole = _encoded(tokenizer, [texts[i] for i in retry])
-        for i, enc in zip(retry, whole, strict=True):
-            ids[i] = enc.ids
+    rule = cut_rule(tokenizer)
+    ids: list[list[int]] = [[] for _ in texts]
+    pending = list(range(len(texts)))  # the texts whose ids are not known yet
+    while pending:
+        prefixes = [_prefix(texts[i], chars, rule) for i in pending]
+        inputs = [texts[i] if p is None else p for i, p in zip(pending, prefixes, strict=True)]
+        short = []
+        for i, prefix, enc in zip(pending, prefixes, _encoded(tokenizer, inputs), strict=True):
+            if prefix is not None and not enc.overflowing:  # the budget not filled: go on
+                short.append(i)
+            else:
+                ids[i] = enc.ids
+        pending, chars = short, 4 * chars
     return ids
 
 

@@ -114,18 +114,20 @@ def one_credential(values: Sequence[str]) -> str | None:
 def key_matches(api_key: str | None, authorization: str | None) -> bool:
     """No key is set, or ``authorization`` (the HTTP header's or gRPC metadata's value, as
     :func:`one_credential` gives it) is ``Bearer <key>``; compared in constant time (no timing
-    oracle). Stripped as HTTP strips a header's value (gRPC metadata keeps its spaces).
+    oracle). Stripped of spaces and tabs, as HTTP strips a header's value (gRPC metadata keeps
+    them), and of nothing else: ``str.strip`` also took a no-break space or a NEL (bytes 0xA0
+    and 0x85 of a header read as Latin-1) off the key.
 
     >>> key_matches("k", "Bearer k"), key_matches("k", " bearer  k "), key_matches("k", "")
     (True, True, False)
-    >>> key_matches(None, None)
-    True
+    >>> key_matches("k", "Bearer k\xa0"), key_matches("k", "Bearer k\x85"), key_matches(None, None)
+    (False, False, True)
     """
     if api_key is None:
         return True
-    scheme, _, token = (authorization or "").strip().partition(" ")
+    scheme, _, token = (authorization or "").strip(" \t").partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(
-        token.strip().encode("utf-8", "surrogateescape"),
+        token.strip(" \t").encode("utf-8", "surrogateescape"),
         api_key.encode("utf-8", "surrogateescape"),
     )
 
