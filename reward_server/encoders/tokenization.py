@@ -78,7 +78,7 @@ def save_configured_tokenizer(
 
 
 #: Characters per token above which a text's tail cannot matter: a text is tokenized from a
-#: prefix of ``max_length × PREFIX_CHARS_PER_TOKEN`` characters (cut at a space) when that
+#: prefix of ``max_length × PREFIX_CHARS_PER_TOKEN`` characters (:func:`cut_rule`) when that
 #: prefix already fills the budget. English averages ~4 characters a token.
 PREFIX_CHARS_PER_TOKEN = 32
 #: Where a prefix may be cut, the cut character left out: whitespace, where any tokenizer
