@@ -185,27 +185,31 @@ def encode_ids(tokenizer: Tokenizer, texts: Sequence[str]) -> list[list[int]]:
     the tokenizer splits anyway (:func:`cut_rule`), so its words tokenize as in the whole
     text; a prefix whose tokens overflow the budget therefore gives the same first tokens. A
     prefix that does not fill the budget (words averaging over 32 characters: a long word is
-    one ``[UNK]``) is tried again four times as long, until one fills it or the text is whole,
-    so a text costs about what its first 256 tokens take to read.
+    one ``[UNK]``) is tried again, twice as long as its tokens say the budget needs (four times
+    as long at least), until one fills it or the text is whole: a text costs about what its
+    first 256 tokens take to read, a text of few tokens little more than itself read whole.
     """
     texts = list(texts)
     truncation = tokenizer.truncation
     if truncation is None:  # nothing is cut: every character counts
         return [enc.ids for enc in _encoded(tokenizer, texts)]
-    chars = int(truncation["max_length"]) * PREFIX_CHARS_PER_TOKEN
+    budget = int(truncation["max_length"])
     rule = cut_rule(tokenizer)
     ids: list[list[int]] = [[] for _ in texts]
-    pending = list(range(len(texts)))  # the texts whose ids are not known yet
+    # The texts whose ids are not known yet, and the characters each is read from next.
+    pending = dict.fromkeys(range(len(texts)), budget * PREFIX_CHARS_PER_TOKEN)
     while pending:
-        prefixes = [_prefix(texts[i], chars, rule) for i in pending]
+        prefixes = [_prefix(texts[i], chars, rule) for i, chars in pending.items()]
         inputs = [texts[i] if p is None else p for i, p in zip(pending, prefixes, strict=True)]
-        short = []
-        for i, prefix, enc in zip(pending, prefixes, _encoded(tokenizer, inputs), strict=True):
-            if prefix is not None and not enc.overflowing:  # the budget not filled: go on
-                short.append(i)
+        encodings = _encoded(tokenizer, inputs)
+        short = {}
+        for (i, chars), prefix, enc in zip(pending.items(), prefixes, encodings, strict=True):
+            if prefix is not None and not enc.overflowing:  # the budget not filled: go on,
+                # twice as far as its tokens so far say the budget needs, four times at least
+                short[i] = max(4 * chars, 2 * chars * budget // len(enc.ids))
             else:
                 ids[i] = enc.ids
-        pending, chars = short, 4 * chars
+        pending = short
     return ids
 
 
