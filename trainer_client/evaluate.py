@@ -954,6 +954,16 @@ def keep_run(run: Run, asked: Path | None) -> Path | None:
     return None
 
 
+def say_kept(path: Path, method: str, args: argparse.Namespace) -> None:
+    """Where the generated run ``method`` is kept, unscored or with an output lost, and how to
+    score it again (:func:`rescore_flags`)."""
+    print(
+        f"sde2-eval: the generated completions are in {path}: score them again with "
+        + rescore_flags(method, path, args),
+        file=sys.stderr,
+    )
+
+
 def rescore_flags(method: str, path: Path, args: argparse.Namespace) -> str:
     """The flags that score a saved run again as this command scored it: its recipe and
     parameters too (they may have come from the adapter's training record, which a command
@@ -1034,11 +1044,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stopped = isinstance(exc, KeyboardInterrupt)  # Ctrl-C while the retries wait
         print(f"sde2-eval: {'stopped while scoring' if stopped else exc}", file=sys.stderr)
         if saved is not None:
-            print(
-                f"sde2-eval: the generated completions are in {saved}: score them again with "
-                + rescore_flags(runs[0].method, saved, args),
-                file=sys.stderr,
-            )
+            say_kept(saved, runs[0].method, args)
         return 130 if stopped else 2
     rows = [s.metrics for s in scored]
     table = markdown_table(rows) + "\n"
@@ -1075,11 +1081,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if status == 0:  # scored, and every output written: no longer needed
             saved.unlink(missing_ok=True)
         else:  # an output lost (a full disk): the generation is kept for another try
-            print(
-                f"sde2-eval: the generated completions are in {saved}: score them again with "
-                + rescore_flags(runs[0].method, saved, args),
-                file=sys.stderr,
-            )
+            say_kept(saved, runs[0].method, args)
     return status
 
 

@@ -207,7 +207,7 @@ def mixed_groups(with_group: Sequence[bool]) -> tuple[int, str] | None:
     carrying, count = sum(with_group), len(with_group)
     if carrying in (0, count):
         return None
-    odd = list(with_group).index(carrying * 2 < count)
+    odd = with_group.index(carrying * 2 < count)
     return odd, f"either every item carries a group id or none does ({carrying} of {count} do)"
 
 

@@ -84,7 +84,8 @@ PREFIX_CHARS_PER_TOKEN = 32
 #: Where a prefix may be cut, the cut character left out: whitespace, where any tokenizer
 #: reading words splits (BERT's normalizer deletes other control characters, which would join
 #: the words on both sides of a cut made there).
-_WHITESPACE = re.compile("[ \n\t\r]")
+_WHITESPACE_CHARS = " \n\t\r"
+_WHITESPACE = re.compile(f"[{_WHITESPACE_CHARS}]")
 #: The CJK ideographs BERT's normalizer (``handle_chinese_chars``) spaces, as code point ranges
 #: (``tests/test_hostile_limits.py`` reads them back from the tokenizer).
 CJK_RANGES = (
@@ -120,7 +121,8 @@ def bert_splits() -> re.Pattern[str]:
     ]
     cjk = "".join(f"{chr(a)}-{chr(b)}" for a, b in CJK_RANGES)
     ascii_punctuation = re.escape(string.punctuation)
-    return re.compile(f"[ \n\t\r{ascii_punctuation}{re.escape(''.join(punctuation))}{cjk}]")
+    others = re.escape("".join(punctuation))
+    return re.compile(f"[{_WHITESPACE_CHARS}{ascii_punctuation}{others}{cjk}]")
 
 
 class CutRule(NamedTuple):
@@ -191,13 +193,16 @@ def encode_ids(tokenizer: Tokenizer, texts: Sequence[str]) -> list[list[int]]:
     """
     texts = list(texts)
     truncation = tokenizer.truncation
-    if truncation is None:  # nothing is cut: every character counts
+    budget = 0 if truncation is None else int(truncation["max_length"])
+    first = budget * PREFIX_CHARS_PER_TOKEN
+    # Read whole: with nothing cut every character counts, and the usual call holds no text
+    # long enough to cut.
+    if truncation is None or all(len(t) <= first for t in texts):
         return [enc.ids for enc in _encoded(tokenizer, texts)]
-    budget = int(truncation["max_length"])
     rule = cut_rule(tokenizer)
     ids: list[list[int]] = [[] for _ in texts]
     # The texts whose ids are not known yet, and the characters each is read from next.
-    pending = dict.fromkeys(range(len(texts)), budget * PREFIX_CHARS_PER_TOKEN)
+    pending = dict.fromkeys(range(len(texts)), first)
     while pending:
         prefixes = [_prefix(texts[i], chars, rule) for i, chars in pending.items()]
         inputs = [texts[i] if p is None else p for i, p in zip(pending, prefixes, strict=True)]

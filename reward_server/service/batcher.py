@@ -36,7 +36,7 @@ import string
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -193,6 +193,13 @@ class Ticket:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def _fail(jobs: Iterable[_Job], reason: str) -> None:
+    """Fail each of ``jobs`` not already answered with :class:`EncoderFailed` (``reason``)."""
+    for job in jobs:
+        if not job.future.done():
+            job.future.set_exception(EncoderFailed(reason))
 
 
 class Batcher:
@@ -385,9 +392,7 @@ class Batcher:
                 self._encode(taken)
             except Exception as exc:  # the worker must outlive any batch: fail it, go on
                 log.exception("the encoder worker failed a batch of %d requests", len(taken))
-                for job in taken:
-                    if not job.future.done():
-                        job.future.set_exception(EncoderFailed(f"{type(exc).__name__}: {exc}"))
+                _fail(taken, f"{type(exc).__name__}: {exc}")
             except BaseException as exc:  # SystemExit or KeyboardInterrupt in engine code
                 self._die(taken, exc)
                 raise
@@ -407,9 +412,7 @@ class Batcher:
             self._running = []
             self._notify_depth_locked()
         log.critical("the encoder worker stopped: %s", type(exc).__name__)
-        for job in jobs:
-            if not job.future.done():
-                job.future.set_exception(EncoderFailed(f"the encoder worker stopped: {exc!r}"))
+        _fail(jobs, f"the encoder worker stopped: {exc!r}")
 
     def _encode(self, taken: list[_Job]) -> None:
         start = time.monotonic()
@@ -444,8 +447,7 @@ class Batcher:
                     raise ValueError(problem)
             except Exception as exc:  # a broken encoder fails its requests, never the worker
                 log.exception("encoder failed on a batch of %d texts", len(chunk))
-                for job in live:
-                    job.future.set_exception(EncoderFailed(str(exc)))
+                _fail(live, str(exc))
                 failed, live = len(live), []  # reported below: the jobs dropped before count
                 break
             row.update(zip(chunk, range(len(row), len(row) + len(chunk)), strict=True))
