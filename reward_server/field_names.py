@@ -1,12 +1,14 @@
-"""Which field a misspelt name meant: the closest field of the model at the name's path, for
-the errors that refuse an unknown field (the server's 422, the client's own checks)."""
+"""Naming the field an error is about, for the server's 422s and the client's own checks:
+which field a misspelt name meant (the closest field of the model at the name's path), and
+which string of a body holds what UTF-8 cannot carry."""
 
 from __future__ import annotations
 
 import difflib
+import json
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pydantic import BaseModel
@@ -85,3 +87,78 @@ def _unwrapped(annotation: Any) -> Any:
         kinds = [a for a in typing.get_args(annotation) if a is not type(None)]
         return kinds[0] if len(kinds) == 1 else None
     return annotation
+
+
+#: A path into a JSON value: object keys and array indexes, from the root.
+JSONPath = tuple[str | int, ...]
+
+
+def unencodable(value: Any) -> tuple[JSONPath, int] | None:
+    r"""Where the first string of ``value`` (dicts, lists, tuples and scalars) that UTF-8
+    cannot encode is: its path and the index of its first such character, else None. Such a
+    string holds a lone surrogate (``\ud800``, a broken tokenizer's decoding), or, read with
+    ``surrogateescape``, a byte UTF-8 does not allow. A mapping's keys are looked at before
+    its values; nesting of any depth is walked without recursion.
+
+    >>> unencodable({"items": [{"completion": "ok"}, {"completion": "x\ud800"}]})
+    (('items', 1, 'completion'), 1)
+    >>> unencodable({"a\udcff": 1}), unencodable(["fine", 3, None])
+    ((('a\udcff',), 1), None)
+    """
+    stack: list[tuple[Any, JSONPath]] = [(value, ())]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                return path, exc.start
+        elif isinstance(value, Mapping):
+            keys = [(key, (*path, key)) for key in value]
+            values = [(item, (*path, key)) for key, item in value.items()]
+            stack.extend(reversed([*keys, *values]))
+        elif isinstance(value, list | tuple):
+            stack.extend(reversed([(item, (*path, i)) for i, item in enumerate(value)]))
+    return None
+
+
+def unencodable_in_json(document: bytes | str) -> tuple[JSONPath, int] | None:
+    r""":func:`unencodable` of a JSON ``document`` that a strict parser (pydantic's: the
+    server's, the offline commands') refused as invalid JSON: the string that made it refuse,
+    when one holds a lone surrogate escape (``"\ud800"``) or a byte UTF-8 does not allow (the
+    strict parser's error gives a line and column only), else None. Read again by the
+    standard library's parser, which lets both through (the bytes decoded with
+    ``surrogateescape``); a document it refuses too, or nests too deep, gives None.
+
+    >>> unencodable_in_json(b'{"items": [{"completion": "ab\xff"}]}')
+    (('items', 0, 'completion'), 2)
+    >>> unencodable_in_json('{"a": "\\udc00"}'), unencodable_in_json(b'{"a": ')
+    ((('a',), 0), None)
+    """
+    text = document.decode("utf-8", "surrogateescape") if isinstance(document, bytes) else document
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    return unencodable(value)
+
+
+def printable_path(path: JSONPath) -> JSONPath:
+    r"""``path`` with each key made text UTF-8 can carry (a lone surrogate written as its
+    escape), for an error that names it.
+
+    >>> printable_path(("x\ud800", 3))
+    ('x\\ud800', 3)
+    """
+    return tuple(p if isinstance(p, int) else p.encode("utf-8", "backslashreplace").decode()
+                 for p in path)  # fmt: skip
+
+
+def shown_path(path: JSONPath) -> str:
+    r"""``path`` dotted as the 422s name fields, its keys printable whatever they hold
+    (``"body"`` for the root).
+
+    >>> shown_path(("items", 1, "completion")), shown_path(("x\ud800",)), shown_path(())
+    ('items.1.completion', 'x\\ud800', 'body')
+    """
+    return ".".join(map(str, printable_path(path))) or "body"

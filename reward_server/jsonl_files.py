@@ -22,6 +22,7 @@ from typing import Any
 
 import pydantic_core
 
+from reward_server.field_names import shown_path, unencodable_in_json
 from reward_server.signal_handlers import exit_with_status, handling
 
 #: The exit status after the reader of stdout went away (``| head``): what a shell reports for a
@@ -79,9 +80,15 @@ def jsonl_lines(path: Path) -> Iterator[tuple[int, str]]:
                 yield number, text
 
 
-def json_error(path: Path, number: int, message: str) -> InputError:
-    """A JSON syntax error of one line, its column as an editor shows it (each line is parsed
-    alone, so the parser's "line 1" is the file's line ``number``)."""
+def json_error(path: Path, number: int, message: str, text: str) -> InputError:
+    """A JSON syntax error of line ``number`` (``text``), its column as an editor shows it
+    (each line is parsed alone, so the parser's "line 1" is the file's line ``number``); a
+    string holding a lone surrogate escape is named by its field."""
+    found = unencodable_in_json(text)
+    if found is not None:
+        where, at = found
+        reason = f"not text (a lone UTF-16 surrogate at character {at}: \\ud800-\\udfff)"
+        return InputError(f"{path}: line {number}: {shown_path(where)}: {reason}")
     message = re.sub(r" at line 1 column (\d+)$", r" at column \1", message)
     if "surrogate" in message or "end of hex escape" in message:
         message += "; a lone UTF-16 surrogate (\\ud800-\\udfff) is not text"
@@ -94,7 +101,7 @@ def parse_json_line(path: Path, number: int, text: str) -> Any:
     try:
         return pydantic_core.from_json(text)
     except ValueError as exc:
-        raise json_error(path, number, str(exc)) from None
+        raise json_error(path, number, str(exc), text) from None
 
 
 def check_output(path: Path, flag: str = "--out", inputs: Iterable[tuple[str, Path]] = ()) -> None:

@@ -65,12 +65,12 @@ CHUNK = 256
 _ITEM: TypeAdapter[ScoreItem] = TypeAdapter(ScoreItem)
 
 
-def item_error(path: Path, number: int, exc: ValidationError) -> InputError:
-    """The first issue of an item line (:func:`first_issue`), as the file's line and the
-    field's name."""
+def item_error(path: Path, number: int, text: str, exc: ValidationError) -> InputError:
+    """The first issue of item line ``number`` (``text``: :func:`first_issue`), as the file's
+    line and the field's name."""
     first = exc.errors()[0]
     if first["type"] == "json_invalid":
-        return json_error(path, number, str(first["msg"]).removeprefix("Invalid JSON: "))
+        return json_error(path, number, str(first["msg"]).removeprefix("Invalid JSON: "), text)
     if not first["loc"]:
         got = json_type(first.get("input"))
         return InputError(f"{path}: line {number}: expected a JSON object, got {got}")
@@ -107,7 +107,7 @@ def read_items(path: Path) -> Iterator[tuple[int, ScoreItem]]:
         try:
             yield number, _ITEM.validate_json(text)
         except ValidationError as exc:
-            raise item_error(path, number, exc) from None
+            raise item_error(path, number, text, exc) from None
 
 
 @dataclass(frozen=True)

@@ -183,6 +183,67 @@ def test_malformed_unicode_and_deep_json_are_422(client: Any, raw: bytes) -> Non
     assert_still_serving(client)
 
 
+@pytest.mark.parametrize(
+    ("route", "raw", "field", "at"),
+    [
+        (
+            "/v1/score",
+            b'{"items": [{"completion": "ab\\ud800", "answer": "1"}]}',
+            "items.0.completion",
+            2,
+        ),
+        (
+            "/v1/score",
+            b'{"items": [{"completion": "ok", "answer": "\\udfff\\ud800"}]}',
+            "items.0.answer",
+            0,
+        ),
+        (
+            "/v1/score",
+            b'{"items": [{"completion": "\xed\xa0\x80", "answer": "1"}]}',
+            "items.0.completion",
+            0,
+        ),
+        (
+            "/v1/score",
+            b'{"items": [{"completion": "a", "answer": "1"}, {"completion": "x\xff"}]}',
+            "items.1.completion",
+            1,
+        ),
+        (
+            "/v1/score",
+            b'{"items": [{"completion": "a", "answer": "1", "k\\udc00": 1}]}',
+            "items.0.k\\udc00",
+            1,
+        ),
+        (
+            "/v1/explain",
+            b'{"items": [{"completion": "a", "answer": "1\\ud800"}]}',
+            "items.0.answer",
+            1,
+        ),
+        (
+            "/get_reward",
+            b'{"query": ["q a"], "prompts": ["q\xc0"], "labels": ["1"]}',
+            "prompts.0",
+            1,
+        ),
+    ],
+    ids=["lone-high", "reversed-pair", "utf8-surrogate", "bad-utf8", "key", "explain", "openrlhf"],
+)
+def test_text_utf8_cannot_carry_is_named_by_its_field(
+    client: Any, route: str, raw: bytes, field: str, at: int
+) -> None:
+    """pydantic refuses such a body as invalid JSON at a line and column, naming no field: the
+    422 names the string's field and character, as the clients' own checks do."""
+    r = client.post(route, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 422, r.text[:300]
+    [issue] = r.json()["detail"]
+    assert (issue["field"], issue["type"]) == (field, "string_unicode")
+    assert f"not valid UTF-8 at character {at}" in issue["msg"]
+    assert_still_serving(client)
+
+
 def test_huge_integer_token_count_is_a_valid_length(client: Any) -> None:
     raw = b'{"items": [{"completion": "a", "answer": "1", "num_tokens": 99999999999999999999999}],'
     r = client.post("/v1/score", content=raw + b'"recipe": "cfl", "normalize": false}')

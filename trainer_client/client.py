@@ -24,13 +24,13 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import chain
 from typing import Any
 
 import httpx
 
 from reward_server.core.params import RewardParams
 from reward_server.core.recipes import RECIPES
+from reward_server.field_names import shown_path, unencodable
 from trainer_client.results import ScoreResult, warned_item, warning_kind
 from trainer_client.retry import (
     PROBE_RETRY,
@@ -107,30 +107,11 @@ def encode_body(body: Any, first: int = 0) -> bytes | None:
     try:
         return text.encode("utf-8")
     except UnicodeEncodeError:
-        path, at = _unencodable(body, ()) or ((), 0)
-        shown = [str(p).encode("utf-8", "backslashreplace").decode() for p in path]
+        path, at = unencodable(body) or ((), 0)
         reason = f"not valid UTF-8 (a lone surrogate at character {at}); not sent"
         if len(path) > 2 and path[0] == "items" and isinstance(path[1], int):
-            raise ItemError(first + path[1], ".".join(shown[2:]), reason) from None
-        raise ValueError(f"{'.'.join(shown) or 'body'}: {reason}") from None
-
-
-def _unencodable(value: Any, path: tuple[Any, ...]) -> tuple[tuple[Any, ...], int] | None:
-    """Where in ``value`` the first string UTF-8 cannot encode is (its path and character)."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            return path, exc.start
-        return None
-    if isinstance(value, Mapping):
-        pairs = ((key, (*path, key)) for key in value)
-        inner = ((item, (*path, key)) for key, item in value.items())
-        return next(filter(None, (_unencodable(v, p) for v, p in chain(pairs, inner))), None)
-    if isinstance(value, list | tuple):
-        found = (_unencodable(item, (*path, i)) for i, item in enumerate(value))
-        return next(filter(None, found), None)
-    return None
+            raise ItemError(first + path[1], shown_path(path[2:]), reason) from None
+        raise ValueError(f"{shown_path(path)}: {reason}") from None
 
 
 def normalize_urls(urls: str | Sequence[str]) -> list[str]:

@@ -15,16 +15,18 @@ import dataclasses
 import time
 from collections.abc import Callable, Collection, Sequence
 from functools import cache
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
 from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect
 from starlette.routing import get_route_path
 
 from reward_server.core import RewardParams, ScoreItem
+from reward_server.field_names import printable_path, unencodable_in_json
 from reward_server.service.errors import (
     BodyTimeout,
     BodyTooLarge,
@@ -38,6 +40,8 @@ from reward_server.service.errors import (
 from reward_server.service.json_values import values_of, values_over
 from reward_server.service.pipeline import LocMap, Scored, ScoringService, one_credential
 from reward_server.service.schemas import ErrorResponse, ScoreRequest
+
+Body = TypeVar("Body", bound=BaseModel)
 
 #: The error statuses of a scoring route, for the OpenAPI document.
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -351,7 +355,44 @@ def scored_response(
 
 def parse_score(body: bytes) -> ScoreRequest:
     """A SPEC §6 scoring body."""
-    return ScoreRequest.model_validate_json(body)
+    return validated(ScoreRequest, body)
+
+
+def validated(model: type[Body], body: bytes) -> Body:
+    """``body`` validated as ``model``. pydantic refuses a string holding a lone surrogate
+    escape or a byte UTF-8 does not allow as invalid JSON at a line and column, naming no
+    field; that refusal names the field instead (:func:`unencodable_refusal`)."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        refusal = unencodable_refusal(exc, body)
+        if refusal is None:
+            raise
+        raise refusal from None
+
+
+def unencodable_refusal(exc: ValidationError, body: bytes) -> RequestInvalid | None:
+    r"""The 422 naming the string that made ``body`` invalid JSON for holding what UTF-8
+    cannot carry, or None when that is not why (:func:`unencodable_in_json`; read only once
+    the body is refused, and over a body within the server's value limit).
+
+    >>> try:
+    ...     ScoreRequest.model_validate_json(b'{"items": [{"completion": "x\\ud800"}]}')
+    ... except ValidationError as exc:
+    ...     unencodable_refusal(exc, b'{"items": [{"completion": "x\\ud800"}]}').issues[0]["field"]
+    'items.0.completion'
+    """
+    if exc.errors(include_url=False, include_input=False)[0]["type"] != "json_invalid":
+        return None
+    found = unencodable_in_json(body)
+    if found is None:
+        return None
+    path, at = found
+    msg = (
+        f"not valid UTF-8 at character {at}: a lone surrogate (\\ud800-\\udfff) or a byte "
+        "UTF-8 does not allow; send text as UTF-8"
+    )
+    return RequestInvalid.one(printable_path(path), msg, "string_unicode")
 
 
 #: The route description ``/v1/score`` and its siblings share (errors, documented body).

@@ -17,7 +17,12 @@ from fastapi.responses import Response
 from reward_server.core import AnswerType, Recipe, ScoreItem
 from reward_server.core.answers import gold_text
 from reward_server.service.errors import MAX_ISSUES, Loc, RequestInvalid, ServiceError, issue
-from reward_server.service.http_scoring import ERROR_RESPONSES, run_scoring, scored_response
+from reward_server.service.http_scoring import (
+    ERROR_RESPONSES,
+    run_scoring,
+    scored_response,
+    validated,
+)
 from reward_server.service.schemas import (
     OpenRLHFRequest,
     OpenRLHFResponse,
@@ -99,7 +104,7 @@ def score_request(
     body: bytes, recipe: Recipe, answer_type: AnswerType, normalize: bool
 ) -> ScoreRequest | None:
     """The scoring request of an OpenRLHF body; None for empty lists (valid: nothing to score)."""
-    req = OpenRLHFRequest.model_validate_json(body)
+    req = validated(OpenRLHFRequest, body)
     n = len(req.query)
     for name in ("prompts", "labels"):
         if len(getattr(req, name)) != n:

@@ -7,7 +7,8 @@ a 422 naming the field, never silently coerced (``"1"`` is not the number 1).
 
 Requests are validated from the raw JSON bytes (``model_validate_json``), not from ``json.loads``
 output: pydantic's JSON parser rejects lone surrogates (``"\\ud800"``) as invalid JSON, which
-keeps unencodable strings out of the tokenizer and out of the response.
+keeps unencodable strings out of the tokenizer and out of the response (the 422 names the
+string's field: :func:`~reward_server.service.http_scoring.validated`).
 """
 
 from __future__ import annotations
