@@ -67,6 +67,12 @@ def long_texts() -> list[str]:
         ),
         ("word\x1fword " * 3000),  # a control character BERT deletes, joining words
         "a" * 9000 + " tail " * 500,  # a huge first word, then more text
+        # No cut point, read whole: runs of letters past BERT's word bound (100) cut to it.
+        "a" * 30_000,
+        "1" * 20_000 + "." + "2" * 101 + " tail " * 50,
+        "\u00e9" + "Ab" * 10_000 + "\u00e9" + "c" * 100,  # accents BERT strips, in the word
+        "[SEP]" + "a" * 20_000 + "[MASK]" + "b" * 99,  # added tokens at a run's edges
+        "x\x1f" + "y" * 20_000 + "\u200b" + "z" * 50,  # characters BERT deletes, in the word
         "\n".join(["line one two three"] * 2000),
     ]
 
@@ -84,6 +90,55 @@ def test_long_texts_are_tokenized_from_a_prefix_with_the_same_ids(onnx_model_dir
     )
     assert bounded == whole
     assert all(len(ids) == 256 for ids in bounded[:2])
+
+
+@given(
+    st.lists(
+        st.one_of(
+            st.integers(95, 106).map(
+                lambda n: "a1" * (n // 2) + "b" * (n % 2)
+            ),  # runs at the bound
+            st.integers(200, 3000).map("Z".__mul__),
+            st.sampled_from(
+                [
+                    " ",
+                    ".",
+                    "\u00e9",
+                    "\x1f",
+                    "\u200b",
+                    "\u4e2d",
+                    "[SEP]",
+                    "[UNK]",
+                    "_",
+                    "-",
+                    "\u00df",
+                    "\u0130",
+                    "\n",
+                    "\u3000",
+                    "x" * 100,
+                ]
+            ),
+        ),
+        min_size=1,
+        max_size=40,
+    ),
+    st.integers(8193, 30_000),
+)
+@settings(max_examples=150, deadline=None)
+def test_a_text_read_whole_gives_the_ids_of_its_runs_uncut(
+    onnx_tokenizer: Any, pieces: list[str], length: int
+) -> None:
+    """A text with no cut point is read whole with its runs of letters and digits over BERT's
+    word bound cut to it: the ids are the whole text's, whatever the runs' edges hold (accents,
+    characters BERT deletes, ideographs, added tokens, runs of exactly 100 and 101)."""
+    text = ("".join(pieces) * (length // max(1, len("".join(pieces))) + 1))[:length]
+    whole = onnx_tokenizer.encode(text, add_special_tokens=True).ids
+    assert encode_ids(onnx_tokenizer, [text]) == [whole]
+
+
+@pytest.fixture(scope="module")
+def onnx_tokenizer(onnx_model_dir: Path) -> Any:
+    return load_tokenizer(onnx_model_dir)
 
 
 def test_the_cjk_ranges_are_the_tokenizers(onnx_model_dir: Path) -> None:
