@@ -122,6 +122,16 @@ def unencodable(value: Any) -> tuple[JSONPath, int] | None:
     return None
 
 
+def not_sent(at: int) -> str:
+    """Why a client refuses, sending nothing, a string :func:`unencodable` found UTF-8 cannot
+    encode from its character ``at`` on (the HTTP and the gRPC clients say it alike).
+
+    >>> not_sent(3)
+    'not valid UTF-8 (a lone surrogate at character 3); not sent'
+    """
+    return f"not valid UTF-8 (a lone surrogate at character {at}); not sent"
+
+
 def unencodable_in_json(document: bytes | str) -> tuple[JSONPath, int] | None:
     r""":func:`unencodable` of a JSON ``document`` that a strict parser (pydantic's: the
     server's, the offline commands') refused as invalid JSON: the string that made it refuse,

@@ -275,6 +275,91 @@ async def test_declared_fields_of_another_wire_type_are_refused_naming_them() ->
         assert "declared double (64-bit): send it as sde2.v1 declares it" in err.value.details()
 
 
+def _spoiled(body: dict[str, Any], placeholder: str, raw: bytes) -> bytes:
+    """``body`` as a message whose string ``placeholder`` is the bytes ``raw`` instead (of the
+    same length: the lengths written before it stay true); no client writes them."""
+    assert len(placeholder.encode()) == len(raw)
+    sent = request_from_dict(body).SerializeToString()
+    assert sent.count(placeholder.encode()) == 1
+    return sent.replace(placeholder.encode(), raw)
+
+
+_TWO_ITEMS = [{"completion": "ok", "answer": "1"}, {"completion": "CCCCC", "answer": "AAA"}]
+
+
+@pytest.mark.parametrize(
+    ("data", "field", "at"),
+    [
+        (_spoiled({"items": _TWO_ITEMS}, "CCCCC", b"ab\xffde"), "items.1.completion", 2),
+        # A lone surrogate as UTF-8 would write it (0xed 0xa0 0x80): protobuf refuses it too.
+        (_spoiled({"items": _TWO_ITEMS}, "AAA", b"\xed\xa0\x80"), "items.1.answer", 0),
+        (
+            _spoiled({"items": [{**_TWO_ITEMS[0], "prompt": "PPPP"}]}, "PPPP", b"\xc3\xa9\xc3!"),
+            "items.0.prompt",
+            1,
+        ),
+        # The request's own strings (RewardParams and Weights declare none: numbers only).
+        (_spoiled({"items": _TWO_ITEMS[:1], "recipe": "RRR"}, "RRR", b"sd\xe2"), "recipe", 2),
+        (
+            _spoiled({"items": _TWO_ITEMS[:1], "answer_type": "TT"}, "TT", b"\x80a"),
+            "answer_type",
+            0,
+        ),
+    ],
+    ids=["completion", "answer", "prompt", "recipe", "answer_type"],
+)
+async def test_a_string_that_is_not_utf8_is_refused_naming_its_field(
+    hashed: Running, data: bytes, field: str, at: int
+) -> None:
+    """protobuf's parser refuses a whole message for one string that is not valid UTF-8 and
+    names no field: the refusal named none ("not a valid protobuf message"), where HTTP names
+    the string's field and character. Both now say the same."""
+    score = hashed.channel.unary_unary("/sde2.v1.RewardService/Score")
+    explain = hashed.channel.unary_unary("/sde2.v1.RewardService/Explain")
+    for method in (score, explain):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await method(data, timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details() == (
+            f"{field}: not valid UTF-8 at character {at}: a lone surrogate (\\ud800-\\udfff) or "
+            "a byte UTF-8 does not allow; send text as UTF-8"
+        )
+    health = await hashed.stub.Health(pb.HealthRequest(), timeout=5)
+    assert health.status == pb.HealthResponse.SERVING
+    ok = await hashed.stub.Score(request_from_dict({"items": _TWO_ITEMS}), timeout=10)
+    assert len(ok.rewards) == 2
+
+
+async def test_a_string_that_is_not_utf8_is_refused_as_over_http(hashed: Running) -> None:
+    """The same string refused over both transports, in the same words."""
+    body = b'{"items": [{"completion": "ok", "answer": "1"}, {"completion": "ab\xffde"}]}'
+    with http_client(hashed.service) as c:
+        r = c.post("/v1/score", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 422
+    [issue] = r.json()["detail"]
+    score = hashed.channel.unary_unary("/sde2.v1.RewardService/Score")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await score(_spoiled({"items": _TWO_ITEMS}, "CCCCC", b"ab\xffde"), timeout=10)
+    assert err.value.details() == f"{issue['field']}: {issue['msg']}"
+    assert issue["field"] == "items.1.completion" and "at character 2:" in issue["msg"]
+
+
+async def test_malformed_bytes_besides_a_string_keep_the_parsers_refusal(hashed: Running) -> None:
+    """Only a message that is otherwise whole names a string: one cut short, or whose length
+    says more than it holds, is refused as not protobuf, as it was, strings spoiled or not."""
+    spoiled = _spoiled({"items": _TWO_ITEMS}, "CCCCC", b"ab\xffde")
+    score = hashed.channel.unary_unary("/sde2.v1.RewardService/Score")
+    for data in (spoiled[:-2], b"\x0a\x05ab", spoiled + b"\x0a\x05ab", b"\x12\x03ab"):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await score(data, timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (err.value.details() or "").startswith(
+            "body: request is not a valid protobuf message: "
+        ), data
+    health = await hashed.stub.Health(pb.HealthRequest(), timeout=5)
+    assert health.status == pb.HealthResponse.SERVING
+
+
 async def test_millions_of_unknown_fields_inside_an_item_are_refused() -> None:
     """Unknown fields are read into Python objects to tell a misread declared field (~1 us
     and 100 bytes each): past a few KB of them the request is refused instead (3 million in
@@ -527,6 +612,27 @@ async def test_calls_the_client_ends_are_counted() -> None:
 @pytest.mark.parametrize(
     ("body", "message"),
     [
+        # A lone surrogate (a broken tokenizer's decoding) raised protobuf's UnicodeEncodeError,
+        # said to be "past gRPC's int64".
+        (
+            {
+                "items": [
+                    {"completion": "a", "answer": "1"},
+                    {"completion": "ab\ud800", "answer": ""},
+                ]
+            },
+            "items.1.completion: not valid UTF-8 (a lone surrogate at character 2); not sent",
+        ),
+        (
+            {"items": [{"completion": "a", "answer": "\udcff", "prompt": "p"}]},
+            "items.0.answer: not valid UTF-8 (a lone surrogate at character 0); not sent",
+        ),
+        (
+            {"items": [], "recipe": "x\udc80"},
+            "recipe: not valid UTF-8 (a lone surrogate at character 1)",
+        ),
+        # A misspelled name holding one is named printably.
+        ({"items": [], "x\ud800": 1}, "x\\ud800: not a field of sde2.v1's ScoreRequest"),
         ({"items": [], "recipe": None}, "recipe: a string, got NoneType None"),
         ({"items": [], "params": {"lambda_oc": True}}, "params.lambda_oc: a double, got bool"),
         ({"items": [], "normalize": 1}, "normalize: a boolean, got int 1"),

@@ -30,7 +30,7 @@ import httpx
 
 from reward_server.core.params import RewardParams
 from reward_server.core.recipes import RECIPES
-from reward_server.field_names import shown_path, unencodable
+from reward_server.field_names import not_sent, shown_path, unencodable
 from trainer_client.results import ScoreResult, warned_item, warning_kind
 from trainer_client.retry import (
     PROBE_RETRY,
@@ -108,7 +108,7 @@ def encode_body(body: Any, first: int = 0) -> bytes | None:
         return text.encode("utf-8")
     except UnicodeEncodeError:
         path, at = unencodable(body) or ((), 0)
-        reason = f"not valid UTF-8 (a lone surrogate at character {at}); not sent"
+        reason = not_sent(at)
         if len(path) > 2 and path[0] == "items" and isinstance(path[1], int):
             raise ItemError(first + path[1], shown_path(path[2:]), reason) from None
         raise ValueError(f"{shown_path(path)}: {reason}") from None

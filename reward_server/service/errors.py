@@ -132,6 +132,25 @@ class RequestInvalid(ServiceError):
         """A single issue at ``loc``."""
         return cls([issue(loc, msg, kind)])
 
+    @classmethod
+    def not_utf8(cls, loc: Loc, at: int) -> RequestInvalid:
+        r"""The string at ``loc`` is not valid UTF-8 from its character ``at`` on: HTTP's JSON
+        and gRPC's protobuf parsers both refuse it naming no field, and both transports
+        answer it with these words (written once, so that they stay the same).
+
+        >>> refusal = RequestInvalid.not_utf8(("items", 1, "completion"), 3)
+        >>> refusal.field, refusal.issues[0]["type"]
+        ('items.1.completion', 'string_unicode')
+        >>> print(*refusal.issues[0]["msg"].split(": "), sep="\n")
+        not valid UTF-8 at character 3
+        a lone surrogate (\ud800-\udfff) or a byte UTF-8 does not allow; send text as UTF-8
+        """
+        msg = (
+            f"not valid UTF-8 at character {at}: a lone surrogate (\\ud800-\\udfff) or a byte "
+            "UTF-8 does not allow; send text as UTF-8"
+        )
+        return cls.one(loc, msg, "string_unicode")
+
     @property
     def field(self) -> str | None:
         return str(self.issues[0]["field"]) if self.issues else None

@@ -10,6 +10,7 @@ import grpc
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
+from reward_server.field_names import not_sent, shown_path, unencodable
 from reward_server.service.grpc_messages import (
     METHODS,
     REQUIRED_ITEM_FIELDS,
@@ -70,6 +71,10 @@ def request_from_dict(body: dict[str, Any]) -> pb.ScoreRequest:
     Traceback (most recent call last):
     ...
     ValueError: items.0.answer: a string is required, missing (HTTP refuses it too)
+    >>> request_from_dict({"items": [{"completion": "x\\ud800", "answer": "1"}]})
+    Traceback (most recent call last):
+    ...
+    ValueError: items.0.completion: not valid UTF-8 (a lone surrogate at character 1); not sent
     """
     msg = pb.ScoreRequest()
     for key, value in body.items():
@@ -79,7 +84,7 @@ def request_from_dict(body: dict[str, Any]) -> pb.ScoreRequest:
                 _require(fields, REQUIRED_ITEM_FIELDS, ("items", k))
                 # None is a declared field's default; an unknown name is refused whatever its value.
                 present = {
-                    f: v for f, v in fields.items() if v is not None or f not in _ITEM_FIELDS
+                    f: v for f, v in fields.items() if v is not None or not _declares(pb.Item, f)
                 }
                 _fill(msg.items.add(), present, ("items", k))
         elif key == "params":
@@ -100,14 +105,21 @@ def request_from_dict(body: dict[str, Any]) -> pb.ScoreRequest:
     return msg
 
 
-_ITEM_FIELDS = pb.Item.DESCRIPTOR.fields_by_name
+def _declares(message: Message | type[Message], name: str) -> bool:
+    r"""Whether ``message`` declares a field ``name``. protobuf's lookup raises (a bare
+    ``SystemError``, or ``UnicodeEncodeError``) for a name UTF-8 cannot carry: no field has one.
+
+    >>> _declares(pb.Item, "answer"), _declares(pb.Item(), "answers"), _declares(pb.Item, "\ud800")
+    (True, False, False)
+    """
+    return unencodable(name) is None and name in message.DESCRIPTOR.fields_by_name
 
 
 def _require(fields: Mapping[str, Any], names: Sequence[str], loc: tuple[str | int, ...]) -> None:
     """Refuse (naming it) a field of ``names`` that ``fields`` lacks or holds as ``None``."""
     for name in names:
         if fields.get(name) is None:
-            path = ".".join(map(str, (*loc, name)))
+            path = shown_path((*loc, name))
             got = "missing" if name not in fields else "got None"
             raise ValueError(f"{path}: a string is required, {got} (HTTP refuses it too)")
 
@@ -128,12 +140,13 @@ _CARRIES: dict[int, tuple[str, Callable[[Any], bool]]] = {
 
 
 def _fill(message: Message, fields: Mapping[str, Any], loc: tuple[str | int, ...]) -> None:
-    """Set each of ``fields`` on ``message``, refusing (naming the field) an unknown name and
-    a value its field would carry as something else."""
+    """Set each of ``fields`` on ``message``, refusing (naming the field) an unknown name, a
+    value its field would carry as something else, and a string UTF-8 cannot carry (a lone
+    surrogate, as a broken tokenizer's decoding can leave: protobuf's error named no field)."""
     declared = message.DESCRIPTOR.fields_by_name
     for name, value in fields.items():
-        path = ".".join(map(str, (*loc, name)))
-        field = declared.get(name)
+        path = shown_path((*loc, name))
+        field = declared[name] if _declares(message, name) else None
         if field is None or field.type not in _CARRIES:
             raise ValueError(f"{path}: not a field of sde2.v1's {message.DESCRIPTOR.name}")
         kind, carries = _CARRIES[field.type]
@@ -141,6 +154,9 @@ def _fill(message: Message, fields: Mapping[str, Any], loc: tuple[str | int, ...
             raise ValueError(
                 f"{path}: {kind}, got {type(value).__name__} {value!r} (HTTP refuses it too)"
             )
+        unsent = unencodable(value) if isinstance(value, str) else None
+        if unsent is not None:
+            raise ValueError(f"{path}: {not_sent(unsent[1])}")
         try:
             setattr(message, name, value)
         except ValueError as exc:  # past int64: protobuf names no field

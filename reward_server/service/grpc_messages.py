@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from functools import cache
 from typing import Any
 
-from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
@@ -25,7 +27,7 @@ from reward_server.core.params import RewardParams, Weights
 from reward_server.core.recipes import RECIPES
 from reward_server.core.scoring import ItemResult
 from reward_server.service._generated.sde2.v1 import reward_pb2 as pb
-from reward_server.service.errors import RequestInvalid, issue
+from reward_server.service.errors import Loc, RequestInvalid, issue
 from reward_server.service.pipeline import Scored
 
 SERVICE = "sde2.v1.RewardService"
@@ -289,10 +291,14 @@ def parse_request(data: bytes) -> pb.ScoreRequest:
     Traceback (most recent call last):
     ...
     reward_server.service.errors.RequestInvalid: body: request is not a valid protobuf message: ...
+    >>> parse_request(b"\\x0a\\x03\\x0a\\x01\\xff")  # items[0].completion: one byte, 0xff
+    Traceback (most recent call last):
+    ...
+    reward_server.service.errors.RequestInvalid: items.0.completion: not valid UTF-8 at ...
     """
     request = lenient(pb, "ScoreRequest")(data)
     if isinstance(request, Malformed):
-        raise request.refusal()
+        raise not_utf8_field(data) or request.refusal()
     # Fields it does not declare: none when the known fields alone make up the bytes sent (a
     # C-level check, cheap on every request); else they are read anew, within a bound.
     request.DiscardUnknownFields()
@@ -300,6 +306,86 @@ def parse_request(data: bytes) -> pb.ScoreRequest:
         whole = pb.ScoreRequest.FromString(data)
         _check_unknown_fields(whole, whole.ByteSize() - request.ByteSize())
     return request
+
+
+def not_utf8_field(data: bytes) -> RequestInvalid | None:
+    """The INVALID_ARGUMENT naming the first string field of the serialized ``ScoreRequest``
+    ``data`` (fields by number, a repeated one's values in order) that is not valid UTF-8, as
+    HTTP names such a string (:meth:`RequestInvalid.not_utf8`), or None when none is, or the
+    bytes are not a message for another reason. Read only once the parser has refused them:
+    its error names no field.
+
+    The bytes are parsed again as :func:`_unchecked`'s mirror of the message, whose strings
+    are bytes protobuf does not check, and its strings are then decoded: time linear in the
+    message's size (what the mirror's parser builds: a request's items are counted first,
+    :func:`count_items`), a walk no deeper than the messages' declared nesting, and no error
+    of the parser's escapes.
+
+    >>> sent = pb.ScoreRequest(items=[pb.Item(), pb.Item(answer="abcde")], recipe="x")
+    >>> bad = b"\\xc3\\xa9\\xed\\xa0\\x80"  # "é", then a lone surrogate as UTF-8 would write one
+    >>> not_utf8_field(sent.SerializeToString().replace(b"abcde", bad)).message
+    'items.1.answer: not valid UTF-8 at character 1: a lone surrogate ...'
+    >>> not_utf8_field(b"\\x12\\x01\\x80").field, not_utf8_field(b"\\x12\\x05ab") is None
+    ('recipe', True)
+    """
+    try:
+        mirror = _unchecked(pb.ScoreRequest.DESCRIPTOR.full_name).FromString(data)
+    except Exception:  # DecodeError, or anything the parser raises on junk: not protobuf
+        return None
+    stack: list[tuple[Message | bytes, Loc]] = [(mirror, ())]
+    while stack:
+        value, loc = stack.pop()
+        if isinstance(value, bytes):
+            try:
+                value.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                return RequestInvalid.not_utf8(loc, len(value[: exc.start].decode("utf-8")))
+        else:
+            stack.extend(reversed(_strings_and_messages(value, loc)))
+    return None
+
+
+def _strings_and_messages(message: Message, loc: Loc) -> list[tuple[Message | bytes, Loc]]:
+    """The string values (as bytes, in :func:`_unchecked`'s mirror) and the messages that
+    ``message`` holds, each with its path, in the order of their fields' numbers (a map
+    would be left out: a request's messages declare none)."""
+    found: list[tuple[Message | bytes, Loc]] = []
+    for field, value in message.ListFields():
+        path = (*loc, field.name)
+        nested = field.message_type
+        if field.type == FieldDescriptor.TYPE_BYTES or (
+            nested is not None and not nested.GetOptions().map_entry
+        ):
+            if field.is_repeated:
+                found.extend((v, (*path, k)) for k, v in enumerate(value))
+            else:
+                found.append((value, path))
+    return found
+
+
+@cache
+def _unchecked(name: str) -> Any:
+    """The class of a mirror of message ``name`` of ``sde2.v1`` (and of the messages it
+    holds) whose string fields are bytes fields: protobuf refuses a whole message for one
+    string that is not valid UTF-8 and names none, where a bytes field is read unchecked.
+    Built once, in a pool of its own (the names are ``sde2.v1``'s).
+
+    >>> [f.type for f in _unchecked("sde2.v1.Item").DESCRIPTOR.fields][:3] == [12, 12, 12]
+    True
+    """
+    proto = descriptor_pb2.FileDescriptorProto()
+    pb.DESCRIPTOR.CopyToProto(proto)
+    messages = list(proto.message_type)
+    while messages:  # nested messages too, but a map's entries: a map's key cannot be bytes
+        message = messages.pop()
+        messages.extend(m for m in message.nested_type if not m.options.map_entry)
+        for field in message.field:
+            if field.type == descriptor_pb2.FieldDescriptorProto.TYPE_STRING:
+                field.type = descriptor_pb2.FieldDescriptorProto.TYPE_BYTES
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(proto)
+    descriptor: Descriptor = pool.FindMessageTypeByName(name)
+    return message_factory.GetMessageClass(descriptor)
 
 
 #: The most bytes of fields ``sde2.v1`` does not declare that a request may hold, and more

@@ -388,11 +388,7 @@ def unencodable_refusal(exc: ValidationError, body: bytes) -> RequestInvalid | N
     if found is None:
         return None
     path, at = found
-    msg = (
-        f"not valid UTF-8 at character {at}: a lone surrogate (\\ud800-\\udfff) or a byte "
-        "UTF-8 does not allow; send text as UTF-8"
-    )
-    return RequestInvalid.one(printable_path(path), msg, "string_unicode")
+    return RequestInvalid.not_utf8(printable_path(path), at)
 
 
 #: The route description ``/v1/score`` and its siblings share (errors, documented body).
