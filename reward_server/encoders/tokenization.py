@@ -189,9 +189,10 @@ def _long_words(model: object, added: list[str]) -> re.Pattern[str] | None:
 def _whole(text: str, rule: CutRule, longer_than: int) -> str:
     """What ``text`` is read from when it is read whole: its runs of letters and digits over
     the tokenizer's word bound cut to it (:attr:`CutRule.long_words`) when it is over
-    ``longer_than`` characters: a text holding no cut point (one word of 200,000 letters, a
-    number of a million digits) cost ~30 ms a text read whole, and a shorter text is not
-    worth the pass (~6 ms over 200,000 characters of prose, where a run is looked for)."""
+    ``longer_than`` characters. A text with no cut point (one word of 200,000 letters, a
+    number of a million digits) was tokenized whole, every character of it; a shorter text
+    is not worth the pass that looks for runs (measurements: benchmarks/README.md, the
+    thirty-second pass)."""
     if rule.long_words is None or len(text) <= longer_than:
         return text
     return rule.long_words.sub(r"\1", text)
