@@ -98,28 +98,48 @@ def unencodable(value: Any) -> tuple[JSONPath, int] | None:
     cannot encode is: its path and the index of its first such character, else None. Such a
     string holds a lone surrogate (``\ud800``, a broken tokenizer's decoding), or, read with
     ``surrogateescape``, a byte UTF-8 does not allow. A mapping's keys are looked at before
-    its values; nesting of any depth is walked without recursion.
+    its values; nesting of any depth is walked without recursion, in time linear in the
+    values: a path is built for the string found only (one copied for each value made a
+    body nesting 900 deep cost the server ~0.4 s and ~80 MB for 80 kB).
 
     >>> unencodable({"items": [{"completion": "ok"}, {"completion": "x\ud800"}]})
     (('items', 1, 'completion'), 1)
     >>> unencodable({"a\udcff": 1}), unencodable(["fine", 3, None])
     ((('a\udcff',), 1), None)
     """
-    stack: list[tuple[Any, JSONPath]] = [(value, ())]
+    # Each value with its path as a chain of (key, the parent's chain) pairs, None the root.
+    stack: list[tuple[Any, _Chain]] = [(value, None)]
     while stack:
-        value, path = stack.pop()
+        value, chain = stack.pop()
         if isinstance(value, str):
             try:
                 value.encode("utf-8")
             except UnicodeEncodeError as exc:
-                return path, exc.start
+                return _path(chain), exc.start
         elif isinstance(value, Mapping):
-            keys = [(key, (*path, key)) for key in value]
-            values = [(item, (*path, key)) for key, item in value.items()]
+            keys = [(key, (key, chain)) for key in value]
+            values = [(item, (key, chain)) for key, item in value.items()]
             stack.extend(reversed([*keys, *values]))
         elif isinstance(value, list | tuple):
-            stack.extend(reversed([(item, (*path, i)) for i, item in enumerate(value)]))
+            stack.extend(reversed([(item, (i, chain)) for i, item in enumerate(value)]))
     return None
+
+
+#: A path as :func:`unencodable` walks it: the last key and its parent's chain, None the root.
+_Chain = tuple[str | int, "_Chain"] | None
+
+
+def _path(chain: _Chain) -> JSONPath:
+    """The path ``chain`` links, from the root.
+
+    >>> _path((2, ("items", None)))
+    ('items', 2)
+    """
+    keys: list[str | int] = []
+    while chain is not None:
+        key, chain = chain
+        keys.append(key)
+    return tuple(reversed(keys))
 
 
 def not_sent(at: int) -> str:
