@@ -173,18 +173,19 @@ def unencodable_in_json(document: bytes | str) -> tuple[JSONPath, int] | None:
     return unencodable(value)
 
 
-def printable_path(path: JSONPath) -> JSONPath:
+def printable_path(path: Sequence[object]) -> JSONPath:
     r"""``path`` with each key made text UTF-8 can carry (a lone surrogate written as its
-    escape), for an error that names it.
+    escape), for an error that names it. A client's dict may hold a key that is not a string
+    (``None``, a float: JSON writes it as one), shown as ``str`` shows it.
 
-    >>> printable_path(("x\ud800", 3))
-    ('x\\ud800', 3)
+    >>> printable_path(("x\ud800", 3, None, 2.5))
+    ('x\\ud800', 3, 'None', '2.5')
     """
-    return tuple(p if isinstance(p, int) else p.encode("utf-8", "backslashreplace").decode()
+    return tuple(p if isinstance(p, int) else str(p).encode("utf-8", "backslashreplace").decode()
                  for p in path)  # fmt: skip
 
 
-def shown_path(path: JSONPath) -> str:
+def shown_path(path: Sequence[object]) -> str:
     r"""``path`` dotted as the 422s name fields, its keys printable whatever they hold
     (``"body"`` for the root).
 

@@ -40,6 +40,7 @@ from trainer_client import (
     RewardServiceError,
     ScoreResult,
 )
+from trainer_client.client import encode_body
 from trainer_client.retry import parse_retry_after
 from trainer_client.sharding import split
 
@@ -548,6 +549,22 @@ async def test_a_lone_surrogate_is_named_and_never_sent() -> None:
     assert sent == []
     ok = RewardClient(A, transport=httpx.MockTransport(handler)).score(bad[:1])
     assert len(ok.rewards) == 1 and len(sent) == 1
+
+
+@pytest.mark.parametrize(
+    ("body", "want"),
+    [
+        ({"items": [], None: "x\ud800"}, "None: not valid UTF-8"),
+        ({"items": [{"completion": "a", 2.5: "\udc00"}]}, "items.0.2.5: not valid UTF-8"),
+    ],
+)
+def test_a_lone_surrogate_under_a_name_that_is_not_a_string_is_named(
+    body: dict[Any, Any], want: str
+) -> None:
+    """A caller's dict may hold a key JSON writes as a string (None, a float): the field is
+    named as ``str`` shows it; making the path printable raised AttributeError on it."""
+    with pytest.raises(ValueError, match=re.escape(want)):
+        encode_body(body)
 
 
 async def test_async_client_retries_and_shards() -> None:

@@ -633,6 +633,13 @@ async def test_calls_the_client_ends_are_counted() -> None:
         ),
         # A misspelled name holding one is named printably.
         ({"items": [], "x\ud800": 1}, "x\\ud800: not a field of sde2.v1's ScoreRequest"),
+        # A name that is not a string (a caller's dict) is named as it was before the paths
+        # were made printable: that raised AttributeError ('NoneType' has no 'encode').
+        ({"items": [], None: 1}, "None: not a field of sde2.v1's ScoreRequest"),
+        (
+            {"items": [{"completion": "a", "answer": "1", 2.5: "x"}]},
+            "items.0.2.5: not a field of sde2.v1's Item",
+        ),
         ({"items": [], "recipe": None}, "recipe: a string, got NoneType None"),
         ({"items": [], "params": {"lambda_oc": True}}, "params.lambda_oc: a double, got bool"),
         ({"items": [], "normalize": 1}, "normalize: a boolean, got int 1"),
