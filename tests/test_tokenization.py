@@ -59,6 +59,23 @@ def test_a_lone_surrogate_is_named() -> None:
         encode_ids(load_tokenizer(MODEL_DIR), ["fine", "a\ud800b"])
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        "a" * 9000 + "\ud800",  # read whole, its run cut to 101 letters
+        ("y" * 150 + " ") * 130 + "\ud800",  # read again whole, alone: the batch's text 0
+    ],
+)
+def test_a_lone_surrogate_in_a_long_text_is_named_where_it_is(text: str) -> None:
+    """The text and character named are the caller's: a long text is read from a prefix, or
+    whole with its long runs cut, and the message counted in what was read (character 101),
+    among the texts read again (text 0)."""
+    at = len(text) - 1
+    want = rf"text 1 of the batch \('{text[:40]}'\.\.\.\) .* at character {at}\)"
+    with pytest.raises(ValueError, match=want):
+        encode_ids(load_tokenizer(MODEL_DIR), ["fine", text])
+
+
 def test_shipped_tokenizer_json_has_the_128_trap() -> None:
     """The pitfall this module exists for: the raw file pads and truncates at 128."""
     raw = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))

@@ -256,7 +256,7 @@ def encode_ids(tokenizer: Tokenizer, texts: Sequence[str]) -> list[list[int]]:
             _whole(texts[i], rule, first) if p is None else p
             for i, p in zip(pending, prefixes, strict=True)
         ]
-        encodings = _encoded(tokenizer, inputs)
+        encodings = _encoded(tokenizer, inputs, [(i, texts[i]) for i in pending])
         short = {}
         for (i, chars), prefix, enc in zip(pending.items(), prefixes, encodings, strict=True):
             if prefix is not None and not enc.overflowing:  # the budget not filled: go on,
@@ -268,20 +268,37 @@ def encode_ids(tokenizer: Tokenizer, texts: Sequence[str]) -> list[list[int]]:
     return ids
 
 
-def _encoded(tokenizer: Tokenizer, texts: list[str]) -> list[Encoding]:
+def _encoded(
+    tokenizer: Tokenizer, texts: list[str], sources: Sequence[tuple[int, str]] | None = None
+) -> list[Encoding]:
     """``tokenizer.encode_batch`` with special tokens; a text holding a lone surrogate (which
     no transport lets through, but a caller in Python may) is a :class:`ValueError` naming
-    it: tokenizers refused the whole call with a ``TypeError`` about its input's type."""
+    it: tokenizers refused the whole call with a ``TypeError`` about its input's type.
+    ``sources``: the caller's index and text that each of ``texts`` was read from (a prefix,
+    or the text with runs of letters cut: each holds the same first surrogate), so that the
+    message counts in the caller's batch and text; by default ``texts`` themselves."""
     try:
         return tokenizer.encode_batch(texts, add_special_tokens=True)
     except TypeError:
-        for i, text in enumerate(texts):
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError as exc:
+        for read, (i, text) in zip(texts, sources or list(enumerate(texts)), strict=True):
+            if _surrogate_at(read) is not None:
+                at = _surrogate_at(text)  # the same first one, counted in the caller's text
                 raise ValueError(
                     f"text {i} of the batch ({text[:40]!r}...) holds a lone surrogate "
-                    f"({text[exc.start]!r} at character {exc.start}): not Unicode text an "
-                    "encoder can read"
+                    f"({text[at or 0]!r} at character {at}): not Unicode text an encoder "
+                    "can read"
                 ) from None
         raise
+
+
+def _surrogate_at(text: str) -> int | None:
+    r"""Where ``text``'s first lone surrogate is, or None: what UTF-8 cannot encode.
+
+    >>> _surrogate_at("ab\ud800"), _surrogate_at("ok")
+    (2, None)
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None
