@@ -142,14 +142,18 @@ def _path(chain: _Chain) -> JSONPath:
     return tuple(reversed(keys))
 
 
-def not_sent(at: int) -> str:
-    """Why a client refuses, sending nothing, a string :func:`unencodable` found UTF-8 cannot
-    encode from its character ``at`` on (the HTTP and the gRPC clients say it alike).
+def not_utf8(at: int) -> str:
+    r"""Why a string that UTF-8 cannot carry from its character ``at`` on is refused: the
+    words of the server's 422 (both transports), of the clients, which send nothing, and of
+    the offline commands, written once so that they say it alike.
 
-    >>> not_sent(3)
-    'not valid UTF-8 (a lone surrogate at character 3); not sent'
+    >>> print(not_utf8(3))
+    not valid UTF-8 at character 3: a lone surrogate (\ud800-\udfff) or a byte UTF-8 does not allow
     """
-    return f"not valid UTF-8 (a lone surrogate at character {at}); not sent"
+    return (
+        f"not valid UTF-8 at character {at}: a lone surrogate (\\ud800-\\udfff) or a byte "
+        "UTF-8 does not allow"
+    )
 
 
 def unencodable_in_json(document: bytes | str) -> tuple[JSONPath, int] | None:

@@ -22,7 +22,7 @@ from typing import Any
 
 import pydantic_core
 
-from reward_server.field_names import shown_path, unencodable_in_json
+from reward_server.field_names import not_utf8, shown_path, unencodable_in_json
 from reward_server.signal_handlers import exit_with_status, handling
 
 #: The exit status after the reader of stdout went away (``| head``): what a shell reports for a
@@ -87,8 +87,7 @@ def json_error(path: Path, number: int, message: str, text: str) -> InputError:
     found = unencodable_in_json(text)
     if found is not None:
         where, at = found
-        reason = f"not text (a lone UTF-16 surrogate at character {at}: \\ud800-\\udfff)"
-        return InputError(f"{path}: line {number}: {shown_path(where)}: {reason}")
+        return InputError(f"{path}: line {number}: {shown_path(where)}: {not_utf8(at)}")
     message = re.sub(r" at line 1 column (\d+)$", r" at column \1", message)
     if "surrogate" in message or "end of hex escape" in message:
         message += "; a lone UTF-16 surrogate (\\ud800-\\udfff) is not text"

@@ -540,7 +540,7 @@ async def test_a_lone_surrogate_is_named_and_never_sent() -> None:
     sent: list[dict[str, Any]] = []
     handler = core_handler(sent)
     bad = [{"completion": "fine", "answer": "1"}, {"completion": "x\ud800y", "answer": "1"}]
-    want = r"items\.1\.completion: not valid UTF-8 \(a lone surrogate at character 1\)"
+    want = r"items\.1\.completion: not valid UTF-8 at character 1: a lone surrogate"
     with pytest.raises(ValueError, match=want):
         RewardClient(A, transport=httpx.MockTransport(handler)).score(bad)
     async with AsyncRewardClient(A, transport=httpx.MockTransport(handler)) as client:

@@ -104,7 +104,10 @@ def test_lines_are_split_on_newlines_only_and_a_bom_is_accepted(tmp_path: Path) 
             b'{"completion": "a", "answer": "1"}\n{"completion": "caf\xe9", "answer": "1"}\n',
             "line 2: not UTF-8",
         ),
-        (b'{"completion": "a\\ud800", "answer": "1"}\n', "line 1: completion: not text"),
+        (
+            b'{"completion": "a\\ud800", "answer": "1"}\n',
+            "line 1: completion: not valid UTF-8 at character 1",
+        ),
     ],
 )
 def test_bad_lines_are_named(tmp_path: Path, content: bytes, message: str) -> None:

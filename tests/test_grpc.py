@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 import pytest
 
+from reward_server.field_names import not_utf8
 from reward_server.service.grpc_client import RewardStub, request_from_dict, response_to_dict
 from reward_server.service.grpc_messages import pb
 from reward_server.service.pipeline import ScoringService
@@ -621,15 +622,15 @@ async def test_calls_the_client_ends_are_counted() -> None:
                     {"completion": "ab\ud800", "answer": ""},
                 ]
             },
-            "items.1.completion: not valid UTF-8 (a lone surrogate at character 2); not sent",
+            f"items.1.completion: {not_utf8(2)}; not sent",
         ),
         (
             {"items": [{"completion": "a", "answer": "\udcff", "prompt": "p"}]},
-            "items.0.answer: not valid UTF-8 (a lone surrogate at character 0); not sent",
+            f"items.0.answer: {not_utf8(0)}; not sent",
         ),
         (
             {"items": [], "recipe": "x\udc80"},
-            "recipe: not valid UTF-8 (a lone surrogate at character 1)",
+            f"recipe: {not_utf8(1)}",
         ),
         # A misspelled name holding one is named printably.
         ({"items": [], "x\ud800": 1}, "x\\ud800: not a field of sde2.v1's ScoreRequest"),

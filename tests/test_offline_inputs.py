@@ -48,10 +48,10 @@ def test_a_lone_surrogate_is_refused_naming_file_and_line_and_the_old_output_sta
     out.write_text("previous\n")
     assert main(score_argv(src, out)) == 2
     err = capsys.readouterr().err
-    assert f"{src}: line 4: completion: not text (a lone UTF-16 surrogate at character" in err
+    assert f"{src}: line 4: completion: not valid UTF-8 at character 9: a lone surrogate" in err
     assert out.read_text() == "previous\n"
     assert main(["explain", "--in", str(src), "--quiet"]) == 2
-    assert f"{src}: line 4: completion: not text" in capsys.readouterr().err
+    assert f"{src}: line 4: completion: not valid UTF-8" in capsys.readouterr().err
 
 
 def test_reading_accepts_a_bom_and_names_lines_not_byte_offsets(

@@ -30,7 +30,7 @@ import httpx
 
 from reward_server.core.params import RewardParams
 from reward_server.core.recipes import RECIPES
-from reward_server.field_names import not_sent, shown_path, unencodable
+from reward_server.field_names import not_utf8, shown_path, unencodable
 from trainer_client.results import ScoreResult, warned_item, warning_kind
 from trainer_client.retry import (
     PROBE_RETRY,
@@ -99,7 +99,7 @@ def encode_body(body: Any, first: int = 0) -> bytes | None:
     >>> encode_body({"items": [{"completion": "ok"}, {"completion": "x\\ud800"}]}, first=256)
     Traceback (most recent call last):
     ...
-    trainer_client.client.ItemError: items.257.completion: not valid UTF-8 (a lone surrogate ...
+    trainer_client.client.ItemError: items.257.completion: not valid UTF-8 at character 1: ...
     """
     if body is None:
         return None
@@ -108,7 +108,7 @@ def encode_body(body: Any, first: int = 0) -> bytes | None:
         return text.encode("utf-8")
     except UnicodeEncodeError:
         path, at = unencodable(body) or ((), 0)
-        reason = not_sent(at)
+        reason = f"{not_utf8(at)}; not sent"
         if len(path) > 2 and path[0] == "items" and isinstance(path[1], int):
             raise ItemError(first + path[1], shown_path(path[2:]), reason) from None
         raise ValueError(f"{shown_path(path)}: {reason}") from None

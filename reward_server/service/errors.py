@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from reward_server.field_names import not_utf8
+
 #: Most validation issues reported for one request (a 10k-item batch of wrong types would
 #: otherwise produce a response larger than the request).
 MAX_ISSUES = 20
@@ -145,11 +147,7 @@ class RequestInvalid(ServiceError):
         not valid UTF-8 at character 3
         a lone surrogate (\ud800-\udfff) or a byte UTF-8 does not allow; send text as UTF-8
         """
-        msg = (
-            f"not valid UTF-8 at character {at}: a lone surrogate (\\ud800-\\udfff) or a byte "
-            "UTF-8 does not allow; send text as UTF-8"
-        )
-        return cls.one(loc, msg, "string_unicode")
+        return cls.one(loc, f"{not_utf8(at)}; send text as UTF-8", "string_unicode")
 
     @property
     def field(self) -> str | None:

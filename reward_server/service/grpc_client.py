@@ -10,7 +10,7 @@ import grpc
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
-from reward_server.field_names import not_sent, shown_path, unencodable
+from reward_server.field_names import not_utf8, shown_path, unencodable
 from reward_server.service.grpc_messages import (
     METHODS,
     REQUIRED_ITEM_FIELDS,
@@ -74,7 +74,7 @@ def request_from_dict(body: dict[str, Any]) -> pb.ScoreRequest:
     >>> request_from_dict({"items": [{"completion": "x\\ud800", "answer": "1"}]})
     Traceback (most recent call last):
     ...
-    ValueError: items.0.completion: not valid UTF-8 (a lone surrogate at character 1); not sent
+    ValueError: items.0.completion: not valid UTF-8 at character 1: a lone surrogate ...
     """
     msg = pb.ScoreRequest()
     for key, value in body.items():
@@ -156,7 +156,7 @@ def _fill(message: Message, fields: Mapping[str, Any], loc: tuple[str | int, ...
             )
         unsent = unencodable(value) if isinstance(value, str) else None
         if unsent is not None:
-            raise ValueError(f"{path}: {not_sent(unsent[1])}")
+            raise ValueError(f"{path}: {not_utf8(unsent[1])}; not sent")
         try:
             setattr(message, name, value)
         except ValueError as exc:  # past int64: protobuf names no field
@@ -167,15 +167,13 @@ def _fill(message: Message, fields: Mapping[str, Any], loc: tuple[str | int, ...
 
 def _mapping(value: Any, loc: tuple[str | int, ...]) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
-        path = ".".join(map(str, loc))
-        raise ValueError(f"{path}: an object, got {type(value).__name__} {value!r}")
+        raise ValueError(f"{shown_path(loc)}: an object, got {type(value).__name__} {value!r}")
     return value
 
 
 def _listed(value: Any, loc: tuple[str | int, ...]) -> list[Any]:
     if not isinstance(value, list | tuple):
-        path = ".".join(map(str, loc))
-        raise ValueError(f"{path}: a list, got {type(value).__name__}")
+        raise ValueError(f"{shown_path(loc)}: a list, got {type(value).__name__}")
     return list(value)
 
 
