@@ -8,7 +8,7 @@ import difflib
 import json
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from pydantic import BaseModel
@@ -98,48 +98,78 @@ def unencodable(value: Any) -> tuple[JSONPath, int] | None:
     cannot encode is: its path and the index of its first such character, else None. Such a
     string holds a lone surrogate (``\ud800``, a broken tokenizer's decoding), or, read with
     ``surrogateescape``, a byte UTF-8 does not allow. A mapping's keys are looked at before
-    its values; nesting of any depth is walked without recursion, in time linear in the
-    values: a path is built for the string found only (one copied for each value made a
-    body nesting 900 deep cost the server ~0.4 s and ~80 MB for 80 kB).
+    its values (:func:`first_found`'s walk).
 
     >>> unencodable({"items": [{"completion": "ok"}, {"completion": "x\ud800"}]})
     (('items', 1, 'completion'), 1)
     >>> unencodable({"a\udcff": 1}), unencodable(["fine", 3, None])
     ((('a\udcff',), 1), None)
     """
-    # Each value with its path as a chain of (key, the parent's chain) pairs, None the root.
-    stack: list[tuple[Any, _Chain]] = [(value, None)]
-    while stack:
-        value, chain = stack.pop()
-        if isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                return _path(chain), exc.start
-        elif isinstance(value, Mapping):
-            keys = [(key, (key, chain)) for key in value]
-            values = [(item, (key, chain)) for key, item in value.items()]
-            stack.extend(reversed([*keys, *values]))
-        elif isinstance(value, list | tuple):
-            stack.extend(reversed([(item, (i, chain)) for i, item in enumerate(value)]))
+    return first_found(value, _json_children, _unencodable_at)
+
+
+def _json_children(value: Any) -> list[tuple[JSONPath, Any]]:
+    """A JSON value's keys (as values, at their own path) then values, or its elements."""
+    if isinstance(value, Mapping):
+        keys = (((key,), key) for key in value)
+        return [*keys, *(((key,), item) for key, item in value.items())]
+    if isinstance(value, list | tuple):
+        return [((i,), item) for i, item in enumerate(value)]
+    return []
+
+
+def _unencodable_at(value: Any) -> int | None:
+    """The first character of a string that UTF-8 cannot encode (None: none, or no string)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return exc.start
     return None
 
 
-#: A path as :func:`unencodable` walks it: the last key and its parent's chain, None the root.
-_Chain = tuple[str | int, "_Chain"] | None
+def first_found(
+    root: Any,
+    children: Callable[[Any], Sequence[tuple[JSONPath, Any]]],
+    found_at: Callable[[Any], int | None],
+) -> tuple[JSONPath, int] | None:
+    """The path of the first value under ``root`` (itself included, depth first, in order)
+    for which ``found_at`` gives an index, with that index; None when none does.
+    ``children(value)``: a value's children, each with the keys from the value to it (none
+    for a leaf). The walk is a loop, not recursion (a body may nest deeper than Python's
+    stack), and a value's path is a link to its parent's, built into a tuple for the value
+    found only: a path copied for each value costs depth times values (measurements:
+    benchmarks/README.md, the thirty-second pass).
+
+    >>> first_found([[1, 2], [3, [4]]], _json_children, lambda v: v if v == 4 else None)
+    ((1, 1, 0), 4)
+    """
+    # Each value with its path as a chain of (keys, the parent's chain) pairs, None the root.
+    stack: list[tuple[Any, _Chain]] = [(root, None)]
+    while stack:
+        value, chain = stack.pop()
+        at = found_at(value)
+        if at is not None:
+            return _path(chain), at
+        stack.extend(reversed([(child, (keys, chain)) for keys, child in children(value)]))
+    return None
+
+
+#: A path as :func:`first_found` walks it: the last keys and the parent's chain, None the root.
+_Chain = tuple[JSONPath, "_Chain"] | None
 
 
 def _path(chain: _Chain) -> JSONPath:
     """The path ``chain`` links, from the root.
 
-    >>> _path((2, ("items", None)))
+    >>> _path(((2,), (("items",), None)))
     ('items', 2)
     """
-    keys: list[str | int] = []
+    parts: list[JSONPath] = []
     while chain is not None:
-        key, chain = chain
-        keys.append(key)
-    return tuple(reversed(keys))
+        keys, chain = chain
+        parts.append(keys)
+    return tuple(key for keys in reversed(parts) for key in keys)
 
 
 def not_utf8(at: int) -> str:

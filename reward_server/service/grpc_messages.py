@@ -26,6 +26,7 @@ from reward_server.core.components import COMPONENTS
 from reward_server.core.params import RewardParams, Weights
 from reward_server.core.recipes import RECIPES
 from reward_server.core.scoring import ItemResult
+from reward_server.field_names import first_found
 from reward_server.service._generated.sde2.v1 import reward_pb2 as pb
 from reward_server.service.errors import Loc, RequestInvalid, issue
 from reward_server.service.pipeline import Scored
@@ -332,34 +333,38 @@ def not_utf8_field(data: bytes) -> RequestInvalid | None:
         mirror = _unchecked(pb.ScoreRequest.DESCRIPTOR.full_name).FromString(data)
     except Exception:  # DecodeError, or anything the parser raises on junk: not protobuf
         return None
-    stack: list[tuple[Message | bytes, Loc]] = [(mirror, ())]
-    while stack:
-        value, loc = stack.pop()
-        if isinstance(value, bytes):
-            try:
-                value.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                return RequestInvalid.not_utf8(loc, len(value[: exc.start].decode("utf-8")))
-        else:
-            stack.extend(reversed(_strings_and_messages(value, loc)))
+    found = first_found(mirror, _strings_and_messages, _undecodable_at)
+    return None if found is None else RequestInvalid.not_utf8(*found)
+
+
+def _undecodable_at(value: Message | bytes) -> int | None:
+    """The character where a string field's bytes (in :func:`_unchecked`'s mirror) stop
+    being UTF-8, counted in the characters before it; None for valid text, or a message."""
+    if isinstance(value, bytes):
+        try:
+            value.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            return len(value[: exc.start].decode("utf-8"))
     return None
 
 
-def _strings_and_messages(message: Message, loc: Loc) -> list[tuple[Message | bytes, Loc]]:
-    """The string values (as bytes, in :func:`_unchecked`'s mirror) and the messages that
-    ``message`` holds, each with its path, in the order of their fields' numbers (a map
-    would be left out: a request's messages declare none)."""
-    found: list[tuple[Message | bytes, Loc]] = []
-    for field, value in message.ListFields():
-        path = (*loc, field.name)
+def _strings_and_messages(value: Message | bytes) -> list[tuple[Loc, Message | bytes]]:
+    """The string values (as bytes, in :func:`_unchecked`'s mirror) and the messages that a
+    message holds, each with its keys (a field's name, and a repeated one's index), in the
+    order of their fields' numbers (a map would be left out: a request's messages declare
+    none); a string has none."""
+    if not isinstance(value, Message):
+        return []
+    found: list[tuple[Loc, Message | bytes]] = []
+    for field, held in value.ListFields():
         nested = field.message_type
         if field.type == FieldDescriptor.TYPE_BYTES or (
             nested is not None and not nested.GetOptions().map_entry
         ):
             if field.is_repeated:
-                found.extend((v, (*path, k)) for k, v in enumerate(value))
+                found.extend(((field.name, k), v) for k, v in enumerate(held))
             else:
-                found.append((value, path))
+                found.append(((field.name,), held))
     return found
 
 
