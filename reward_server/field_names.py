@@ -105,7 +105,7 @@ def unencodable(value: Any) -> tuple[JSONPath, int] | None:
     >>> unencodable({"a\udcff": 1}), unencodable(["fine", 3, None])
     ((('a\udcff',), 1), None)
     """
-    return first_found(value, _json_children, _unencodable_at)
+    return first_found(value, _json_children, unencodable_at)
 
 
 def _json_children(value: Any) -> list[tuple[JSONPath, Any]]:
@@ -118,8 +118,13 @@ def _json_children(value: Any) -> list[tuple[JSONPath, Any]]:
     return []
 
 
-def _unencodable_at(value: Any) -> int | None:
-    """The first character of a string that UTF-8 cannot encode (None: none, or no string)."""
+def unencodable_at(value: Any) -> int | None:
+    r"""The first character of a string that UTF-8 cannot encode (a lone surrogate), or
+    None: none, or ``value`` is no string.
+
+    >>> unencodable_at("ab\ud800"), unencodable_at("ok"), unencodable_at(3)
+    (2, None, None)
+    """
     if isinstance(value, str):
         try:
             value.encode("utf-8")

@@ -26,6 +26,7 @@ from tokenizers.pre_tokenizers import BertPreTokenizer
 
 from reward_server.encoders.base import MAX_SEQ_LENGTH
 from reward_server.encoders.model_store import EXPORT_AGAIN, ModelLoadError
+from reward_server.field_names import unencodable_at
 
 #: The file name the tokenizer lives in, in both Hugging Face folders and our exports.
 TOKENIZER_FILE = "tokenizer.json"
@@ -281,24 +282,11 @@ def _encoded(
         return tokenizer.encode_batch(texts, add_special_tokens=True)
     except TypeError:
         for read, (i, text) in zip(texts, sources or list(enumerate(texts)), strict=True):
-            if _surrogate_at(read) is not None:
-                at = _surrogate_at(text)  # the same first one, counted in the caller's text
+            if unencodable_at(read) is not None:
+                at = unencodable_at(text)  # the same first one, counted in the caller's text
                 raise ValueError(
                     f"text {i} of the batch ({text[:40]!r}...) holds a lone surrogate "
                     f"({text[at or 0]!r} at character {at}): not Unicode text an encoder "
                     "can read"
                 ) from None
         raise
-
-
-def _surrogate_at(text: str) -> int | None:
-    r"""Where ``text``'s first lone surrogate is, or None: what UTF-8 cannot encode.
-
-    >>> _surrogate_at("ab\ud800"), _surrogate_at("ok")
-    (2, None)
-    """
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        return exc.start
-    return None
