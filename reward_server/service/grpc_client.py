@@ -10,7 +10,7 @@ import grpc
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
-from reward_server.field_names import not_utf8, shown_path, unencodable
+from reward_server.field_names import not_utf8, shown_path, unencodable_at
 from reward_server.service.grpc_messages import (
     METHODS,
     REQUIRED_ITEM_FIELDS,
@@ -112,7 +112,7 @@ def _declares(message: Message | type[Message], name: str) -> bool:
     >>> _declares(pb.Item, "answer"), _declares(pb.Item(), "answers"), _declares(pb.Item, "\ud800")
     (True, False, False)
     """
-    return unencodable(name) is None and name in message.DESCRIPTOR.fields_by_name
+    return unencodable_at(name) is None and name in message.DESCRIPTOR.fields_by_name
 
 
 def _require(fields: Mapping[str, Any], names: Sequence[str], loc: tuple[str | int, ...]) -> None:
@@ -154,9 +154,9 @@ def _fill(message: Message, fields: Mapping[str, Any], loc: tuple[str | int, ...
             raise ValueError(
                 f"{path}: {kind}, got {type(value).__name__} {value!r} (HTTP refuses it too)"
             )
-        unsent = unencodable(value) if isinstance(value, str) else None
-        if unsent is not None:
-            raise ValueError(f"{path}: {not_utf8(unsent[1])}; not sent")
+        at = unencodable_at(value)
+        if at is not None:
+            raise ValueError(f"{path}: {not_utf8(at)}; not sent")
         try:
             setattr(message, name, value)
         except ValueError as exc:  # past int64: protobuf names no field
