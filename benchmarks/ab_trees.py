@@ -19,6 +19,11 @@ cosines (the ``Uniq`` walk runs for the items with a pair closer than the thresh
     python benchmarks/ab_trees.py --base ../other-checkout [--steps 300]
     python benchmarks/ab_trees.py --base ../other-checkout --shape "reasoning with line breaks"
     python benchmarks/ab_trees.py --base ../other-checkout --worker-path
+    python benchmarks/ab_trees.py --pythons /usr/bin/python3.11,../venv-3.13/bin/python
+
+``--pythons``: (D) only, of this tree under each interpreter given (each a Python whose
+environment holds the core's dependencies: numpy, pydantic), driven in lockstep the same way:
+what the interpreter's version and build cost, measured in one run.
 
 The steps are made here, by this tree's ``benchmarks/workload.py`` (``--shape``: the standard
 steps reshaped as real output is, :data:`~benchmarks.workload.SHAPES`), and handed to both
@@ -92,36 +97,45 @@ def worker(steps_file: Path, table_file: Path) -> None:
         print(ms, json.dumps(rewards), flush=True)
 
 
-def _spawn(tree: Path, *args: str) -> subprocess.Popen[str]:
+def _spawn(tree: Path, *args: str, python: str = sys.executable) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     return subprocess.Popen(
-        [sys.executable, *args], cwd=tree, env=env, text=True,
+        [python, *args], cwd=tree, env=env, text=True,
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
     )  # fmt: skip
 
 
 def compare_in_process(
-    trees: Sequence[Path], steps: int, steps_file: Path, table: Path, largest: list[float]
-) -> dict[Path, list[float]]:
-    """(D) per tree, alternating step by step; rewards must agree (:func:`_differ`)."""
+    trees: Sequence[Path],
+    steps: int,
+    steps_file: Path,
+    table: Path,
+    largest: list[float],
+    pythons: Sequence[str] = (),
+) -> list[list[float]]:
+    """(D) per tree, alternating step by step; rewards must agree (:func:`_differ`). With
+    ``pythons``, one worker per interpreter, each running the one tree of ``trees``."""
     # This file's worker, importing each tree's code (its PYTHONPATH): the base need not have it.
     me = str(Path(__file__).resolve())
     worker_args = ("--worker", "--steps-file", str(steps_file), "--table", str(table))
-    procs = [_spawn(t, me, *worker_args) for t in trees]
-    times: dict[Path, list[float]] = {t: [] for t in trees}
+    if pythons:
+        procs = [_spawn(trees[0], me, *worker_args, python=python) for python in pythons]
+    else:
+        procs = [_spawn(t, me, *worker_args) for t in trees]
+    times: list[list[float]] = [[] for _ in procs]
     try:
         for p in procs:
             assert p.stdout is not None and p.stdout.readline().strip() == "ready"
         for r in range(steps + 16):  # two passes over the 8 steps warm up
             answers = []
-            for tree, p in zip(trees, procs, strict=True):
+            for k, p in enumerate(procs):
                 assert p.stdin is not None and p.stdout is not None
                 p.stdin.write(f"{r}\n")
                 p.stdin.flush()
                 ms, rewards = p.stdout.readline().split(" ", 1)
                 answers.append(json.loads(rewards))
                 if r >= 16:
-                    times[tree].append(float(ms))
+                    times[k].append(float(ms))
             _differ(answers, f"step {r}", largest)
     finally:
         for p in procs:
@@ -204,6 +218,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="(E) through the batcher's worker (the table answers no peek), as uncached steps go",
     )
+    parser.add_argument(
+        "--pythons",
+        type=lambda text: text.split(","),
+        default=[],
+        help="(D) only: this tree under each of these interpreters (comma-separated paths)",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--steps-file", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--table", type=Path, help=argparse.SUPPRESS)
@@ -211,12 +231,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.worker:
         worker(args.steps_file, args.table)
         return 0
-    if args.base is None:
-        parser.error("--base is required")
+    if (args.base is None) == (not args.pythons):
+        parser.error("give --base (two trees) or --pythons (one tree, several interpreters)")
     from benchmarks.workload import SHAPES
 
     if args.shape not in (STANDARD, *SHAPES):
         parser.error(f"--shape: one of {[STANDARD, *SHAPES]}")
+    if args.pythons:
+        return compare_interpreters(args.pythons, args.steps, args.shape)
     trees = [args.base.resolve(), ROOT]
     largest = [0.0]
     step_items = _steps(args.shape)
@@ -224,7 +246,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         steps_file, table = Path(tmp) / "steps.json", Path(tmp) / "table.npz"
         steps_file.write_text(json.dumps(step_items))
         _save_table(step_items, table)
-        d = compare_in_process(trees, args.steps, steps_file, table, largest)
+        in_process = compare_in_process(trees, args.steps, steps_file, table, largest)
+        d = dict(zip(trees, in_process, strict=True))
         e, e_server = compare_http(
             trees, args.steps, step_items, table, args.port, largest, args.worker_path
         )
@@ -243,6 +266,36 @@ def main(argv: Sequence[str] | None = None) -> int:
             before, after = (_quantile(times[t], quantile) for t in trees)
             print(f"{name:<44}{before:>10.2f}{after:>12.2f}{before / after:>9.2f}x")
     return 0
+
+
+def compare_interpreters(pythons: Sequence[str], steps: int, shape: str) -> int:
+    """(D) of this tree under each of ``pythons``, interleaved; printed against the first."""
+    labels = [_describe(python) for python in pythons]
+    largest = [0.0]
+    step_items = _steps(shape)
+    with tempfile.TemporaryDirectory() as tmp:
+        steps_file, table = Path(tmp) / "steps.json", Path(tmp) / "table.npz"
+        steps_file.write_text(json.dumps(step_items))
+        _save_table(step_items, table)
+        d = compare_in_process([ROOT], steps, steps_file, table, largest, pythons)
+    print(
+        f"(D) in process, {steps} steps per interpreter ({shape}), interleaved; rewards agree "
+        f"(<= {TOLERANCE:.0e}): yes, largest difference {largest[0]:.1e}"
+    )
+    print(f"{'interpreter':<44}{'p50 ms':>10}{'p99 ms':>10}{'vs first':>10}")
+    first = _quantile(d[0], 0.5)
+    for label, times in zip(labels, d, strict=True):
+        p50, p99 = _quantile(times, 0.5), _quantile(times, 0.99)
+        print(f"{label:<44}{p50:>10.2f}{p99:>10.2f}{first / p50:>9.2f}x")
+    return 0
+
+
+def _describe(python: str) -> str:
+    """``python``'s version and path. (Its build, PGO or not, cannot be told from the outside:
+    distributions build with PGO through their own rules, not ``--enable-optimizations``.)"""
+    probe = "import sys; print(sys.version.split()[0])"
+    out = subprocess.run([python, "-c", probe], capture_output=True, text=True, check=True)
+    return f"{out.stdout.strip()} ({python})"
 
 
 def _quantile(values: Sequence[float], q: float) -> float:
