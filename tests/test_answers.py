@@ -10,8 +10,10 @@ from reward_server.core.answers import (
     canonical_choice,
     canonical_exact,
     canonical_numeric,
+    gold_text,
     make_matcher,
     math_available,
+    unmatchable_gold,
 )
 from reward_server.core.text import preprocess
 
@@ -137,3 +139,19 @@ def test_math_matching_off_the_main_thread() -> None:
     t.start()
     t.join()
     assert results == [True]
+
+
+@pytest.mark.parametrize("value", [True, False, [18], b"18"])
+def test_gold_text_refuses_a_bool_or_a_non_number(value: object) -> None:
+    """A dataset column of booleans or lists is a mistake, not a gold: ``True`` is no "1" (it
+    would match every answer 1), and a list is no gold text at all."""
+    with pytest.raises(ValueError, match="a string or a number"):
+        gold_text(value)
+
+
+def test_a_long_unmatchable_gold_is_named_shortened() -> None:
+    """The warning for a long unmatchable gold quotes its first 40 characters, so a whole
+    question pasted in the answer column makes a readable warning, not an error."""
+    gold = "none of the options listed here is right at all"
+    problem = unmatchable_gold("choice", gold)
+    assert problem is not None and repr(gold[:40] + "...") in problem

@@ -127,3 +127,29 @@ def test_no_length_penalty_is_zero_not_negative_zero() -> None:
     import json
 
     assert json.dumps([C.length_penalty(n, P) for n in (0, P.length_target)]) == "[0.0, 0.0]"
+
+
+_FLOAT_PARAMS = [name for name, f in RewardParams.model_fields.items() if f.annotation is float]
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+@pytest.mark.parametrize("field", _FLOAT_PARAMS)
+def test_every_float_parameter_must_be_finite(field: str, value: float) -> None:
+    """SPEC §4: every real parameter is finite; ``+inf`` passes a ``≥ 0`` bound, so each
+    field must refuse it itself (an infinite ``gamma_answer`` would make every reward NaN)."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError) as err:
+        RewardParams.model_validate({field: value})
+    assert err.value.errors()[0]["loc"] == (field,)
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("key", ["oc", "re", "fa", "sd", "rd", "len"])
+def test_every_weight_must_be_finite(key: str, value: float) -> None:
+    """SPEC §4: weights are any finite number, each of the six refusing infinities and NaN."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError) as err:
+        RewardParams.model_validate({"weights": {key: value}})
+    assert err.value.errors()[0]["loc"] == ("weights", key)

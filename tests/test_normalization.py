@@ -128,3 +128,18 @@ def test_equal_values_normalize_to_zero_at_any_scale(value: float) -> None:
     agg = aggregate({"oc": [value] * 3}, params, normalize=True, groups=["g"] * 3)
     assert agg.normalized["oc"] == [0.0] * 3 and agg.std["oc"] == 0.0 and agg.mean["oc"] == value
     assert agg.rewards == [0.0] * 3 and agg.advantages == [0.0] * 3
+
+
+def test_aggregate_reports_sigma_of_a_component_too_large_to_square() -> None:
+    """SPEC §5's ``σ_k`` is the population std even where the squares overflow (any finite
+    ``lambda_oc`` is allowed): the batch statistics report it, not the mean."""
+    top = 1.7e308
+    agg = aggregate(
+        {"oc": [top, 0.0, 0.0], "fa": [0.0, 1.0, 1.0]},
+        RewardParams(),
+        normalize=True,
+        groups=None,
+    )
+    assert agg.mean["oc"] == pytest.approx(top / 3, rel=1e-12)
+    assert agg.std["oc"] == pytest.approx(top / 3 * 2**0.5, rel=1e-12)
+    assert agg.normalized["oc"] == pytest.approx([2**0.5, -(2**-0.5), -(2**-0.5)], rel=1e-9)

@@ -6,10 +6,12 @@ import pytest
 
 from reward_server.core.parsing import (
     Strategy,
+    StrayTag,
     field_list,
     final_answer,
     parse_completion,
     parse_completions,
+    scan_strategies,
     strategy_blocks,
 )
 
@@ -179,3 +181,32 @@ def test_unicode_look_alikes_of_answer_tags_do_not_count(name: str) -> None:
     text = f"<{name}>7</{name}>"
     assert final_answer(text, ()) is None
     assert parse_completions([text], 32)[0].final_answer is None
+
+
+def test_exhaustive_scan_reports_every_block_and_stray_tag() -> None:
+    """Explanations list what the reward ignored: an exhaustive scan reports each completed block
+    with its fate (kept, invalid, duplicate, past ``max_strategies``) and each stray tag, in
+    order; a block after the cap is ``beyond_max`` even when it would be valid and new."""
+    text = (
+        "</strategy><strategy id=1>"
+        + block("a", "1")
+        + block("", "1")
+        + block("a", "1")
+        + block("b", "2")
+        + block("c", "3")
+        + "<strategy>"
+    )
+    events = [
+        (e.kind, e.start) if isinstance(e, StrayTag) else (e.status, e.strategy)
+        for e in scan_strategies(text, 2, exhaustive=True)
+    ]
+    assert events == [
+        ("stray_closing", 0),
+        ("unclosed_opening", 11),
+        ("kept", Strategy("a", "1")),
+        ("invalid", Strategy("", "1")),
+        ("duplicate", Strategy("a", "1")),
+        ("kept", Strategy("b", "2")),
+        ("beyond_max", Strategy("c", "3")),
+        ("unclosed_opening", len(text) - len("<strategy>")),
+    ]

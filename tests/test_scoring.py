@@ -264,3 +264,15 @@ def test_a_gold_no_sensible_answer_matches_is_scored_as_spec_defines_it(
     assert "rewards are format rewards" in warning.message
     plain = score_batch(items[:1], HashEncoder(), answer_type=answer_type)  # type: ignore[arg-type]
     assert plain.warnings == () and plain.items[0].correct
+
+
+@pytest.mark.parametrize("extra", [-1, 1])
+def test_embeddings_not_one_per_text_are_an_error(extra: int) -> None:
+    """Phase 2 takes one embedding row per text of phase 1: a count off either way (an encoder
+    or a coalescing server mixing up batches) is refused, not scored with misaligned rows."""
+    from reward_server.core import finish_batch
+
+    prepared = prepare_batch([ScoreItem(strat("a", "1") + strat("b", "2"), "9")])
+    rows = np.eye(len(prepared.texts) + extra, 384, dtype=np.float32)
+    with pytest.raises(ValueError, match="embeddings for"):
+        finish_batch(prepared, rows)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reward_server.core.text import field_text, preprocess
+from reward_server.core.text import field_text, preprocess, preprocess_with_offsets
 
 
 @pytest.mark.parametrize(
@@ -107,3 +107,13 @@ def test_field_text_is_the_plain_cleaning(raw: str) -> None:
     plain = re.sub(r"(?:```|~~~)(?:[A-Za-z][A-Za-z0-9_+\-]*)?", " ", raw)
     plain = plain.replace("**", "").replace("__", "")
     assert field_text(raw) == " ".join(plain.split())
+
+
+def test_offsets_segments_only_where_the_length_changes() -> None:
+    """An explanation maps preprocessed offsets back: only pieces NFKC changes in length are
+    segments (a full-width digit or an accent left as it was shifts nothing), and a later
+    segment's preprocessed offset counts the growth of the earlier ones."""
+    pre, offsets = preprocess_with_offsets("\ufb01 \uff11x\u0301\ufb01")
+    assert pre == "fi 1x\u0301fi"
+    assert offsets.segments == ((0, 2, 0, 1), (6, 8, 5, 6))
+    assert [offsets.start(i) for i in range(len(pre))] == [0, 0, 1, 2, 3, 4, 5, 5]
