@@ -155,3 +155,10 @@ def test_a_long_unmatchable_gold_is_named_shortened() -> None:
     gold = "none of the options listed here is right at all"
     problem = unmatchable_gold("choice", gold)
     assert problem is not None and repr(gold[:40] + "...") in problem
+
+
+def test_an_unknown_answer_type_is_refused() -> None:
+    """``answer_type`` selects the matcher (SPEC §2): an unknown one is an error, never
+    silently another matcher (such as ``math``)."""
+    with pytest.raises(ValueError, match="unknown answer_type"):
+        make_matcher("fuzzy", "1")  # type: ignore[arg-type]

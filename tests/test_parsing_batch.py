@@ -192,6 +192,8 @@ _BODY = "<reasoning>x < 5</reasoning><strategy_outcome>1</strategy_outcome>"
         "</final_answer><final_answer>x < 5</final_answer>",  # a closing with no field open
         "<final_answer>x < 5</answer></final_answer>",  # another name's closing in the field
         f"<answer>x < 5<strategy>{_BODY}</strategy></answer>",  # a block in an open field
+        # an answer field holding what reads as a block body: an answer, never a block
+        "<answer><reasoning>a</reasoning><strategy_outcome>5</strategy_outcome></answer>",
     ],
 )
 def test_a_block_with_a_lt_in_a_field_is_read_as_the_scan_reads_it(text: str) -> None:
