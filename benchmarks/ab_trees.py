@@ -69,6 +69,16 @@ def _steps(shape: str) -> list[list[dict[str, Any]]]:
 STANDARD = "standard"
 
 
+def _workload(shape: str, folder: Path) -> tuple[list[list[dict[str, Any]]], Path, Path]:
+    """The steps of ``shape``, and the files every worker reads them and their embeddings
+    from, written into ``folder``: ``(steps, steps file, table file)``."""
+    step_items = _steps(shape)
+    steps_file, table = folder / "steps.json", folder / "table.npz"
+    steps_file.write_text(json.dumps(step_items))
+    _save_table(step_items, table)
+    return step_items, steps_file, table
+
+
 def _save_table(steps: list[list[dict[str, Any]]], path: Path) -> None:
     """The steps' needed texts embedded by the embedded model, saved as a table at ``path``."""
     from benchmarks.table_server import TableEncoder
@@ -98,6 +108,7 @@ def worker(steps_file: Path, table_file: Path) -> None:
 
 
 def _spawn(tree: Path, *args: str, python: str = sys.executable) -> subprocess.Popen[str]:
+    """``python`` running ``args`` in ``tree``, importing that tree's code."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     return subprocess.Popen(
         [python, *args], cwd=tree, env=env, text=True,
@@ -106,22 +117,18 @@ def _spawn(tree: Path, *args: str, python: str = sys.executable) -> subprocess.P
 
 
 def compare_in_process(
-    trees: Sequence[Path],
+    workers: Sequence[tuple[Path, str]],
     steps: int,
     steps_file: Path,
     table: Path,
     largest: list[float],
-    pythons: Sequence[str] = (),
 ) -> list[list[float]]:
-    """(D) per tree, alternating step by step; rewards must agree (:func:`_differ`). With
-    ``pythons``, one worker per interpreter, each running the one tree of ``trees``."""
+    """(D) per worker, a ``(tree, interpreter)`` pair, alternating step by step: each worker's
+    milliseconds, in order; rewards must agree (:func:`_differ`)."""
     # This file's worker, importing each tree's code (its PYTHONPATH): the base need not have it.
     me = str(Path(__file__).resolve())
     worker_args = ("--worker", "--steps-file", str(steps_file), "--table", str(table))
-    if pythons:
-        procs = [_spawn(trees[0], me, *worker_args, python=python) for python in pythons]
-    else:
-        procs = [_spawn(t, me, *worker_args) for t in trees]
+    procs = [_spawn(tree, me, *worker_args, python=python) for tree, python in workers]
     times: list[list[float]] = [[] for _ in procs]
     try:
         for p in procs:
@@ -241,12 +248,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return compare_interpreters(args.pythons, args.steps, args.shape)
     trees = [args.base.resolve(), ROOT]
     largest = [0.0]
-    step_items = _steps(args.shape)
     with tempfile.TemporaryDirectory() as tmp:
-        steps_file, table = Path(tmp) / "steps.json", Path(tmp) / "table.npz"
-        steps_file.write_text(json.dumps(step_items))
-        _save_table(step_items, table)
-        in_process = compare_in_process(trees, args.steps, steps_file, table, largest)
+        step_items, steps_file, table = _workload(args.shape, Path(tmp))
+        workers = [(tree, sys.executable) for tree in trees]
+        in_process = compare_in_process(workers, args.steps, steps_file, table, largest)
         d = dict(zip(trees, in_process, strict=True))
         e, e_server = compare_http(
             trees, args.steps, step_items, table, args.port, largest, args.worker_path
@@ -272,12 +277,10 @@ def compare_interpreters(pythons: Sequence[str], steps: int, shape: str) -> int:
     """(D) of this tree under each of ``pythons``, interleaved; printed against the first."""
     labels = [_describe(python) for python in pythons]
     largest = [0.0]
-    step_items = _steps(shape)
     with tempfile.TemporaryDirectory() as tmp:
-        steps_file, table = Path(tmp) / "steps.json", Path(tmp) / "table.npz"
-        steps_file.write_text(json.dumps(step_items))
-        _save_table(step_items, table)
-        d = compare_in_process([ROOT], steps, steps_file, table, largest, pythons)
+        _, steps_file, table = _workload(shape, Path(tmp))
+        workers = [(ROOT, python) for python in pythons]
+        d = compare_in_process(workers, steps, steps_file, table, largest)
     print(
         f"(D) in process, {steps} steps per interpreter ({shape}), interleaved; rewards agree "
         f"(<= {TOLERANCE:.0e}): yes, largest difference {largest[0]:.1e}"
