@@ -249,7 +249,7 @@ def canonical_exact(text: str) -> str:
 
 
 def math_equivalent(prediction: str, gold: str) -> bool:
-    """``answer_type = "math"``: equivalence by ``math-verify`` (optional extra), gold first.
+    r"""``answer_type = "math"``: equivalence by ``math-verify`` (optional extra), gold first.
 
     In process and unbounded off the main thread: for untrusted model output use the isolated
     judge of :mod:`reward_server.math_judge`, which runs this in a process it can kill.
@@ -261,9 +261,9 @@ def math_equivalent(prediction: str, gold: str) -> bool:
     True
 
     A LaTeX text in which ``math-verify`` finds nothing is read again as one formula: MATH's
-    golds and most final answers are bare LaTeX (``\\frac{\\sqrt{3}}{2}``), which it only
+    golds and most final answers are bare LaTeX (``\frac{\sqrt{3}}{2}``), which it only
     reads between delimiters (every such answer was judged wrong). Only a text holding LaTeX's
-    marks (``\\ ^ _ {``): read as a formula, letters are a product of symbols, and "CBA"
+    marks (``\ ^ _ {``): read as a formula, letters are a product of symbols, and "CBA"
     would equal "ABC".
 
     >>> math_equivalent("\\frac{\\sqrt3}{2}", "\\frac{\\sqrt{3}}{2}")
