@@ -179,7 +179,7 @@ def test_nfkc_expansion_counts_against_the_character_limit() -> None:
 def test_nfkc_expands_no_character_more_than_the_limit_check_assumes() -> None:
     """The limit check normalizes only texts longer than limit / NFKC_MAX_EXPANSION: sound only
     if no code point expands further (composition only shortens a string)."""
-    from reward_server.service.pipeline import NFKC_MAX_EXPANSION
+    from reward_server.service.request_checks import NFKC_MAX_EXPANSION
 
     widest = max(
         len(unicodedata.normalize("NFKC", chr(c)))

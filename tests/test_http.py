@@ -635,7 +635,7 @@ def test_openapi_text_limits_are_the_limits_the_service_enforces() -> None:
     """One table (``ITEM_TEXT_LIMITS``) gives the OpenAPI ``maxLength`` of every item text, and
     of the OpenRLHF field each comes from, and the limit the service refuses past."""
     from reward_server.service.openrlhf_routes import ITEM_SOURCES
-    from reward_server.service.pipeline import ITEM_TEXT_LIMITS, item_text_limits
+    from reward_server.service.request_checks import ITEM_TEXT_LIMITS, item_text_limits
 
     service = make_service(max_completion_chars=300, max_answer_chars=20)
     limits = item_text_limits(service.settings)

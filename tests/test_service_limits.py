@@ -35,6 +35,7 @@ from reward_server.service.config import Settings, add_settings_arguments, load_
 from reward_server.service.errors import RequestInvalid
 from reward_server.service.metrics import Metrics
 from reward_server.service.pipeline import ScoringService
+from reward_server.service.request_checks import check_encoder_budget
 from tests.doubles import HashEncoder
 from tests.service_fixtures import SlowEncoder, http_client, make_service, make_settings
 
@@ -152,15 +153,11 @@ def test_limit_checks_report_every_field_over_its_limit_and_nothing_else() -> No
 
 
 def test_encoder_budget_counts_the_texts_when_their_count_alone_cannot_clear_it() -> None:
-    service = make_service(max_request_tokens=10)
-    try:
-        service.check_encoder_budget(["abcd"] * 3)  # 3 texts of 3 tokens: 9 <= 10
-        with pytest.raises(RequestInvalid) as raised:
-            service.check_encoder_budget(["abcd"] * 4)  # 12 > 10
-        assert "needs about 12 encoder tokens" in str(raised.value.issues)
-        service.check_encoder_budget([])
-    finally:
-        service.close()
+    check_encoder_budget(["abcd"] * 3, 10)  # 3 texts of 3 tokens: 9 <= 10
+    with pytest.raises(RequestInvalid) as raised:
+        check_encoder_budget(["abcd"] * 4, 10)  # 12 > 10
+    assert "needs about 12 encoder tokens" in str(raised.value.issues)
+    check_encoder_budget([], 10)
 
 
 def test_body_limit_is_413_declared_or_streamed() -> None:

@@ -29,7 +29,7 @@ from reward_server.core.scoring import ItemResult
 from reward_server.field_names import first_found
 from reward_server.service._generated.sde2.v1 import reward_pb2 as pb
 from reward_server.service.errors import Loc, RequestInvalid, issue
-from reward_server.service.pipeline import Scored
+from reward_server.service.scored import Scored
 
 SERVICE = "sde2.v1.RewardService"
 #: The messages' fields are the models' (``RewardParams`` less its nested ``weights``; ``Weights``):

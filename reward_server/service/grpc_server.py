@@ -29,6 +29,7 @@ from typing import Any, NoReturn, TypeAlias, TypeVar
 
 import grpc
 
+from reward_server.service.credentials import one_credential
 from reward_server.service.errors import (
     BodyTimeout,
     ClientGone,
@@ -50,8 +51,9 @@ from reward_server.service.grpc_messages import (
     request_to_json,
     scored_to_proto,
 )
-from reward_server.service.pipeline import Scored, ScoringService, one_credential
+from reward_server.service.pipeline import ScoringService
 from reward_server.service.schemas import ScoreRequest
+from reward_server.service.scored import Scored
 from reward_server.service.sockets import host_port
 
 Context: TypeAlias = grpc.aio.ServicerContext

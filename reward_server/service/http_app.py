@@ -27,9 +27,10 @@ from fastapi.responses import Response
 
 from reward_server import __version__
 from reward_server.service import explain_routes, openrlhf_routes, ops_routes, score_routes
+from reward_server.service.credentials import one_credential
 from reward_server.service.errors import RequestInvalid, ServiceError, Unauthorized, issue
 from reward_server.service.http_scoring import answer_service_error, service_of
-from reward_server.service.pipeline import ScoringService, one_credential
+from reward_server.service.pipeline import ScoringService
 
 
 async def _query_invalid(request: Request, exc: Exception) -> Response:

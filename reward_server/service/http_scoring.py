@@ -27,6 +27,7 @@ from starlette.routing import get_route_path
 
 from reward_server.core import RewardParams, ScoreItem
 from reward_server.field_names import printable_path, unencodable_in_json
+from reward_server.service.credentials import one_credential
 from reward_server.service.errors import (
     BodyTimeout,
     BodyTooLarge,
@@ -38,8 +39,10 @@ from reward_server.service.errors import (
     issue,
 )
 from reward_server.service.json_values import values_of, values_over
-from reward_server.service.pipeline import LocMap, Scored, ScoringService, one_credential
+from reward_server.service.pipeline import ScoringService
+from reward_server.service.request_checks import LocMap
 from reward_server.service.schemas import ErrorResponse, ScoreRequest
+from reward_server.service.scored import Scored
 
 Body = TypeVar("Body", bound=BaseModel)
 

@@ -12,9 +12,10 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 
+from reward_server.service.credentials import one_credential
 from reward_server.service.http_scoring import route_label, service_of
 from reward_server.service.openrlhf_routes import ITEM_SOURCES
-from reward_server.service.pipeline import item_text_limits, one_credential
+from reward_server.service.request_checks import item_text_limits
 from reward_server.service.schemas import (
     ErrorResponse,
     InfoResponse,

@@ -16,15 +16,13 @@ hand-offs cost more than they protect there (see :meth:`ScoringService._parse_an
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
-from operator import attrgetter
 from typing import Any, TypeVar
 
 import numpy as np
@@ -37,214 +35,47 @@ from reward_server.core import (
     NonFiniteRewardError,
     PreparedBatch,
     RewardParams,
-    ScoreItem,
     finish_batch,
     prepare_batch,
 )
 from reward_server.core.answers import MathJudge, math_available, math_equivalent
 from reward_server.core.explain import explain_batch
-from reward_server.core.normalization import Aggregate
-from reward_server.core.text import preprocess
-from reward_server.encoders.base import EMBEDDING_DIM, MAX_SEQ_LENGTH, Encoder, check_encoder
+from reward_server.encoders.base import EMBEDDING_DIM, Encoder, check_encoder
 from reward_server.encoders.model_store import EXPLAINED_LOAD_ERRORS
-from reward_server.field_names import unknown_field_hint
 from reward_server.math_judge import (
     IsolatedMathJudge,
     MathCheckerUnavailable,
     MathDeadlineExceeded,
     RequestJudge,
 )
-from reward_server.service.batcher import (
-    CHUNK_TOKENS_PER_STREAM,
-    Batcher,
-    EncodeResult,
-    estimate_tokens,
-)
+from reward_server.service.batcher import CHUNK_TOKENS_PER_STREAM, Batcher, EncodeResult
 from reward_server.service.config import Settings
+from reward_server.service.credentials import key_matches
 from reward_server.service.errors import (
-    MAX_ISSUES,
     ClientGone,
     DeadlineExceeded,
-    Loc,
     MathUnavailable,
     NotReady,
     RequestInvalid,
     ShuttingDown,
     Unauthorized,
     issue,
-    wire_kind,
 )
 from reward_server.service.metrics import Metrics
-from reward_server.service.schemas import REQUEST_MODELS, ScoreRequest
+from reward_server.service.request_checks import (
+    LocMap,
+    check_encoder_budget,
+    check_explanation_size,
+    issues_from_validation,
+    mapped_loc,
+    size_issues,
+)
+from reward_server.service.schemas import ScoreRequest
+from reward_server.service.scored import Scored, nothing_scored
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-#: The most characters Unicode NFKC makes of one (U+FDFA, UAX #15's expansion factor for NFKC);
-#: SPEC §1's typography map is one-to-one.
-NFKC_MAX_EXPANSION = 18
-
-#: Each item's text fields and the setting bounding its length in characters: the limit check
-#: and the OpenAPI document's ``maxLength`` both read this one table.
-ITEM_TEXT_LIMITS: dict[str, str] = {
-    "completion": "max_completion_chars",
-    "prompt": "max_completion_chars",
-    "answer": "max_answer_chars",
-    "group": "max_answer_chars",
-}
-#: The fields scored after NFKC (SPEC §1): their limit also holds after normalization.
-NFKC_FIELDS = frozenset({"completion", "answer"})
-
-LocMap = Callable[[Loc], Loc]
-
-
-def one_credential(values: Sequence[str]) -> str | None:
-    """The credential a request carries, from every ``Authorization`` value it sent: None
-    without one; two or more are no credential at all (``""``, never a key), since which one
-    counts differed (HTTP read the first, gRPC the last, a proxy may read either).
-
-    >>> one_credential([]), one_credential(["Bearer k"]), one_credential(["Bearer k", "Bearer x"])
-    (None, 'Bearer k', '')
-    """
-    if len(values) > 1:
-        return ""
-    return values[0] if values else None
-
-
-def key_matches(api_key: str | None, authorization: str | None) -> bool:
-    """No key is set, or ``authorization`` (the HTTP header's or gRPC metadata's value, as
-    :func:`one_credential` gives it) is ``Bearer <key>``; compared in constant time (no timing
-    oracle). Stripped of spaces and tabs, as HTTP strips a header's value (gRPC metadata keeps
-    them), and of nothing else: ``str.strip`` also took a no-break space or a NEL (bytes 0xA0
-    and 0x85 of a header read as Latin-1) off the key.
-
-    >>> key_matches("k", "Bearer k"), key_matches("k", " bearer  k "), key_matches("k", "")
-    (True, True, False)
-    >>> key_matches("k", "Bearer k\xa0"), key_matches("k", "Bearer k\x85"), key_matches(None, None)
-    (False, False, True)
-    """
-    if api_key is None:
-        return True
-    scheme, _, token = (authorization or "").strip(" \t").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(
-        token.strip(" \t").encode("utf-8", "surrogateescape"),
-        api_key.encode("utf-8", "surrogateescape"),
-    )
-
-
-def item_text_limits(settings: Settings) -> dict[str, int]:
-    """:data:`ITEM_TEXT_LIMITS` with this server's values."""
-    return {name: int(getattr(settings, setting)) for name, setting in ITEM_TEXT_LIMITS.items()}
-
-
-def _mapped(loc_map: LocMap | None, loc: Loc) -> Loc:
-    return loc_map(loc) if loc_map else loc
-
-
-def issues_from_validation(
-    exc: ValidationError, loc_map: LocMap | None = None
-) -> list[dict[str, Any]]:
-    """pydantic errors -> wire issues (without echoing the offending input back), each named
-    by :func:`wire_kind`; an unknown field of a request says which field it likely meant."""
-    model = REQUEST_MODELS.get(exc.title)
-    out = []
-    for err in exc.errors(include_url=False, include_input=False)[:MAX_ISSUES]:
-        kind, msg = wire_kind(err["type"], err["msg"])
-        msg += unknown_field_hint(model, kind, err["loc"])
-        out.append(issue(_mapped(loc_map, tuple(err["loc"])), msg, kind))
-    return out
-
-
-def text_over_limit(value: str | None, limit: int, nfkc: bool) -> str | None:
-    """Why ``value`` is over ``limit`` characters (raw, or after NFKC when ``nfkc``), or None.
-
-    NFKC can expand a character 18x (U+FDFA): a non-ASCII text is normalized only when it is
-    long enough to pass the limit after the largest expansion, so shorter ones are not
-    normalized twice.
-
-    >>> text_over_limit("abc", 2, nfkc=False)
-    'at most 2 characters, got 3'
-    >>> text_over_limit("\ufdfa", 10, nfkc=True)
-    'at most 10 characters after Unicode NFKC normalization, got 18'
-    >>> text_over_limit("\ufdfa", 18, nfkc=True) is None
-    True
-    """
-    if value is None:
-        return None
-    if len(value) > limit:
-        return f"at most {limit} characters, got {len(value)}"
-    if nfkc and value and len(value) * NFKC_MAX_EXPANSION > limit and not value.isascii():
-        n = len(preprocess(value))
-        if n > limit:
-            return f"at most {limit} characters after Unicode NFKC normalization, got {n}"
-    return None
-
-
-def could_be_over(items: Sequence[ScoreItem], name: str, limit: int) -> bool:
-    """Whether some item's text field ``name`` may be over ``limit`` (:func:`text_over_limit`
-    tells which): its longest value is, or would be after the largest NFKC expansion. One
-    C-level pass a field; a standard step's items are all far below their limits.
-
-    >>> items = [ScoreItem(completion="abc", answer="1"), ScoreItem(completion="", answer="1")]
-    >>> could_be_over(items, "completion", 3 * NFKC_MAX_EXPANSION)
-    False
-    >>> could_be_over(items, "prompt", 1)  # no item has one
-    False
-    >>> could_be_over(items, "completion", 3 * NFKC_MAX_EXPANSION - 1)
-    True
-    """
-    longest = max(map(len, filter(None, map(attrgetter(name), items))), default=0)
-    return longest * (NFKC_MAX_EXPANSION if name in NFKC_FIELDS else 1) > limit
-
-
-@dataclass(frozen=True)
-class Scored:
-    """A scored request and where its time went (seconds per phase)."""
-
-    score: BatchScore
-    timings: dict[str, float]
-    encoder: str
-    #: The reward's explanation (:mod:`reward_server.core.explain`), when one was asked for.
-    explanation: dict[str, Any] | None = None
-    #: The score's warnings (:class:`~reward_server.core.scoring.BatchWarning`), each naming
-    #: its field as the route's request does.
-    warnings: tuple[str, ...] = ()
-
-    def as_dict(self) -> dict[str, Any]:
-        """The SPEC §6 response."""
-        return {**self.score.as_dict(), "encoder": self.encoder}
-
-    def timing_headers(self) -> list[tuple[str, str]]:
-        """:attr:`timings` as ``x-<phase>-time`` headers (HTTP) or metadata (gRPC), in
-        milliseconds, one per phase of :data:`PHASES`.
-
-        >>> Scored(_nothing_scored(), dict.fromkeys(PHASES, 0.0012345), "e").timing_headers()[0]
-        ('x-parse-time', '1.234')
-        """
-        return [(f"x-{phase}-time", f"{self.timings[phase] * 1000:.3f}") for phase in PHASES]
-
-    def warning_headers(self) -> list[tuple[str, str]]:
-        """:attr:`warnings` as ``x-sde2-warning`` headers (HTTP) or metadata (gRPC): one each,
-        ASCII (other characters escaped), the first :data:`MAX_WARNINGS` of them.
-
-        >>> scored = Scored(_nothing_scored(), {}, "e", warnings=("a: \u00e9",) * 9)
-        >>> scored.warning_headers()[0], scored.warning_headers()[-1], len(scored.warning_headers())
-        (('x-sde2-warning', 'a: \\\\xe9'), ('x-sde2-warning', 'and 2 more warnings'), 8)
-        """
-        warnings = list(self.warnings)
-        if len(warnings) > MAX_WARNINGS:
-            more = len(warnings) - MAX_WARNINGS + 1
-            warnings[MAX_WARNINGS - 1 :] = [f"and {more} more warnings"]
-        ascii_only = (
-            w.replace("§", "section ").encode("ascii", "backslashreplace") for w in warnings
-        )
-        return [(WARNING_HEADER, w.decode()) for w in ascii_only]
-
-
-#: The header (and gRPC metadata key) that carries a scored batch's warnings, one each.
-WARNING_HEADER = "x-sde2-warning"
-#: Most warning headers an answer carries (the last one counts the rest).
-MAX_WARNINGS = 8
 
 
 #: Runs each stream makes in a chunk at least, when there are several streams, for the same
@@ -262,20 +93,12 @@ def _chunk_tokens(encoder: Encoder) -> int:
     return per_stream * described.streams
 
 
-#: A scored request's phases, in the order their ``x-<phase>-time`` headers go out.
-PHASES = ("parse", "queue", "encode", "reward", "total")
 _NO_WORK = {"queue": 0.0, "encode": 0.0, "reward": 0.0}
 
 
 def _refused(exc: NonFiniteRewardError) -> RequestInvalid:
     """A non-finite reward, refused naming the parameter that made it (never returned)."""
     return RequestInvalid.one((exc.field,), exc.reason, "non_finite")
-
-
-def _nothing_scored() -> BatchScore:
-    """The score of a request with no items (only OpenRLHF's protocol allows one)."""
-    empty = Aggregate(rewards=[], normalized={}, mean={}, std={}, advantages=None)
-    return BatchScore("sde2", RewardParams(), {}, empty, [])
 
 
 def _constant(encoder: Encoder | None) -> Callable[[], Encoder]:
@@ -285,22 +108,6 @@ def _constant(encoder: Encoder | None) -> Callable[[], Encoder]:
         return encoder
 
     return load
-
-
-#: The 422 ``type`` of each per-request work limit a batch can exceed.
-_LIMIT_KINDS = {
-    "max_request_tokens": "too_many_tokens",
-    "max_explain_cells": "explanation_too_large",
-}
-
-
-def _over_limit(
-    loc_map: LocMap | None, need: str, limit: int, setting: str, advice: str
-) -> RequestInvalid:
-    """The 422 at ``items`` of a batch needing more work than the per-request ``setting``
-    (``limit``) allows: what it needs, the limit, and what to do."""
-    msg = f"{need}, more than this server's limit of {limit} per request ({setting}): {advice}"
-    return RequestInvalid.one(_mapped(loc_map, ("items",)), msg, _LIMIT_KINDS[setting])
 
 
 @dataclass(frozen=True)
@@ -473,64 +280,16 @@ class ScoringService:
         if not self.is_authorized(authorization):
             raise Unauthorized()
 
-    def too_many_items(self, count: int) -> str | None:
-        """Why ``count`` items are too many for one request (None: they are not)."""
-        limit = self.settings.max_items
-        return f"at most {limit} items per request, got {count}" if count > limit else None
-
     def check_limits(self, request: ScoreRequest, loc_map: LocMap | None = None) -> None:
-        """The server's size limits (the schema's own constraints are already checked)."""
-        s = self.settings
+        """What this server can score and its size limits (:func:`size_issues`; the schema's
+        own constraints are already checked), every issue at once."""
         issues: list[dict[str, Any]] = []
-
-        def add(loc: Loc, msg: str, kind: str = "too_long") -> None:
-            issues.append(issue(_mapped(loc_map, loc), msg, kind))
-
         if request.answer_type == "math" and not math_available():
             msg = "'math' needs the server's optional extra sde2[math], not installed here"
-            add(("answer_type",), msg, "unsupported")
-        too_many = self.too_many_items(len(request.items))
-        if too_many is not None:
-            add(("items",), too_many)
-        limits = {
-            name: limit
-            for name, limit in item_text_limits(s).items()
-            if could_be_over(request.items, name, limit)
-        }
-        for i, item in enumerate(request.items if limits else ()):
-            if len(issues) >= MAX_ISSUES:
-                break
-            for name, limit in limits.items():
-                problem = text_over_limit(getattr(item, name), limit, name in NFKC_FIELDS)
-                if problem is not None:
-                    add(("items", i, name), problem)
+            issues.append(issue(mapped_loc(loc_map, ("answer_type",)), msg, "unsupported"))
+        issues += size_issues(request.items, self.settings, loc_map)
         if issues:
             raise RequestInvalid(issues)
-
-    def check_encoder_budget(self, texts: list[str], loc_map: LocMap | None = None) -> None:
-        """At most ``max_request_tokens`` (estimated) of encoder work per request: one request
-        must not hold the shared encoder for minutes."""
-        limit = self.settings.max_request_tokens
-        if len(texts) * MAX_SEQ_LENGTH <= limit:  # no text is estimated above the model's limit
-            return
-        needed = sum(map(estimate_tokens, texts))
-        if needed > limit:
-            need = f"needs about {needed} encoder tokens ({len(texts)} distinct strategy texts)"
-            raise _over_limit(loc_map, need, limit, "max_request_tokens", "split the batch")
-
-    def check_explanation_size(self, prepared: PreparedBatch, loc_map: LocMap | None) -> None:
-        """At most ``max_explain_cells`` cosine-matrix entries per explanation (``m²`` an item):
-        the one part of an explanation that grows faster than the request (256 blocks of one
-        short reasoning make a 65,536-entry matrix from 20 KB)."""
-        limit = self.settings.max_explain_cells
-        cells = sum(len(a.parsed.strategies) ** 2 for a in prepared.analyses)
-        if cells > limit:
-            need = (
-                f"explaining this batch needs {cells} cosine-matrix entries "
-                "(the sum of m² over its items)"
-            )
-            advice = "explain fewer items, or with a lower max_strategies"
-            raise _over_limit(loc_map, need, limit, "max_explain_cells", advice)
 
     async def _in_pool(self, fn: Callable[[], T], pool: ThreadPoolExecutor | None = None) -> T:
         return await asyncio.get_running_loop().run_in_executor(pool or self._cpu, fn)
@@ -611,19 +370,19 @@ class ScoringService:
                 spent = time.monotonic() - t0
                 timings = dict.fromkeys(("parse", "total"), spent) | _NO_WORK
                 self._observe(timings, items=0)
-                return Scored(_nothing_scored(), timings, self.encoder_name)
+                return Scored(nothing_scored(), timings, self.encoder_name)
             request, prepared, cached = parsed
             if explain:
-                self.check_explanation_size(prepared, loc_map)
+                check_explanation_size(prepared, self.settings.max_explain_cells, loc_map)
             if request.answer_type == "math":  # the others' was checked in their preparing trip
-                self.check_encoder_budget(prepared.texts, loc_map)
+                check_encoder_budget(prepared.texts, self.settings.max_request_tokens, loc_map)
             scored = await self._score_prepared(
                 batcher, request, prepared, cached, t0, deadline, explain, inline, gone
             )
         if not scored.score.warnings:
             return scored
         warnings = tuple(
-            str(w._replace(loc=_mapped(loc_map, w.loc))) for w in scored.score.warnings
+            str(w._replace(loc=mapped_loc(loc_map, w.loc))) for w in scored.score.warnings
         )
         log.warning("scored with %d warning(s), the first: %s", len(warnings), warnings[0])
         return replace(scored, warnings=warnings)
@@ -737,7 +496,7 @@ class ScoringService:
             if request.answer_type == "math":
                 return request, None, None
             prepared = prepare(request)
-            self.check_encoder_budget(prepared.texts, loc_map)
+            check_encoder_budget(prepared.texts, self.settings.max_request_tokens, loc_map)
             return request, prepared, self._reward_if_cached(batcher, request, prepared, deadline)
 
         try:
@@ -752,7 +511,7 @@ class ScoringService:
         except ValidationError as exc:
             raise RequestInvalid(issues_from_validation(exc, loc_map)) from None
         except InvalidBatch as exc:
-            loc = _mapped(loc_map, exc.loc)
+            loc = mapped_loc(loc_map, exc.loc)
             raise RequestInvalid.one(loc, exc.message, "invalid_batch") from None
         except MathDeadlineExceeded as exc:
             raise DeadlineExceeded(str(exc)) from None

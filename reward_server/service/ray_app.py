@@ -748,9 +748,9 @@ class Ingress:
         it."""
         from starlette.responses import JSONResponse
 
+        from reward_server.service.credentials import key_matches, one_credential
         from reward_server.service.http_scoring import read_body
         from reward_server.service.ops_routes import SCORING_PATHS, healthz
-        from reward_server.service.pipeline import key_matches, one_credential
 
         if request.method in ("GET", "HEAD") and route == "/healthz":  # HEAD: a balancer's probe
             answer = _forwarded(JSONResponse(await healthz()))
