@@ -2,8 +2,10 @@
 
 :class:`RewardClient` (blocking) and :class:`AsyncRewardClient` (asyncio) share everything but the
 I/O: request building, sharding across replicas and merging (:mod:`trainer_client.sharding`),
-and the retry policy (:mod:`trainer_client.retry`). Both keep one pooled ``httpx`` client so a
-trainer reuses connections across steps instead of paying a TCP handshake per batch.
+the retry policy (:mod:`trainer_client.retry`), reading the answers
+(:mod:`trainer_client.responses`) and each answer's due time
+(:mod:`trainer_client.answer_deadline`). Both keep one pooled ``httpx`` client so a trainer
+reuses connections across steps instead of paying a TCP handshake per batch.
 
 Failure semantics: transient failures are retried with backoff (and on the next replica, when
 there are several — scoring is idempotent); when the retries run out
@@ -22,19 +24,24 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from reward_server.core.params import RewardParams
-from reward_server.core.recipes import RECIPES
 from reward_server.field_names import not_utf8, shown_path, unencodable
-from trainer_client.results import ScoreResult, warned_item, warning_kind
+from trainer_client.answer_deadline import DUE_EXTENSION, AnswerDue, due_by_time
+from trainer_client.responses import (
+    WARNING_HEADER,
+    answer_reader,
+    check_response,
+    shifted_warnings,
+)
+from trainer_client.results import ScoreResult, warning_kind
 from trainer_client.retry import (
     PROBE_RETRY,
-    RETRYABLE_STATUSES,
     Attempt,
     RetryPolicy,
     RewardRequestError,
@@ -190,106 +197,8 @@ class _Plan:
         return merge(pieces, normalize=self.normalize, groups=self.groups)
 
 
-#: The 422 issues of a batch refused for its size alone (SPEC §6): too many items, or too much
-#: estimated encoder work, both reported at ``items`` itself.
-_SIZE_ISSUES = frozenset({"too_long", "too_many_tokens"})
-
-
-def refused_for_size(status: int, body: Any) -> bool:
-    """Whether an answer refuses a batch for its size alone, so that the same items in smaller
-    requests may pass: a 413 (body bytes), or a 422 whose every issue is at ``items`` itself.
-
-    >>> issue = {"loc": ["items"], "msg": "...", "type": "too_many_tokens"}
-    >>> refused_for_size(422, {"detail": [issue]}), refused_for_size(413, None)
-    (True, True)
-    >>> refused_for_size(422, {"detail": [{**issue, "loc": ["items", 3, "completion"]}]})
-    False
-    """
-    if status == 413:
-        return True
-    issues = body.get("detail") if status == 422 and isinstance(body, dict) else None
-    return (
-        isinstance(issues, list)
-        and bool(issues)
-        and all(
-            isinstance(i, dict) and i.get("loc") == ["items"] and i.get("type") in _SIZE_ISSUES
-            for i in issues
-        )
-    )
-
-
-def _check_response(
-    url: str, response: httpx.Response, first: int = 0
-) -> tuple[Any, Attempt | None, bool]:
-    """(JSON body, failure, retryable) for one HTTP response; a 422's issues name items by
-    their index in the caller's batch (``first``: the request's first item's)."""
-    if response.status_code == 200:
-        try:
-            return response.json(), None, False
-        except ValueError as exc:  # a proxy's HTML page, a truncated body: transient
-            return None, Attempt(url, 200, f"invalid JSON: {exc}"), True
-    text = response.text[:500].replace("\n", " ")
-    try:
-        body = response.json() if response.status_code in (413, 422) else None
-    except ValueError:
-        body = None
-    too_large = refused_for_size(response.status_code, body)
-    issues = shifted_issues(body, first) if response.status_code == 422 else ()
-    if issues and first:
-        text = json.dumps({"detail": list(issues)}, ensure_ascii=False)[:500]
-    failure = Attempt(url, response.status_code, text or response.reason_phrase, too_large, issues)
-    return None, failure, response.status_code in RETRYABLE_STATUSES
-
-
-def shifted_issues(body: Any, first: int) -> tuple[dict[str, Any], ...]:
-    """A 422 body's issues with item indexes counted in the caller's batch: the server counts
-    from the request's first item, which is item ``first`` of a batch sent in pieces.
-
-    >>> issue = {"loc": ["items", 3, "answer"], "field": "items.3.answer", "msg": "empty"}
-    >>> shifted_issues({"detail": [issue, {"loc": ["recipe"], "msg": "?"}]}, 256)[0]["field"]
-    'items.259.answer'
-    """
-    issues = body.get("detail") if isinstance(body, dict) else None
-    if not isinstance(issues, list):
-        return ()
-    out = []
-    for issue in issues:
-        if not isinstance(issue, dict):
-            continue
-        item = item_of_issue(issue.get("loc"))
-        if item is not None:
-            loc = ["items", first + item, *issue["loc"][2:]]
-            issue = {**issue, "loc": loc, "field": ".".join(map(str, loc))}
-        out.append(issue)
-    return tuple(out)
-
-
 #: Kinds of warning a client logs at most (each once).
 _MAX_WARNED = 1000
-#: The header a server names what it scored but would have the caller know with, one each.
-WARNING_HEADER = "x-sde2-warning"
-
-
-def shifted_warnings(warnings: Sequence[str], first: int) -> list[str]:
-    """A scoring answer's warnings with item indexes counted in the caller's batch (as
-    :func:`shifted_issues`).
-
-    >>> shifted_warnings(["items.3.answer: the gold answer is empty; ...", "and 2 more"], 256)
-    ['items.259.answer: the gold answer is empty; ...', 'and 2 more']
-    """
-    out = []
-    for warning in warnings:
-        named = warned_item(warning) if first else None
-        out.append(warning if named is None else f"items.{first + named[0]}.{named[1]}")
-    return out
-
-
-def item_of_issue(loc: Any) -> int | None:
-    """The item index an issue's ``loc`` points into (``["items", 3, "answer"]``: 3), if any."""
-    if not (isinstance(loc, list) and len(loc) > 1 and loc[0] == "items"):
-        return None
-    index = loc[1]
-    return index if isinstance(index, int) and not isinstance(index, bool) else None
 
 
 class _Attempts:
@@ -351,9 +260,9 @@ class _Attempts:
         self, http: httpx.Client | httpx.AsyncClient, method: str, url: str, content: bytes | None
     ) -> httpx.Request:
         """The current attempt's request to ``url``: JSON, with :meth:`timeout`, its whole
-        answer due that long after it is sent (:class:`_Due`; both clients build it alike)."""
+        answer due that long after it is sent (:class:`AnswerDue`; both clients build it alike)."""
         timeout = self.timeout()
-        due = _Due(math.inf if timeout.read is None else timeout.read)
+        due = AnswerDue(math.inf if timeout.read is None else timeout.read)
         tracer = due.atrace if isinstance(http, httpx.AsyncClient) else due.trace
         return http.build_request(
             method,
@@ -361,7 +270,7 @@ class _Attempts:
             content=content,
             headers=_JSON,
             timeout=timeout,
-            extensions={_DUE: due, "trace": tracer},
+            extensions={DUE_EXTENSION: due, "trace": tracer},
         )
 
     def succeeded(self, url: str, outcome: httpx.Response | httpx.RequestError) -> bool:
@@ -374,7 +283,7 @@ class _Attempts:
             failure = Attempt(url, None, f"{type(outcome).__name__}: {outcome}")
             retryable = True
         else:
-            self.data, maybe_failure, retryable = _check_response(url, outcome, self.first)
+            self.data, maybe_failure, retryable = check_response(url, outcome, self.first)
             if maybe_failure is None:
                 self.answered_by = url.removesuffix(self.path)
                 self.warnings = shifted_warnings(
@@ -465,107 +374,6 @@ def _halves_or_raise(
     if halves is None:
         raise exc
     return [(first, halves[0]), (first + len(halves[0]["items"]), halves[1])]
-
-
-def _answer(body: Mapping[str, Any], first: int = 0) -> Callable[[Any, str], ScoreResult]:
-    """How the answer to the score request ``body`` is read: a result holding one entry per
-    item sent. Anything else (a service of another kind on the port, an answer to another body
-    from a misrouting proxy, which would shift every reward after it onto other items) is a
-    ``ValueError``: a failed try, retried on the next replica (it was a bare ``KeyError``)."""
-
-    def read(data: Any, served_by: str) -> ScoreResult:
-        try:
-            result = ScoreResult.from_json(data, served_by=served_by, first=first)
-        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
-            raise ValueError(f"not a scoring answer ({type(exc).__name__}: {exc})") from None
-        if len(result) != len(body["items"]):
-            raise ValueError(f"{len(result)} results for {len(body['items'])} items")
-        _check_recipe(result, body["recipe"])
-        return result
-
-    return read
-
-
-#: The request extension holding a try's :class:`_Due`.
-_DUE = "sde2.due"
-_SENDING = ".send_request_headers.started"  # httpcore's trace event, HTTP/1.1 and HTTP/2
-
-
-class _Due:
-    """When a try's whole answer is due: ``limit`` seconds (the client's timeout, cut to the
-    policy's deadline) after its request began to be sent. httpx's own timeouts bound each
-    wait for bytes only, and a server sending its answer a byte every 0.05 s held a call
-    with a 1 s timeout for 19 s. A wait for one of the pool's connections is the client's
-    queue, not the server's answer: it has the pool timeout, and the clock starts after it.
-
-    The asyncio client cuts the try at the due time itself (:attr:`cut`); the blocking one,
-    which cannot interrupt a read, checks as the answer arrives (:class:`_DueStream`): its
-    try ends at most one read timeout past due."""
-
-    def __init__(self, limit: float) -> None:
-        self.limit = limit
-        self.at = math.inf  # until the request is sent
-        #: The asyncio client's :func:`asyncio.timeout` around the try, set when it is sent.
-        self.cut: asyncio.Timeout | None = None
-
-    def trace(self, event: str, info: Mapping[str, Any]) -> None:
-        """httpcore's ``trace`` extension (blocking client): the clock starts at sending."""
-        if event.endswith(_SENDING):
-            self.at = time.monotonic() + self.limit
-
-    async def atrace(self, event: str, info: Mapping[str, Any]) -> None:
-        """The asyncio client's ``trace``: :meth:`trace`, and the cut is set to the due time."""
-        self.trace(event, info)
-        if event.endswith(_SENDING) and self.cut is not None and math.isfinite(self.limit):
-            self.cut.reschedule(asyncio.get_running_loop().time() + self.limit)
-
-    def overdue(self, request: httpx.Request) -> httpx.ReadTimeout:
-        """The failure of a try past due (a timeout: retried as one)."""
-        message = f"no whole answer within the request timeout ({self.limit:g} s)"
-        return httpx.ReadTimeout(message, request=request)
-
-    def check(self, request: httpx.Request) -> None:
-        """Raise :meth:`overdue` when the try is past due."""
-        if time.monotonic() > self.at:
-            raise self.overdue(request)
-
-
-class _DueStream(httpx.SyncByteStream):
-    """An answer's body that fails once its try is past due (:class:`_Due`), for the blocking
-    client."""
-
-    def __init__(self, response: httpx.Response, due: _Due) -> None:
-        self._request, self._stream, self._due = response.request, response.stream, due
-
-    def __iter__(self) -> Iterator[bytes]:
-        assert isinstance(self._stream, httpx.SyncByteStream)
-        for chunk in self._stream:
-            self._due.check(self._request)
-            yield chunk
-
-    def close(self) -> None:
-        assert isinstance(self._stream, httpx.SyncByteStream)
-        self._stream.close()
-
-
-def _due_by_time(response: httpx.Response) -> None:
-    """The blocking client's response hook: the head came in time, and the body must too."""
-    due = response.request.extensions.get(_DUE)
-    if due is not None:
-        due.check(response.request)
-        response.stream = _DueStream(response, due)
-
-
-def _check_recipe(result: ScoreResult, recipe: str) -> None:
-    """Refuse (``ValueError``) an answer scored with another recipe than ``recipe``, or without
-    its components (when this process knows the recipe: a server may register its own):
-    merged shards summed what components came, and the TRL adapter met a bare ``KeyError``."""
-    if result.recipe != recipe:
-        raise ValueError(f"scored with recipe {result.recipe!r}, not {recipe!r}")
-    spec = RECIPES.get(recipe)
-    if spec is not None and set(result.components) != set(spec.components):
-        got, want = sorted(result.components), sorted(spec.components)
-        raise ValueError(f"recipe {recipe!r} has components {want}, the answer {got}")
 
 
 def _scoring(body: Mapping[str, Any]) -> str:
@@ -687,7 +495,7 @@ class RewardClient(_Base):
             limits=self._limits,
             headers=self._headers,
             transport=transport,
-            event_hooks={"response": [_due_by_time]},
+            event_hooks={"response": [due_by_time]},
         )
 
     def __enter__(self) -> RewardClient:
@@ -787,7 +595,7 @@ class RewardClient(_Base):
             try:
                 done = self._exchange(
                     "POST", SCORE_PATH, body, replica=replica, what=_scoring(body), stop=stop,
-                    reader=_answer(body, first), first=first, started=started,
+                    reader=answer_reader(body, first), first=first, started=started,
                 )  # fmt: skip
             except RewardRequestError as exc:
                 halves = _halves_or_raise(exc, body, first)
@@ -922,7 +730,7 @@ class AsyncRewardClient(_Base):
             url = attempts.url()
             outcome: httpx.Response | httpx.RequestError
             request = attempts.request(self._http, method, url, content)
-            due: _Due = request.extensions[_DUE]
+            due: AnswerDue = request.extensions[DUE_EXTENSION]
             try:
                 async with asyncio.timeout(None) as due.cut:  # set when the request is sent
                     outcome = await self._http.send(request)
@@ -965,7 +773,7 @@ class AsyncRewardClient(_Base):
             try:
                 done = await self._exchange(
                     "POST", SCORE_PATH, body, replica=replica, what=_scoring(body),
-                    reader=_answer(body, first), first=first, started=started,
+                    reader=answer_reader(body, first), first=first, started=started,
                 )  # fmt: skip
             except RewardRequestError as exc:
                 halves = _halves_or_raise(exc, body, first)

@@ -46,12 +46,7 @@ from reward_server.jsonl_files import (
     parse_json_line,
     write_output,
 )
-from trainer_client.client import (
-    ItemError,
-    RewardClient,
-    item_of_issue,
-    probe_each,
-)
+from trainer_client.client import ItemError, RewardClient, probe_each
 from trainer_client.datasets import ANSWER_TYPES as ANSWER_TYPES_OF
 from trainer_client.datasets import (
     DATASETS,
@@ -64,6 +59,7 @@ from trainer_client.help_format import DefaultsShown
 from trainer_client.metrics import INTERVALS, RunMetrics, markdown_table, summarize
 from trainer_client.modeling import ModelRef, recorded_name
 from trainer_client.prompts import add_prompt_flag, prompt_style
+from trainer_client.responses import item_of_issue
 from trainer_client.results import warned_item
 from trainer_client.retry import (
     TRAINER_DEADLINE,

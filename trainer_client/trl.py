@@ -53,12 +53,8 @@ from typing import Any, Literal
 
 from reward_server.core import ANSWER_TYPES, RECIPES, RewardParams
 from reward_server.core.answers import gold_text
-from trainer_client.client import (
-    DEFAULT_TIMEOUT,
-    AsyncRewardClient,
-    normalize_urls,
-    shifted_warnings,
-)
+from trainer_client.client import DEFAULT_TIMEOUT, AsyncRewardClient, normalize_urls
+from trainer_client.responses import shifted_warnings
 from trainer_client.results import ScoreResult
 from trainer_client.retry import TRAINER_DEADLINE, RetryPolicy, RewardServiceError
 from trainer_client.sharding import check_weights, merge, params_to_json
