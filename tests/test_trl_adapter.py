@@ -27,7 +27,8 @@ from tests.server_process import free_port
 from tests.test_client import completion
 from trainer_client import RewardClient
 from trainer_client.retry import RewardServiceError
-from trainer_client.trl import SDE2Reward, completion_text, prompt_key, sde2_reward
+from trainer_client.trl import SDE2Reward, sde2_reward
+from trainer_client.trl_inputs import completion_text, prompt_key
 
 pytestmark = pytest.mark.slow
 
@@ -449,9 +450,9 @@ def test_a_cancelled_call_gives_up_its_turn_at_the_gather(
     group here: the gather hands back this process's own part."""
     from trainer_client import trl
 
-    monkeypatch.setattr(trl, "_process_group", lambda: "group")
-    monkeypatch.setattr(trl, "_all_gather", lambda obj: [obj])
-    monkeypatch.setattr(trl, "_rank", lambda: 0)
+    monkeypatch.setattr(trl, "process_group", lambda: "group")
+    monkeypatch.setattr(trl, "all_gather", lambda obj: [obj])
+    monkeypatch.setattr(trl, "process_rank", lambda: 0)
     stuck, other = SDE2Reward(reward_server.url), SDE2Reward(reward_server.url)
 
     async def step() -> list[float | None]:
@@ -480,7 +481,7 @@ def test_prompt_parts_group_alike_in_every_process() -> None:
     tags = {"alpha", "beta", "gamma", "delta"}
     nested = {frozenset({"a", "z"}), frozenset({"m", "q"})}
     prompt = [{"role": "user", "content": "A", "tags": tags, "nested": nested}]
-    code = f"from trainer_client.trl import prompt_key; print(prompt_key({prompt!r}))"
+    code = f"from trainer_client.trl_inputs import prompt_key; print(prompt_key({prompt!r}))"
     keys = {
         subprocess.run(
             [sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed},

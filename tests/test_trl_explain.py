@@ -12,7 +12,8 @@ import pytest
 from reward_server.explain_report import summarize_item
 from tests.client_fixtures import ServerProcess, reward_server  # noqa: F401 - fixture
 from trainer_client.retry import RewardServiceError
-from trainer_client.trl import SDE2Reward, prompt_key
+from trainer_client.trl import SDE2Reward
+from trainer_client.trl_inputs import prompt_key
 
 pytestmark = pytest.mark.slow
 

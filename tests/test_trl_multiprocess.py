@@ -28,7 +28,7 @@ from tests.client_fixtures import ServerProcess, reward_server  # noqa: F401 - f
 from tests.server_process import free_port
 from tests.test_client import completion
 from trainer_client import RewardClient
-from trainer_client.trl import prompt_key
+from trainer_client.trl_inputs import prompt_key
 
 pytestmark = pytest.mark.slow
 

@@ -36,7 +36,7 @@ from tests.client_fixtures import (  # noqa: F401 - fixture
 )
 from tests.server_process import free_port
 from trainer_client import RewardClient, train
-from trainer_client.trl import completion_text, prompt_key
+from trainer_client.trl_inputs import completion_text, prompt_key
 
 pytestmark = [pytest.mark.train, pytest.mark.slow]
 

@@ -9,15 +9,16 @@ the "picklable reward forms" it supports (a reward function may cross process bo
 multiprocess setups). Hence the shape chosen here:
 a small picklable class whose *bound async method*, named after the recipe (``sde2``, ``cfee``,
 ``cfl`` or any other registered one: TRL uses it as the metric name), is the reward function.
+Its completions and prompts are read by :mod:`trainer_client.trl_inputs`.
 
 One call sees one process's slice of the step: with one process that is the whole step, and the
 server normalizes over exactly what the paper normalizes over (SPEC §7). With several processes
 (``torch.distributed`` initialized, e.g. ``accelerate launch``) a prompt's group can span
 processes, so each process scores its slice raw (``normalize=false``, one request per process),
-the raw components are all-gathered, and SPEC §5's normalization, aggregation and group advantages
-are redone over the gathered step with the core's own ``aggregate``
-(:func:`trainer_client.sharding.merge`, as for several replicas): every process gets exactly the
-rewards one request over the whole step returns.
+the raw components are all-gathered (:mod:`trainer_client.trl_processes`), and SPEC §5's
+normalization, aggregation and group advantages are redone over the gathered step with the
+core's own ``aggregate`` (:func:`trainer_client.sharding.merge`, as for several replicas): every
+process gets exactly the rewards one request over the whole step returns.
 
 What is returned: ``R_final`` by default, and TRL forms its group advantages from them — but
 TRL 1.16 divides by the group's *sample* standard deviation (``torch.std``, Bessel's ``n/(n-1)``)
@@ -41,11 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
-import json
 import logging
-import sys
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from itertools import accumulate
 from types import MethodType
@@ -58,6 +55,8 @@ from trainer_client.responses import shifted_warnings
 from trainer_client.results import ScoreResult
 from trainer_client.retry import TRAINER_DEADLINE, RetryPolicy, RewardServiceError
 from trainer_client.sharding import check_weights, merge, params_to_json
+from trainer_client.trl_inputs import completion_text, has_tool_turns, prompt_key
+from trainer_client.trl_processes import GatherTurns, all_gather, process_group, process_rank
 
 log = logging.getLogger(__name__)
 
@@ -71,125 +70,6 @@ RewardFunction = Callable[..., Any]
 #: What a reward function returns to TRL: ``R_final``, or the paper's group advantages.
 Returns = Literal["rewards", "advantages"]
 RETURNS: tuple[Returns, ...] = ("rewards", "advantages")
-
-#: Where a parsed assistant message holds the model's reasoning, first found first (the order of
-#: transformers' ``chat_template_utils._REASONING_FIELDS``).
-REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-
-
-def completion_text(completion: Any) -> str:
-    """The text of a standard (``str``) or conversational (list of messages) completion.
-
-    Conversational completions are ``[{"role": "assistant", "content": ...}]``; content may be a
-    string or a list of typed parts (``{"type": "text", "text": ...}``). A chat template with a
-    response schema puts the model's reasoning in ``reasoning_content``, ``thinking`` or
-    ``reasoning`` (transformers reads the three as one, in that order; TRL's gpt-oss template
-    writes ``thinking``): it comes first, as the model wrote it (the strategies are often there).
-    Assistant turns are joined in order (tool turns in between are not the model's words).
-
-    >>> completion_text([{"role": "assistant", "reasoning_content": "R", "content": "C"}])
-    'R\\nC'
-    >>> completion_text([{"role": "assistant", "thinking": "R", "content": "C"}])
-    'R\\nC'
-    >>> completion_text(None)
-    Traceback (most recent call last):
-    ...
-    ValueError: a completion is a string or a list of messages, got NoneType
-    """
-    if isinstance(completion, str):
-        return completion
-    parts: list[str] = []
-    for message in _messages(completion):
-        if not _is_model_turn(message):
-            continue
-        reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k)), None)
-        if isinstance(reasoning, str):
-            parts.append(reasoning)
-        content = message.get("content")
-        if isinstance(content, str):
-            if content:
-                parts.append(content)
-        elif isinstance(content, list):
-            parts.extend(
-                str(p.get("text", "")) for p in content if isinstance(p, Mapping) and "text" in p
-            )
-    return "\n".join(parts)
-
-
-def _messages(completion: Any) -> Sequence[Mapping[str, Any]]:
-    """A conversational completion's messages (one message alone is a list of one); a
-    :class:`ValueError` naming what else it is."""
-    if isinstance(completion, Mapping):
-        return [completion]
-    if isinstance(completion, str) or not isinstance(completion, Sequence):
-        kind = type(completion).__name__
-        raise ValueError(f"a completion is a string or a list of messages, got {kind}")
-    for message in completion:
-        if not isinstance(message, Mapping):
-            kind = type(message).__name__
-            raise ValueError(f"a completion's messages are mappings, got a {kind}")
-    return completion
-
-
-def _is_model_turn(message: Mapping[str, Any]) -> bool:
-    """Whether a message holds the model's words (an assistant turn; no role: the model's)."""
-    return message.get("role", "assistant") == "assistant"
-
-
-def _has_tool_turns(completion: Any) -> bool:
-    """Whether a conversational completion holds a turn that is not the model's (a tool's).
-
-    >>> _has_tool_turns([{"role": "assistant", "content": "a"}, {"role": "tool", "content": "9"}])
-    True
-    >>> _has_tool_turns("a"), _has_tool_turns([{"role": "assistant", "content": "a"}])
-    (False, False)
-    """
-    return not isinstance(completion, str) and not all(map(_is_model_turn, _messages(completion)))
-
-
-def prompt_key(prompt: Any) -> str:
-    """A stable group id for a prompt: identical prompts (text or messages) share it, images
-    included (TRL puts a vision prompt's PIL images in its messages), across processes too.
-
-    >>> prompt_key("2 + 2?") == prompt_key("2 + 2?") != prompt_key("2 + 3?")
-    True
-    """
-    canonical = (
-        prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, default=_digest)
-    )
-    return hashlib.blake2b(canonical.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
-
-
-def _digest(value: Any) -> Any:
-    """A prompt part JSON cannot write, as something it can that names its content alike in
-    every process: an image (PIL, numpy: anything with ``tobytes``) by a digest of its pixels,
-    mode and size; a set by its members in order; anything else by its ``repr``, unless that is
-    the default one, which shows an address (each process would group the same prompt apart).
-
-    >>> _digest({"b", "a"}), _digest(b"x")
-    ({'set': ['"a"', '"b"']}, "bytes:b'x'")
-    >>> _digest(object())  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    ValueError: a prompt holds a object, which names no content: ... (give it a tobytes() ...)
-    """
-    if isinstance(value, set | frozenset):  # members as JSON, nested sets included
-        return {"set": sorted(json.dumps(m, sort_keys=True, default=_digest) for m in value)}
-    tobytes = getattr(value, "tobytes", None)
-    if not callable(tobytes):
-        if type(value).__repr__ is object.__repr__:
-            raise ValueError(
-                f"a prompt holds a {type(value).__name__}, which names no content: JSON cannot "
-                "write it and its repr is its address (give it a tobytes() or a __repr__)"
-            )
-        return f"{type(value).__name__}:{value!r}"
-    shape = (
-        getattr(value, "size", None),
-        getattr(value, "mode", None),
-        getattr(value, "shape", None),
-    )
-    pixels = hashlib.blake2b(tobytes(), digest_size=16).hexdigest()
-    return f"{type(value).__name__}:{shape}:{pixels}"
 
 
 def _uniform(values: Sequence[Any], name: str, default: str) -> str:
@@ -393,7 +273,7 @@ class SDE2Reward:
     ) -> list[float | None]:
         """Score one TRL call; logs per-step metrics and per-completion columns when given."""
         self._check_caller(kwargs.get("log_metric"))  # the same on every process: all raise
-        if _process_group() is None:
+        if process_group() is None:
             items, options = self._request(prompts, completions, completion_ids, kwargs)
             if self.returns == "advantages":
                 groups = self._trl_groups([str(it["group"]) for it in items])
@@ -407,7 +287,7 @@ class SDE2Reward:
                 answer_type = options["answer_type"]
                 await self._log_extremes(items, answer_type, result, kwargs["log_extra"])
             return self._returned(result, 0, len(result))
-        turns = _GatherTurns.of_loop()
+        turns = GatherTurns.of_loop()
         ticket = turns.take()  # before any await: in the order the calls begin
         try:
             local, step, offset = await self._score_across_processes(
@@ -473,7 +353,7 @@ class SDE2Reward:
         for i, completion in enumerate(completions):
             try:
                 texts.append(completion_text(completion))
-                tool_turns = tool_turns or _has_tool_turns(completion)
+                tool_turns = tool_turns or has_tool_turns(completion)
             except ValueError as exc:
                 raise ValueError(f"completions, row {i}: {exc}") from None
         # TRL's completion_ids hold the tool results' tokens too (it masks them in its own
@@ -505,7 +385,7 @@ class SDE2Reward:
     async def _score_across_processes(
         self,
         request: Callable[[], tuple[list[dict[str, Any]], dict[str, Any]]],
-        turns: _GatherTurns,
+        turns: GatherTurns,
         ticket: int,
     ) -> tuple[ScoreResult, ScoreResult, int]:
         """(this slice raw, the whole step normalized, this slice's offset in the step).
@@ -531,7 +411,7 @@ class SDE2Reward:
         # must gather in one order on every process, the order their calls began, not the
         # order their answers came back (which differs between processes).
         await turns.wait(ticket)
-        gathered = _all_gather((local, groups, answer_type, message, self._identity()))
+        gathered = all_gather((local, groups, answer_type, message, self._identity()))
         if error is not None:
             raise error
         if len({identity for *_, identity in gathered}) > 1:
@@ -558,9 +438,9 @@ class SDE2Reward:
         if self.returns == "advantages":  # TRL's groups over the gathered step, in rank order
             all_groups = self._trl_groups(all_groups)
         step = merge(shards, normalize=self.normalize, groups=all_groups)
-        if _rank() == 0:  # every process holds the same step: one of them tells its warnings
+        if process_rank() == 0:  # every process holds the same step: one of them tells its warnings
             self._get_client().log_warnings(step.warnings)
-        offset = sum(len(shard) for shard in shards[: _rank()])
+        offset = sum(len(shard) for shard in shards[: process_rank()])
         assert local is not None
         return local, step, offset
 
@@ -710,108 +590,6 @@ def _uniq(result: ScoreResult) -> list[int | None]:
         it.uniq if it.uniq is not None else (it.n_strat if it.n_strat <= 1 else None)
         for it in result.items
     ]
-
-
-def _process_group() -> Any | None:
-    """The process group to gather a step over, or None when one process trains.
-
-    torch is never imported here (the adapter needs only httpx): several processes mean the
-    trainer already initialized ``torch.distributed``. Objects are gathered over gloo (CPU): the
-    default group when it is gloo, else one gloo group over every rank, created on first use (all
-    processes score the same steps, so all create it at the same point).
-
-    The adapter never keeps the group beyond a call: only ``torch.distributed`` holds it (the
-    gloo group created here is remembered by a weak reference), and no frame of a failed call's
-    traceback refers to it (``_all_gather`` looks it up itself). A group still referenced after
-    the trainer's ``destroy_process_group`` is freed whenever the garbage collector reaches it,
-    at exit too, where gloo's destructor can abort the process (SIGABRT, "terminate called
-    without an active exception") over the error the user should have seen.
-    """
-    if "torch.distributed" not in sys.modules:
-        return None
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return None
-    if dist.get_backend() == "gloo":
-        return dist.group.WORLD
-    global _GLOO_GROUP
-    group = None if _GLOO_GROUP is None else _GLOO_GROUP()
-    if group is None:  # first use, or the trainer destroyed the groups and made new ones
-        group = dist.new_group(backend="gloo")
-        _GLOO_GROUP = weakref.ref(group)
-    return group
-
-
-_GLOO_GROUP: weakref.ref[Any] | None = None
-
-
-class _GatherTurns:
-    """Tickets taken as reward calls begin, served in order at the gather: a call whose answer
-    came back early waits for the calls that began before it. TRL starts its reward functions'
-    calls in one order on every process (``asyncio.gather`` over its list), so every process
-    gathers them in that order (in the order answers came back, rank 0 merged one function's
-    rewards with rank 1's of another: wrong rewards, no error).
-
-    Every ticket is released once its call ends, however it ends (a call cancelled before its
-    gather would otherwise hold every later one, this step's and the next steps')."""
-
-    def __init__(self) -> None:
-        self.issued = 0
-        self.serving = 0
-        self.released: set[int] = set()
-        self.waiting: dict[int, asyncio.Event] = {}
-
-    @classmethod
-    def of_loop(cls) -> _GatherTurns:
-        """This event loop's turns (TRL runs its reward functions on one loop)."""
-        loop = asyncio.get_running_loop()
-        turns = _TURNS.get(loop)
-        if turns is None:
-            turns = _TURNS[loop] = cls()
-        return turns
-
-    def take(self) -> int:
-        """The next ticket."""
-        self.issued += 1
-        return self.issued - 1
-
-    async def wait(self, ticket: int) -> None:
-        """Until the calls that took the tickets before ``ticket`` have released them."""
-        while self.serving != ticket:
-            await self.waiting.setdefault(ticket, asyncio.Event()).wait()
-
-    def release(self, ticket: int) -> None:
-        """``ticket``'s call has ended (a second release is nothing): the next one's turn."""
-        if ticket < self.serving:
-            return
-        self.released.add(ticket)
-        while self.serving in self.released:
-            self.released.discard(self.serving)
-            self.serving += 1
-        event = self.waiting.pop(self.serving, None)
-        if event is not None:
-            event.set()
-
-
-_TURNS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _GatherTurns]
-_TURNS = weakref.WeakKeyDictionary()
-
-
-def _all_gather(obj: Any) -> list[Any]:
-    """``obj`` from every process of the step's group, in rank order."""
-    import torch.distributed as dist
-
-    group = _process_group()
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return int(dist.get_rank())
 
 
 def sde2_reward(
