@@ -5,7 +5,9 @@ limits + :func:`prepare_batch` -> the shared :class:`Batcher` (queue, coalesced 
 :func:`finish_batch` (a request whose embeddings are all cached is rewarded in the trip that
 prepared it, without the batcher's queue). Both front ends call :meth:`ScoringService.score`
 with the same request model, so they return identical numbers and reject the same inputs with
-the same field paths.
+the same field paths. What a request must pass beyond its schema is
+:mod:`~reward_server.service.request_checks`'; what the service answers,
+:mod:`~reward_server.service.scored`'s :class:`Scored`.
 
 CPU-bound phases (validation of a large body, parsing, the reward) run in a small thread pool so
 the event loop keeps answering ``/healthz`` and rejecting overload quickly while they run. A
@@ -93,6 +95,7 @@ def _chunk_tokens(encoder: Encoder) -> int:
     return per_stream * described.streams
 
 
+#: The phases a request with nothing to score skips (its answer still times every phase).
 _NO_WORK = {"queue": 0.0, "encode": 0.0, "reward": 0.0}
 
 
