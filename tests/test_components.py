@@ -6,6 +6,8 @@ import pytest
 
 from reward_server.core import components as C
 from reward_server.core.params import RewardParams
+from reward_server.core.parsing import ParsedCompletion, Strategy
+from reward_server.core.scoring import ItemAnalysis
 
 P = RewardParams()
 
@@ -153,3 +155,55 @@ def test_every_weight_must_be_finite(key: str, value: float) -> None:
     with pytest.raises(ValidationError) as err:
         RewardParams.model_validate({"weights": {key: value}})
     assert err.value.errors()[0]["loc"] == ("weights", key)
+
+
+def _item(n_strat: int, final: str | None, chi: bool) -> ItemAnalysis:
+    """An analysed item with ``n_strat`` distinct strategies, a final answer or none, and ``χ``."""
+    strategies = tuple(Strategy(f"reasoning {i}", f"{i}") for i in range(n_strat))
+    return ItemAnalysis(ParsedCompletion(strategies, final), False, chi, False)
+
+
+def test_format_inputs_tell_final_and_complete() -> None:
+    """The ``fa`` row's explanation inputs are SPEC §4's: ``final(a) = 1`` iff ``f_ans(a)``
+    exists, ``complete(a) = 1[n_strat > 0] · final(a)``."""
+    fa = C.COMPONENTS["fa"].inputs
+    assert fa(_item(1, "18", False), 0.0, P) == {
+        "gamma_strategies": 0.2,
+        "n_strat": 1,
+        "gamma_answer": 0.3,
+        "final": True,
+        "gamma_complete": 0.1,
+        "complete": True,
+    }
+    got = fa(_item(2, None, False), 0.0, P)
+    assert (got["n_strat"], got["final"], got["complete"]) == (2, False, False)
+    got = fa(_item(0, "18", False), 0.0, P)
+    assert (got["n_strat"], got["final"], got["complete"]) == (0, True, False)
+
+
+def test_count_exploration_is_capped_only_when_the_cap_lowers_it() -> None:
+    """The ``rd`` row's ``capped``: ``min(β, ρ · n_strat)`` took ``β`` below ``ρ · n_strat``,
+    on an item with ``χ = 0`` (with ``χ = 1`` the value is ``α``: no cap applies). With
+    ``ρ = 0.25``, ``β = 0.5``: ``n = 3`` gives 0.75 > 0.5 (capped); ``n = 2`` gives exactly
+    0.5, which the cap leaves as it is (not capped, as ``sd``'s ``capped`` reads ``>``)."""
+    p = RewardParams(explore_rate=0.25, explore_cap=0.5)
+    rd = C.COMPONENTS["rd"].inputs
+    assert rd(_item(3, None, False), 0.0, p)["capped"] is True
+    assert rd(_item(2, None, False), 0.0, p)["capped"] is False
+    assert rd(_item(3, None, True), 0.0, p)["capped"] is False
+    assert C.count_exploration(False, 2, p) == 0.5
+
+
+def test_parameters_cannot_be_changed_after_validation() -> None:
+    """SPEC §4: a value outside its range is rejected. Parameters are validated once, when
+    built, so they must not be assignable afterwards: ``eps = -1`` set on a built object would
+    reach the normalization unchecked."""
+    from pydantic import ValidationError
+
+    p = RewardParams()
+    with pytest.raises(ValidationError):
+        p.eps = -1.0  # type: ignore[misc]
+    assert p.eps == 1e-6
+    with pytest.raises(ValidationError):
+        p.weights.sd = 2.0  # type: ignore[misc]
+    assert p.weights.sd == 1.0

@@ -7,6 +7,7 @@ import pytest
 
 from reward_server.core.normalization import (
     NonFiniteRewardError,
+    _zscores,
     aggregate,
     group_advantages,
     zscore,
@@ -143,3 +144,32 @@ def test_aggregate_reports_sigma_of_a_component_too_large_to_square() -> None:
     assert agg.mean["oc"] == pytest.approx(top / 3, rel=1e-12)
     assert agg.std["oc"] == pytest.approx(top / 3 * 2**0.5, rel=1e-12)
     assert agg.normalized["oc"] == pytest.approx([2**0.5, -(2**-0.5), -(2**-0.5)], rel=1e-9)
+
+
+def test_zscore_of_centred_values_beyond_float_range() -> None:
+    """SPEC §5 where ``R − μ`` itself overflows (the rescaled branch of :func:`zscore`).
+
+    ``[M, −M, −M]`` with ``M = 1.5e308``: ``μ = −M/3``, the deviations are ``4M/3`` (2e308,
+    past float range) and ``−2M/3``; ``σ = sqrt((16 + 4 + 4)/27)·M = (2√2/3)·M = √2·1e308``,
+    so ``R̃ = [√2, −1/√2, −1/√2]`` (eps is nothing at this scale). The existing near-limit
+    cases keep ``R − μ`` finite and never reach this branch; its numerator's sign and its
+    exponent are pinned here.
+    """
+    z, mu, sigma = zscore([1.5e308, -1.5e308, -1.5e308], 1e-6)
+    assert mu == pytest.approx(-5e307, rel=1e-12)
+    assert sigma == pytest.approx(2**0.5 * 1e308, rel=1e-12)
+    assert z == pytest.approx([2**0.5, -(2**-0.5), -(2**-0.5)], rel=1e-12)
+
+
+def test_finite_components_take_the_batch_path_with_spec_figures() -> None:
+    """:func:`_zscores` z-scores a finite batch itself (``None`` is only for overflow), with
+    SPEC §5's figures: ``[1, 3]`` has ``μ = 2``, ``σ = 1``, so ``R̃ = ±1/(1 + eps)``; ``[2, 2]``
+    has ``σ = 0 <= eps``, so ``R̃ = R − μ = 0``. The bit-for-bit batch test returns early on
+    ``None``, so a batch path that always gave up would pass it unnoticed."""
+    together = _zscores(np.array([[1.0, 3.0], [2.0, 2.0]]), 1e-6)
+    assert together is not None
+    z, mu, sigma = together
+    assert z[0].tolist() == pytest.approx([-1 / (1 + 1e-6), 1 / (1 + 1e-6)], rel=1e-12)
+    assert z[1].tolist() == [0.0, 0.0]
+    assert mu.tolist() == [2.0, 2.0]
+    assert sigma.tolist() == [1.0, 0.0]

@@ -7,7 +7,15 @@ import math
 import numpy as np
 import pytest
 
-from reward_server.core import InvalidBatch, RewardParams, ScoreItem, prepare_batch, score_batch
+from reward_server.core import (
+    InvalidBatch,
+    RewardParams,
+    ScoreItem,
+    finish_batch,
+    prepare_batch,
+    score_batch,
+)
+from reward_server.encoders.base import EMBEDDING_DIM
 from tests.doubles import HashEncoder, TableEncoder
 
 
@@ -276,3 +284,21 @@ def test_embeddings_not_one_per_text_are_an_error(extra: int) -> None:
     rows = np.eye(len(prepared.texts) + extra, 384, dtype=np.float32)
     with pytest.raises(ValueError, match="embeddings for"):
         finish_batch(prepared, rows)
+
+
+def test_finish_batch_normalizes_unless_told_not_to() -> None:
+    """``finish_batch`` defaults to SPEC §6's ``normalize = true``. Recipe ``cfl``, two
+    one-word completions with a final answer and no strategy, one right: ``oc = [1, 0]``,
+    ``fa = [0.3, 0.3]`` (σ = 0: centred to 0), ``len = [0, 0]``; so ``R_final`` is
+    ``±0.5/(0.5 + eps)`` by default and ``[1.3, 0.3]`` with ``normalize = False``."""
+    items = [
+        ScoreItem("<final_answer>18</final_answer>", "18"),
+        ScoreItem("<final_answer>7</final_answer>", "18"),
+    ]
+    prepared = prepare_batch(items, recipe="cfl")
+    assert prepared.texts == []
+    none = np.zeros((0, EMBEDDING_DIM), np.float32)
+    z = 0.5 / (0.5 + 1e-6)
+    assert finish_batch(prepared, none).rewards == pytest.approx([z, -z], rel=1e-12)
+    raw = finish_batch(prepared, none, normalize=False).rewards
+    assert raw == pytest.approx([1.3, 0.3], rel=1e-12)
