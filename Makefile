@@ -68,8 +68,9 @@ setup-browser:
 serve: setup-server
 	$(VENV)/bin/sde2-reward serve --host $(HOST) --port $(PORT)
 
+# --durations: the slowest tests in every run's log (the cold .ci/run's time budget is kept by them).
 test: setup-dev setup-browser setup-verl
-	SDE2_VERL_PYTHON=$(VENV_VERL)/bin/python $(PY) -m pytest -m "not container and not gpu"
+	SDE2_VERL_PYTHON=$(VENV_VERL)/bin/python $(PY) -m pytest -m "not container and not gpu" --durations=25
 
 test-fast: setup-dev
 	$(PY) -m pytest -m "not container and not gpu and not slow and not train and not ray"
